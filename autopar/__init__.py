@@ -1,0 +1,20 @@
+"""autopar: a compiler for distributed training.
+
+``autopar.plan(model, mesh, example_inputs)`` decides how to split every op of a single-device model over a
+device mesh; ``autopar.parallelize(...)`` also rewrites it into this rank's program and returns a ParallelModule.
+"""
+
+from autopar.api import parallelize, plan
+from autopar.errors import AutoparError, InfeasibleError, MeshError, PlanMismatchError, ShardingError, TraceError
+from autopar.hardware import PRESETS, Hardware, Link
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+from autopar.runtime import ParallelModule
+from autopar.solver import Pin
+from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
+
+__all__ = [
+    "parallelize", "plan", "Mesh", "Plan", "ParallelModule", "Pin", "Spec", "Strategy", "Shard", "Replicate",
+    "Partial", "Hardware", "Link", "PRESETS", "AutoparError", "TraceError", "MeshError", "ShardingError",
+    "InfeasibleError", "PlanMismatchError",
+]

@@ -1,0 +1,77 @@
+"""Every private torch API autopar uses, in one place, so a torch upgrade breaks one file.
+
+In: nothing. Out: thin wrappers over torch's functional collectives, LocalTensor helpers, and the fake process
+group's store.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# functional collectives (traceable, group by name); each must be followed by wait_tensor before use
+_c10d = torch.ops._c10d_functional
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    return _c10d.wait_tensor(t)
+
+
+def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return wait(_c10d.all_reduce(x.contiguous(), "sum", group_name))
+
+
+def all_gather_dim0(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+    return wait(_c10d.all_gather_into_tensor(x.contiguous(), n, group_name))
+
+
+def reduce_scatter_dim0(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+    return wait(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", n, group_name))
+
+
+def all_to_all_dim0(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Equal-split all-to-all along dim 0 (chunk j goes to the group's rank j)."""
+    return wait(_c10d.all_to_all_single(x.contiguous(), None, None, group_name))
+
+
+# LocalTensorMode: many ranks in one process, with the exact values of each
+def local_tensor_mode(world_size: int):
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    return LocalTensorMode(world_size)
+
+
+def in_local_tensor_mode() -> bool:
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    return enabled_local_tensor_mode() is not None
+
+
+def per_rank(x: torch.Tensor, fn):
+    """Apply ``fn(global_rank, local_tensor)``: once per simulated rank under LocalTensorMode, else for this rank."""
+    from torch.distributed._local_tensor import tensor_map
+
+    return tensor_map(x, fn)
+
+
+def rank_map(fn):
+    """A tensor whose value on each rank is ``fn(global_rank)`` (one per simulated rank under LocalTensorMode)."""
+    from torch.distributed._local_tensor import rank_map as _rank_map
+
+    return _rank_map(fn)
+
+
+def local_values(x: torch.Tensor) -> dict[int, torch.Tensor]:
+    """rank -> value of a LocalTensor (or {this rank: x} for a plain tensor)."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(x, LocalTensor):
+        return dict(x._local_tensors)
+    return {dist.get_rank() if dist.is_initialized() else 0: x}
+
+
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
+    """A process group with no peers: collectives return at once (for planning and LocalTensorMode)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())

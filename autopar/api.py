@@ -1,0 +1,94 @@
+"""The public entry points: ``autopar.plan`` (planning only) and ``autopar.parallelize`` (plan + rewrite + run).
+
+In: a single-device nn.Module, a Mesh (or a torch DeviceMesh), one example global batch, optional memory budget
+(bytes per device) and constraints (pins).
+Out: a Plan, or a ParallelModule ready to train on this rank. The user's model is read, never modified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+import passes
+from autopar import _compat
+from autopar.errors import AutoparError, MeshError, PlanMismatchError
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+from autopar.planner import make_plan
+from autopar.runtime import ParallelModule
+from autopar.solver import Pin
+from autopar.trace import trace
+
+
+def _pins(constraints) -> list[Pin]:
+    if isinstance(constraints, dict):
+        return [Pin(k, v) for k, v in constraints.items()]
+    out = []
+    for c in constraints or ():
+        if isinstance(c, Pin):
+            out.append(c)
+        elif isinstance(c, (tuple, list)) and len(c) == 2:
+            out.append(Pin(str(c[0]), str(c[1])))
+        else:
+            raise AutoparError(f"constraint {c!r} is not understood; use autopar.Pin('<fqn or node>', 'S(0)R') or a (target, spec) pair")
+    return out
+
+
+def _as_mesh(mesh) -> Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    if type(mesh).__name__ == "DeviceMesh":
+        return Mesh.from_device_mesh(mesh)
+    raise MeshError(f"expected an autopar.Mesh or a torch DeviceMesh, got {type(mesh).__name__}")
+
+
+def _no_local_tensor_mode():
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    return maybe_disable_local_tensor_mode()
+
+
+def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, constraints=()) -> Plan:
+    """Plan only: no process group, no real weights needed (a meta-device model plans the same), any mesh size."""
+    mesh = _as_mesh(mesh)
+    with _no_local_tensor_mode():
+        tg = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
+        return make_plan(tg, mesh, memory_budget, _pins(constraints))
+
+
+def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory_budget: float | None = None, constraints=()) -> ParallelModule:
+    """Plan (or take ``plan``), rewrite the model into this rank's program, and wrap it in a ParallelModule."""
+    mesh = _as_mesh(mesh)
+    if not dist.is_initialized():
+        raise MeshError(
+            f"parallelize needs torch.distributed: launch with `torchrun --nproc-per-node {mesh.size} your_script.py` "
+            "and call torch.distributed.init_process_group(...) first (for planning alone, use autopar.plan)"
+        )
+    world = dist.get_world_size()
+    if world != mesh.size:
+        raise MeshError(
+            f"rank {dist.get_rank()}: mesh {mesh} has {mesh.size} devices but torch.distributed has world size {world}; "
+            f"make the axis sizes multiply to {world} or launch {mesh.size} processes"
+        )
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise AutoparError("parallelize needs the model's real weights (it is on the meta device); build it on cpu, or use autopar.plan to plan only")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    with _no_local_tensor_mode():
+        tg = trace(model, args)
+        if plan is None:
+            the_plan = make_plan(tg, mesh, memory_budget, _pins(constraints))
+        else:
+            if plan.graph_hash != tg.hash:
+                raise PlanMismatchError(
+                    f"the plan was made for a different graph (hash {plan.graph_hash}, this model and inputs give {tg.hash}); "
+                    "re-plan with autopar.plan(model, mesh, example_inputs)"
+                )
+            if plan.mesh != mesh:
+                raise PlanMismatchError(f"the plan was made for mesh {plan.mesh}, not {mesh}; re-plan for this mesh")
+            the_plan = plan
+        mesh.to_device_mesh()
+        gm = passes.run_all(tg.gm, the_plan, mesh)
+    return ParallelModule(tg, the_plan, gm, mesh, model)

@@ -1,0 +1,248 @@
+"""The ops a rewritten graph calls: collectives and rank-dependent local steps, each with its backward.
+
+In: local tensors, plus the axis (name, size, stride in rank order) and this rank's process-group name for it.
+Out: local tensors. Each op is an autograd Function whose backward is the transpose of its forward
+(``autopar.redistribute`` lists the pairs), so ``loss.backward()`` on the rewritten program computes exactly the
+local gradients of the sharded computation.
+
+They run the same way in real processes (gloo, NCCL) and under LocalTensorMode (many ranks in one process):
+rank-dependent steps read the rank through ``_compat.per_rank``. ``record()`` counts every collective launched,
+forward and backward, for the test that the program runs exactly the collectives its plan priced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+
+from autopar import _compat
+
+
+@dataclass(frozen=True)
+class Launched:
+    kind: str
+    axis: str
+    bytes: int  # the collective's buffer: all_reduce / reduce_scatter / all_to_all its input, all_gather its output
+    phase: str  # "forward" or "backward"
+
+
+_RECORDER: contextvars.ContextVar[list | None] = contextvars.ContextVar("autopar_recorder", default=None)
+
+
+@contextlib.contextmanager
+def record():
+    """Collect every collective launched inside the block, as a list of ``Launched``."""
+    log: list[Launched] = []
+    token = _RECORDER.set(log)
+    try:
+        yield log
+    finally:
+        _RECORDER.reset(token)
+
+
+def _note(kind: str, axis: str, t: torch.Tensor, phase: str) -> None:
+    log = _RECORDER.get()
+    if log is not None:
+        log.append(Launched(kind, axis, t.numel() * t.element_size(), phase))
+
+
+# --- raw collectives along any dim -------------------------------------------------------------------------------
+def _gather(x: torch.Tensor, dim: int, n: int, group: str) -> torch.Tensor:
+    out = _compat.all_gather_dim0(x, n, group)
+    if dim == 0:
+        return out
+    return torch.cat(out.view(n, *x.shape).unbind(0), dim=dim)
+
+
+def _scatter(x: torch.Tensor, dim: int, n: int, group: str) -> torch.Tensor:
+    chunks = x.chunk(n, dim=dim)
+    inp = x if dim == 0 else torch.stack(chunks, 0).flatten(0, 1)
+    out = _compat.reduce_scatter_dim0(inp, n, group)
+    return out.view(chunks[0].shape)
+
+
+def _a2a(x: torch.Tensor, split_dim: int, cat_dim: int, n: int, group: str) -> torch.Tensor:
+    inp = torch.stack(x.chunk(n, dim=split_dim), 0)
+    out = _compat.all_to_all_dim0(inp, group)
+    return torch.cat(out.unbind(0), dim=cat_dim)
+
+
+# --- autograd-aware ops ------------------------------------------------------------------------------------------
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, n, group):
+        ctx.args = (dim, axis, n, group)
+        out = _gather(x, dim, n, group)
+        _note("all_gather", axis, out, "forward")
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, axis, n, group = ctx.args
+        _note("reduce_scatter", axis, g, "backward")
+        return _scatter(g, dim, n, group), None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, n, group):
+        ctx.args = (dim, axis, n, group)
+        _note("reduce_scatter", axis, x, "forward")
+        return _scatter(x, dim, n, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, axis, n, group = ctx.args
+        out = _gather(g, dim, n, group)
+        _note("all_gather", axis, out, "backward")
+        return out, None, None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, group):
+        ctx.args = (axis, group)
+        _note("all_reduce", axis, x, "forward")
+        return _compat.all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        axis, group = ctx.args
+        _note("all_reduce", axis, g, "backward")
+        return _compat.all_reduce_sum(g, group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, dim2, axis, n, group):
+        ctx.args = (dim, dim2, axis, n, group)
+        _note("all_to_all", axis, x, "forward")
+        return _a2a(x, dim, dim2, n, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, dim2, axis, n, group = ctx.args
+        _note("all_to_all", axis, g, "backward")
+        return _a2a(g, dim2, dim, n, group), None, None, None, None, None
+
+
+def _coord(rank: int, n: int, stride: int) -> int:
+    return (rank // stride) % n
+
+
+class _Chunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, n, stride):
+        ctx.args = (dim, n, stride, tuple(x.shape))
+        size = x.shape[dim] // n
+        return _compat.per_rank(x, lambda r, t: t.narrow(dim, _coord(r, n, stride) * size, size).contiguous())
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, n, stride, shape = ctx.args
+        size = shape[dim] // n
+
+        def pad(r, t):
+            full = t.new_zeros(shape)
+            full.narrow(dim, _coord(r, n, stride) * size, size).copy_(t)
+            return full
+
+        return _compat.per_rank(g, pad), None, None, None
+
+
+class _KeepFirst(torch.autograd.Function):
+    """R -> P: the value on coordinate 0 of the axis, zeros elsewhere (sums back to the value exactly)."""
+
+    @staticmethod
+    def forward(ctx, x, n, stride):
+        ctx.args = (n, stride)
+        return _compat.per_rank(x, lambda r, t: t.clone() if _coord(r, n, stride) == 0 else torch.zeros_like(t))
+
+    @staticmethod
+    def backward(ctx, g):
+        n, stride = ctx.args
+        return _compat.per_rank(g, lambda r, t: t.clone() if _coord(r, n, stride) == 0 else torch.zeros_like(t)), None, None
+
+
+class _GradSync(torch.autograd.Function):
+    """Identity forward on a bucket of parameters; backward all-reduces their gradients, flattened into one buffer,
+    over each axis the parameters are replicated on (once every gradient of the bucket is ready)."""
+
+    @staticmethod
+    def forward(ctx, axes, groups, *params):
+        ctx.args = (axes, groups)
+        ctx.set_materialize_grads(False)
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        axes, groups = ctx.args
+        live = [g for g in grads if g is not None]
+        if not live:
+            return (None, None) + grads
+        flat = torch.cat([g.reshape(-1) for g in live])
+        for axis, group in zip(axes, groups):
+            _note("all_reduce", axis, flat, "backward")
+            flat = _compat.all_reduce_sum(flat, group)
+        out, pos = [], 0
+        for g in grads:
+            if g is None:
+                out.append(None)
+            else:
+                out.append(flat[pos : pos + g.numel()].view_as(g))
+                pos += g.numel()
+        return (None, None) + tuple(out)
+
+
+class _OutputScale(torch.autograd.Function):
+    """Forward: times ``fwd``; backward: times ``bwd``. Turns the in-graph loss into the value a user expects."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        return x * fwd if fwd != 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.bwd, None, None
+
+
+# --- the names the rewritten graph calls (readable in gm.code) ---------------------------------------------------
+def all_gather(x, dim: int, axis: str, n: int, group: str):
+    return _AllGather.apply(x, dim, axis, n, group)
+
+
+def reduce_scatter(x, dim: int, axis: str, n: int, group: str):
+    return _ReduceScatter.apply(x, dim, axis, n, group)
+
+
+def all_reduce(x, axis: str, group: str):
+    return _AllReduce.apply(x, axis, group)
+
+
+def all_to_all(x, dim: int, dim2: int, axis: str, n: int, group: str):
+    """Split ``dim`` across the axis and gather ``dim2``: S(dim2) -> S(dim)."""
+    return _AllToAll.apply(x, dim, dim2, axis, n, group)
+
+
+def chunk(x, dim: int, axis: str, n: int, stride: int):
+    return _Chunk.apply(x, dim, n, stride)
+
+
+def keep_first(x, axis: str, n: int, stride: int):
+    return _KeepFirst.apply(x, n, stride)
+
+
+def grad_sync(params: tuple, axes: tuple[str, ...], groups: tuple[str, ...]):
+    """Read a bucket of parameters; in backward, all-reduce their gradients over ``axes`` (one buffer per axis)."""
+    return _GradSync.apply(axes, groups, *params)
+
+
+def output_scale(x, fwd: float, bwd: float):
+    return _OutputScale.apply(x, fwd, bwd)
+
+
+COLLECTIVE_OPS = (all_gather, reduce_scatter, all_reduce, all_to_all)

@@ -1,0 +1,126 @@
+"""Hardware presets: what one device computes, holds and moves, and how fast its links are.
+
+In: a preset name (``a100-80gb``, ``h100-80gb``, ``h200``, ``cpu-gloo``) or a ``Hardware`` built by hand.
+Out: a frozen ``Hardware``: peak FLOP/s per dtype, HBM bandwidth and size, devices per node, and two ``Link``s
+(inside a node, across nodes) with an alpha-beta model (latency per ring step, bandwidth per device).
+
+Sources: NVIDIA datasheets (dense tensor-core peaks, HBM); NVLink 3/4 per-GPU unidirectional bandwidth
+(300 / 450 GB/s); one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100/H200) InfiniBand port per GPU. ``cpu-gloo`` was
+measured on the 2-core development machine: ~100 GFLOP/s fp32 matmul on one thread, ~5 GB/s for an elementwise
+op, gloo over loopback ~0.3-1 GB/s bus bandwidth with 0.3-5 ms per collective when 4 processes share 2 cores
+(``benchmarks/calibrate_cpu.py`` re-measures them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autopar.errors import MeshError
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta model of one link class: ``time = launch + steps * latency + wire_bytes / bandwidth``."""
+
+    bandwidth: float  # bytes/s per device, one direction, as achieved by collectives (efficiency included)
+    latency: float  # seconds per ring step
+    launch: float  # seconds of fixed overhead per collective call
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: tuple[tuple[str, float], ...]  # dtype name -> dense FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    memory: float  # bytes per device
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    matmul_efficiency: float = 0.7  # fraction of peak a large matmul reaches
+    memory_efficiency: float = 0.8  # fraction of HBM bandwidth an elementwise op reaches
+
+    def flops(self, dtype: torch.dtype) -> float:
+        table = dict(self.peak_flops)
+        key = str(dtype).replace("torch.", "")
+        return table.get(key, table["float32"])
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "hbm_bandwidth": self.hbm_bandwidth,
+            "memory": self.memory,
+            "devices_per_node": self.devices_per_node,
+            "intra_node": vars(self.intra_node),
+            "inter_node": vars(self.inter_node),
+            "matmul_efficiency": self.matmul_efficiency,
+            "memory_efficiency": self.memory_efficiency,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> "Hardware":
+        return Hardware(
+            name=d["name"],
+            peak_flops=tuple(d["peak_flops"].items()),
+            hbm_bandwidth=d["hbm_bandwidth"],
+            memory=d["memory"],
+            devices_per_node=d["devices_per_node"],
+            intra_node=Link(**d["intra_node"]),
+            inter_node=Link(**d["inter_node"]),
+            matmul_efficiency=d["matmul_efficiency"],
+            memory_efficiency=d["memory_efficiency"],
+        )
+
+
+_GB = 1e9
+
+PRESETS: dict[str, Hardware] = {
+    "a100-80gb": Hardware(
+        name="a100-80gb",
+        peak_flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)),
+        hbm_bandwidth=2.0e12,
+        memory=80 * _GB,
+        devices_per_node=8,
+        intra_node=Link(bandwidth=0.65 * 300 * _GB, latency=5e-6, launch=10e-6),
+        inter_node=Link(bandwidth=0.9 * 25 * _GB, latency=10e-6, launch=15e-6),
+    ),
+    "h100-80gb": Hardware(
+        name="h100-80gb",
+        peak_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)),
+        hbm_bandwidth=3.35e12,
+        memory=80 * _GB,
+        devices_per_node=8,
+        intra_node=Link(bandwidth=0.65 * 450 * _GB, latency=4e-6, launch=10e-6),
+        inter_node=Link(bandwidth=0.9 * 50 * _GB, latency=8e-6, launch=15e-6),
+    ),
+    "h200": Hardware(
+        name="h200",
+        peak_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)),
+        hbm_bandwidth=4.8e12,
+        memory=141 * _GB,
+        devices_per_node=8,
+        intra_node=Link(bandwidth=0.65 * 450 * _GB, latency=4e-6, launch=10e-6),
+        inter_node=Link(bandwidth=0.9 * 50 * _GB, latency=8e-6, launch=15e-6),
+    ),
+    "cpu-gloo": Hardware(
+        name="cpu-gloo",
+        peak_flops=(("bfloat16", 20e9), ("float32", 100e9)),
+        hbm_bandwidth=5 * _GB,
+        memory=24 * _GB,
+        devices_per_node=64,
+        intra_node=Link(bandwidth=0.7 * _GB, latency=100e-6, launch=300e-6),
+        inter_node=Link(bandwidth=0.7 * _GB, latency=100e-6, launch=300e-6),
+        matmul_efficiency=1.0,
+        memory_efficiency=1.0,
+    ),
+}
+
+
+def get_hardware(hw: "str | Hardware") -> Hardware:
+    if isinstance(hw, Hardware):
+        return hw
+    if hw not in PRESETS:
+        raise MeshError(f"unknown hardware preset {hw!r}; known presets: {', '.join(PRESETS)}")
+    return PRESETS[hw]

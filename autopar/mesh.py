@@ -1,0 +1,128 @@
+"""The device mesh: named axes with sizes, outermost first, on some hardware.
+
+In: ``Mesh({"dp": 8, "tp": 8}, hardware="h100-80gb")``, or ``Mesh.from_device_mesh(device_mesh)``.
+Out: axis sizes, the link each axis runs over, rank <-> coordinate, and (under torch.distributed) the torch
+``DeviceMesh`` whose process groups the runtime uses.
+
+Ranks are laid out row-major over the axes, so the innermost (last) axis is contiguous in rank order: it fills
+a node before any axis spans nodes (torchtitan's convention). An axis whose group of ranks fits in one node
+runs over the intra-node link (NVLink); one that spans nodes runs over the inter-node link (InfiniBand) and is
+slow. A Mesh is plain data: equal meshes plan equally, whatever process group they are attached to.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from autopar.errors import MeshError
+from autopar.hardware import Hardware, Link, get_hardware
+
+_AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class Mesh:
+    def __init__(self, axes: dict[str, int], hardware: "str | Hardware" = "cpu-gloo"):
+        if not isinstance(axes, dict) or not axes:
+            raise MeshError(f"Mesh needs a non-empty dict of axis name -> size, e.g. {{'dp': 2, 'tp': 2}}; got {axes!r}")
+        for name, size in axes.items():
+            if not isinstance(name, str) or not _AXIS_NAME.fullmatch(name):
+                raise MeshError(f"mesh axis name {name!r} is not an identifier; use names like 'dp', 'tp'")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise MeshError(f"mesh axis {name!r} has size {size!r}; sizes are positive integers")
+        self.axes: tuple[tuple[str, int], ...] = tuple(axes.items())
+        self.hardware: Hardware = get_hardware(hardware)
+        self._device_mesh = None  # attached by from_device_mesh / to_device_mesh; never part of equality
+
+    # --- plain data -------------------------------------------------------------------------------------------
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(s for _, s in self.axes)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.sizes)
+
+    def axis_index(self, axis: "str | int") -> int:
+        if isinstance(axis, int):
+            return axis
+        if axis not in self.names:
+            raise MeshError(f"mesh has no axis {axis!r}; its axes are {', '.join(self.names)}")
+        return self.names.index(axis)
+
+    def stride(self, axis: "str | int") -> int:
+        return math.prod(self.sizes[self.axis_index(axis) + 1 :])
+
+    def spans_nodes(self, axis: "str | int") -> bool:
+        a = self.axis_index(axis)
+        return self.stride(a) * self.sizes[a] > self.hardware.devices_per_node
+
+    def link(self, axis: "str | int") -> Link:
+        return self.hardware.inter_node if self.spans_nodes(axis) else self.hardware.intra_node
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        return tuple((rank // self.stride(a)) % s for a, s in enumerate(self.sizes))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and self.axes == other.axes and self.hardware == other.hardware
+
+    def __hash__(self) -> int:
+        return hash((self.axes, self.hardware))
+
+    def __repr__(self) -> str:
+        return f"Mesh({dict(self.axes)!r}, hardware={self.hardware.name!r})"
+
+    def __str__(self) -> str:
+        return " x ".join(f"{n}={s}" for n, s in self.axes) + f" on {self.hardware.name}"
+
+    def to_json(self) -> dict:
+        return {"axes": dict(self.axes), "hardware": self.hardware.to_json()}
+
+    @staticmethod
+    def from_json(d: dict) -> "Mesh":
+        return Mesh(dict(d["axes"]), Hardware.from_json(d["hardware"]))
+
+    # --- torch DeviceMesh -------------------------------------------------------------------------------------
+    @staticmethod
+    def from_device_mesh(device_mesh, hardware: "str | Hardware" = "cpu-gloo") -> "Mesh":
+        names = device_mesh.mesh_dim_names
+        if names is None:
+            raise MeshError("the DeviceMesh has no mesh_dim_names; build it with init_device_mesh(..., mesh_dim_names=(...))")
+        mesh = Mesh(dict(zip(names, device_mesh.mesh.shape)), hardware)
+        flat = device_mesh.mesh.flatten().tolist()
+        if flat != list(range(mesh.size)):
+            raise MeshError(
+                f"DeviceMesh ranks {flat} are not laid out row-major from 0; autopar needs rank = row-major index "
+                "of the coordinate (build it with init_device_mesh)"
+            )
+        mesh._device_mesh = device_mesh
+        return mesh
+
+    def to_device_mesh(self, device_type: str = "cpu"):
+        """The torch DeviceMesh of this mesh (built once, on the default process group)."""
+        if self._device_mesh is not None:
+            return self._device_mesh
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            raise MeshError(
+                f"mesh {self} needs a process group: launch with torchrun --nproc-per-node {self.size} "
+                "(or call torch.distributed.init_process_group) before parallelize()"
+            )
+        world = dist.get_world_size()
+        if world != self.size:
+            raise MeshError(
+                f"mesh {self} has {self.size} devices but the process group has world size {world} "
+                f"(rank {dist.get_rank()}); launch {self.size} processes or change the axis sizes so they multiply to {world}"
+            )
+        self._device_mesh = init_device_mesh(device_type, self.sizes, mesh_dim_names=self.names)
+        return self._device_mesh

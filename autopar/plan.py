@@ -1,0 +1,289 @@
+"""The Plan: the only object that crosses from deciding (autopar/) to acting (passes/, runtime).
+
+In: the solver's choice over a traced graph, and the cost model that priced it.
+Out: ``Plan``, plain data: the mesh, one Strategy per node, how inputs are split and outputs handed out, the
+repeated blocks, and the predicted cost (step time, MFU, memory per device, communication per axis), broken down
+per node, with each node's best alternatives priced in context. It prints (``table``, ``explain``, ``diff``) and
+round-trips through versioned JSON (``to_json`` / ``Plan.from_json``); no pickle.
+
+Deterministic: the same graph, mesh and constraints give byte-identical JSON. Timings of the planning phases are
+kept beside the plan (``plan.timings``), not in its JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import tabulate as _tabulate
+
+from autopar.cost import VIEW_OPS
+from autopar.errors import AutoparError, PlanMismatchError
+from autopar.mesh import Mesh
+from autopar.spec import Partial, Shard, Spec, Strategy
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    axis: str
+    bytes: int
+    phase: str
+    where: str  # the edge or parameter it serves
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GradBucket:
+    """Parameters whose gradients are all-reduced together, over the axes they are replicated on."""
+
+    name: str
+    axes: tuple[str, ...]
+    params: tuple[str, ...]  # placeholder node names
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    name: str
+    path: str  # module:node, or the parameter / buffer FQN
+    op: str  # ATen op, or placeholder kind (param / buffer / constant / input)
+    shape: tuple[int, ...]
+    strategy: Strategy
+    time: float  # seconds per step, this node's own compute + gradient sync (one copy)
+    memory: float  # bytes per device (one copy)
+    rep: str  # the representative node whose variables it shares (itself if none)
+    alternatives: tuple[tuple[str, float, float], ...] = ()  # (strategy, seconds in context, bytes), best first
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    step_time: float  # seconds
+    mfu: float
+    memory_per_device: float  # bytes
+    comm_bytes: dict  # axis -> bytes each device sends per training step
+    compute_time: float
+    comm_time: float
+    model_flops: float  # per training step, whole model
+
+
+@dataclass
+class Plan:
+    mesh: Mesh
+    graph_hash: str
+    nodes: dict[str, NodePlan]
+    input_spec: Spec  # how every user input is split (the batch dim)
+    output_specs: list[Spec]
+    blocks: list[tuple[str, str | None]]  # (block FQN, tied to)
+    collective_list: list[Collective]
+    cost: PlanCost
+    grad_buckets: list[GradBucket] = field(default_factory=list)
+    solver_status: str = "optimal"
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
+
+    # --- queries ----------------------------------------------------------------------------------------------
+    def strategy(self, name: str) -> Strategy:
+        return self.nodes[name].strategy
+
+    def spec_of(self, fqn_or_name: str) -> Spec:
+        for n in self.nodes.values():
+            if n.name == fqn_or_name or n.path == fqn_or_name:
+                return n.strategy.output
+        raise KeyError(fqn_or_name)
+
+    @property
+    def split_axes(self) -> set[int]:
+        """Mesh axes over which the user's inputs are split: each rank sees its share of the batch there."""
+        return {a for a, p in enumerate(self.input_spec.placements) if isinstance(p, Shard)}
+
+    def output_adapter(self, k: int) -> tuple[list[int], float, float]:
+        """(axes to all-reduce, forward factor, backward factor) for graph output ``k``.
+
+        A partial loss on an axis that splits the batch becomes this rank's share mean (x n); on other axes it is
+        summed. The backward factor seeds the gradient so that gradients equal those of the global-batch mean, as
+        data parallel training averages them: 1 on the first kind of axis, 1/n on every other axis.
+        """
+        spec, sizes = self.output_specs[k], self.mesh.sizes
+        reduce, fwd, bwd = [], 1.0, 1.0
+        for a, p in enumerate(spec.placements):
+            if isinstance(p, Partial) and a in self.split_axes:
+                fwd *= sizes[a]
+            else:
+                bwd /= sizes[a]
+                if isinstance(p, Partial):
+                    reduce.append(a)
+        return reduce, fwd, bwd
+
+    def collectives(self) -> list[Collective]:
+        """Every collective of one training step, forward and backward."""
+        return list(self.collective_list)
+
+    # --- text -------------------------------------------------------------------------------------------------
+    def summary(self) -> str:
+        c = self.cost
+        comm = ", ".join(f"{a}: {_fmt_bytes(b)}" for a, b in c.comm_bytes.items() if b) or "none"
+        return (
+            f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (compute {c.compute_time * 1e3:.3f}, comm {c.comm_time * 1e3:.3f})"
+            f"  |  MFU {100 * c.mfu:.1f}%  |  memory/device {_fmt_bytes(c.memory_per_device)}  |  comm/device/step {comm}"
+            f"  |  inputs {self.input_spec}  |  solver {self.solver_status}"
+        )
+
+    def table(self, *, views: bool = False) -> str:
+        """Chosen Specs per block and op, with predicted time, memory and the collectives each op's inputs need."""
+        by_node: dict[str, list[Collective]] = {}
+        for col in self.collective_list:
+            by_node.setdefault(col.where.split(" <- ")[0], []).append(col)
+        tied = {b: t for b, t in self.blocks if t is not None}
+        copies: dict[str, int] = {}
+        for b, t in self.blocks:
+            copies[t or b] = copies.get(t or b, 0) + 1
+        rows, shown_block = [], None
+        for n in self.nodes.values():
+            if n.rep != n.name:
+                continue
+            if not views and n.op.split(".")[-2:-1] and _is_view(n.op):
+                if n.path not in by_node and n.name not in by_node:
+                    continue
+            block = _block_of(n.path, copies)
+            if block != shown_block and block is not None:
+                rows.append([f"[{block}] x{copies[block]} (tied copies share this plan)" if copies[block] > 1 else f"[{block}]", "", "", "", "", ""])
+                shown_block = block
+            cols = by_node.get(n.name, []) + by_node.get(n.path, [])
+            colstr = "; ".join(f"{c.phase[0]}:{c.kind}({c.axis}) {_fmt_bytes(c.bytes)}" for c in cols[:4]) + (" ..." if len(cols) > 4 else "")
+            rows.append([n.path, _short_op(n.op), str(n.strategy) if n.op not in ("param", "buffer", "constant", "input") else str(n.strategy.output),
+                         f"{n.time * 1e3:.4f}", _fmt_bytes(n.memory), colstr])
+        for b in self.grad_buckets:
+            cols = by_node.get(b.name, [])
+            rows.append([b.name, "grad sync", f"{len(b.params)} params", "", "",
+                         "; ".join(f"b:{c.kind}({c.axis}) {_fmt_bytes(c.bytes)}" for c in cols)])
+        head = self.summary()
+        t = _tabulate.tabulate(rows, headers=["node", "op", "strategy / spec", "ms", "memory", "collectives (f/b)"], tablefmt="simple")
+        phases = ""
+        if self.timings:
+            phases = "\nplanning: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items())
+        return head + "\n" + t + phases
+
+    def explain(self, name: str) -> str:
+        """The chosen strategy of a node, parameter or module, against its alternatives, each priced in context."""
+        hits = [n for n in self.nodes.values() if name in (n.name, n.path) or n.path.startswith(name + ".") and n.op == "param"
+                or n.path.split(":")[0] == name]
+        if not hits:
+            raise AutoparError(f"plan has no node, parameter or module named {name!r}; see plan.table() for names")
+        out = []
+        for n in hits:
+            r = self.nodes[n.rep]
+            tie = f" (tied to {r.path})" if n.rep != n.name else ""
+            out.append(f"{n.path}  [{n.op}, shape {list(n.shape)}]{tie}")
+            out.append(f"  chosen: {n.strategy}")
+            rows = []
+            for s, t, m in r.alternatives:
+                mark = "<- chosen" if s == str(r.strategy) else ""
+                rows.append([s, f"{t * 1e3:.4f}", _fmt_bytes(m), mark])
+            out.append(_tabulate.tabulate(rows, headers=["strategy", "ms (node + its redistributions)", "memory", ""], tablefmt="simple"))
+        return "\n".join(out)
+
+    def diff(self, other: "Plan") -> str:
+        lines = []
+        if self.mesh != other.mesh:
+            lines.append(f"mesh: {self.mesh} -> {other.mesh}")
+        for name, n in self.nodes.items():
+            o = other.nodes.get(name)
+            if o is None:
+                lines.append(f"{n.path}: only in this plan")
+            elif o.strategy != n.strategy:
+                lines.append(f"{n.path}: {n.strategy} -> {o.strategy}")
+        for name in other.nodes:
+            if name not in self.nodes:
+                lines.append(f"{other.nodes[name].path}: only in the other plan")
+        a, b = self.cost, other.cost
+        lines.append(f"step time {a.step_time * 1e3:.3f} -> {b.step_time * 1e3:.3f} ms; memory {_fmt_bytes(a.memory_per_device)} -> {_fmt_bytes(b.memory_per_device)}")
+        return "\n".join(lines)
+
+    # --- JSON -------------------------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = {
+            "format": "autopar.plan",
+            "version": VERSION,
+            "mesh": self.mesh.to_json(),
+            "graph_hash": self.graph_hash,
+            "input_spec": str(self.input_spec),
+            "output_specs": [str(s) for s in self.output_specs],
+            "blocks": [[b, t] for b, t in self.blocks],
+            "solver_status": self.solver_status,
+            "cost": {
+                "step_time": self.cost.step_time,
+                "mfu": self.cost.mfu,
+                "memory_per_device": self.cost.memory_per_device,
+                "comm_bytes": self.cost.comm_bytes,
+                "compute_time": self.cost.compute_time,
+                "comm_time": self.cost.comm_time,
+                "model_flops": self.cost.model_flops,
+            },
+            "nodes": [
+                {
+                    "name": n.name, "path": n.path, "op": n.op, "shape": list(n.shape), "strategy": str(n.strategy),
+                    "time": n.time, "memory": n.memory, "rep": n.rep,
+                    "alternatives": [list(a) for a in n.alternatives],
+                }
+                for n in self.nodes.values()
+            ],
+            "collectives": [[c.kind, c.axis, c.bytes, c.phase, c.where, c.seconds] for c in self.collective_list],
+            "grad_buckets": [[b.name, list(b.axes), list(b.params)] for b in self.grad_buckets],
+        }
+        return json.dumps(d, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise AutoparError(f"not a plan: invalid JSON ({e})") from e
+        if not isinstance(d, dict) or d.get("format") != "autopar.plan":
+            raise AutoparError("not an autopar plan (missing 'format': 'autopar.plan')")
+        if d.get("version") != VERSION:
+            raise PlanMismatchError(f"plan format version {d.get('version')} is not supported (this autopar reads version {VERSION}); re-plan")
+        nodes = {}
+        for e in d["nodes"]:
+            nodes[e["name"]] = NodePlan(
+                e["name"], e["path"], e["op"], tuple(e["shape"]), Strategy.parse(e["strategy"]), e["time"], e["memory"], e["rep"],
+                tuple((a[0], a[1], a[2]) for a in e["alternatives"]),
+            )
+        c = d["cost"]
+        return Plan(
+            mesh=Mesh.from_json(d["mesh"]),
+            graph_hash=d["graph_hash"],
+            nodes=nodes,
+            input_spec=Spec.parse(d["input_spec"]),
+            output_specs=[Spec.parse(s) for s in d["output_specs"]],
+            blocks=[(b, t) for b, t in d["blocks"]],
+            collective_list=[Collective(*row) for row in d["collectives"]],
+            grad_buckets=[GradBucket(b[0], tuple(b[1]), tuple(b[2])) for b in d.get("grad_buckets", [])],
+            cost=PlanCost(c["step_time"], c["mfu"], c["memory_per_device"], dict(c["comm_bytes"]), c["compute_time"], c["comm_time"], c["model_flops"]),
+            solver_status=d.get("solver_status", "optimal"),
+        )
+
+
+def _is_view(op: str) -> bool:
+    return any(op == f"aten.{str(v).split('aten.')[-1]}" or op == str(v) for v in VIEW_OPS) or op.endswith("getitem")
+
+
+def _short_op(op: str) -> str:
+    return op.replace("aten.", "").replace(".default", "")
+
+
+def _block_of(path: str, copies: dict[str, int]) -> str | None:
+    best = None
+    for b in copies:
+        if path.startswith(b + ".") or path.startswith(b + ":"):
+            if best is None or len(b) > len(best):
+                best = b
+    return best
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= f:
+            return f"{b / f:.2f} {unit}"
+    return f"{b:.0f} B"

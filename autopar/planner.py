@@ -1,0 +1,152 @@
+"""Planner: traced graph + mesh + constraints -> Plan (strategies -> cost -> solve -> price).
+
+In: a TracedGraph, a Mesh, an optional memory budget (bytes per device) and pins.
+Out: a ``Plan`` whose every number is recomputed from the chosen strategies on the whole (untied) graph: node
+times and memory, and every collective of a training step, each redistribution emitted once per (producer,
+destination Spec) exactly as ``passes/insert_collectives.py`` will emit it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+
+import torch
+
+from autopar.cost import ATTENTION_OPS, MATMUL_OPS, CostModel, Priced, collective_time, grad_sync_axes, itemsize, op_flops, price_steps, wire_bytes
+from autopar.mesh import Mesh
+from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost
+from autopar.redistribute import Step
+from autopar.solver import Choice, Pin, Problem, build_problem, solve
+from autopar.spec import Partial, Shard, Spec
+from autopar.strategies import op_info
+from autopar.trace import INPUT, PARAM, TracedGraph
+
+N_ALTERNATIVES = 6
+
+
+def make_plan(tg: TracedGraph, mesh: Mesh, memory_budget: float | None = None, pins: list[Pin] | None = None) -> Plan:
+    t0 = time.perf_counter()
+    cost = CostModel(mesh)
+    problem = build_problem(tg, mesh, cost)
+    budget = mesh.hardware.memory if memory_budget is None else float(memory_budget)
+    choice = solve(tg, mesh, cost, problem, budget, list(pins or []))
+    t1 = time.perf_counter()
+    plan = price(tg, mesh, problem, choice, cost)
+    plan.timings = {"strategies+cost": problem.timings.get("strategies", 0.0), "solve": problem.timings.get("solve", 0.0), "price": time.perf_counter() - t1}
+    plan.timings["plan total"] = time.perf_counter() - t0
+    return plan
+
+
+def _op_name(tg: TracedGraph, n) -> str:
+    if n.op == "placeholder":
+        return tg.kinds[n.name]
+    return str(n.target)
+
+
+def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: CostModel) -> Plan:
+    strategy = choice.strategy
+    nodes_fx = tg.nodes
+    # every collective of one step: redistributions (one per producer and destination Spec), grad syncs, outputs
+    collectives: list[Collective] = []
+    emitted: dict[tuple[str, str], str] = {}
+    edge_seconds: dict[str, float] = {}  # consumer -> seconds of the redistributions it caused
+
+    def add(priced: list[Priced], where: str):
+        for p in priced:
+            collectives.append(Collective(p.kind, p.axis, p.bytes, p.phase, where, p.seconds))
+
+    for u, v, i, m in problem.edges:
+        src, dst = strategy[u].output, strategy[v].inputs[i]
+        if src == dst or (u, str(dst)) in emitted:
+            continue
+        emitted[(u, str(dst))] = v
+        pr = cost.edge_priced(m, src, dst, problem.requires_grad.get(u, False))
+        add(pr, f"{v} <- {u}")
+        edge_seconds[v] = edge_seconds.get(v, 0.0) + sum(p.seconds for p in pr)
+    buckets: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    for name in problem.order:
+        if tg.kinds.get(name) == PARAM and name in tg.trainable:
+            axes = grad_sync_axes(strategy[name].output, mesh)
+            if axes:
+                fqn = tg.fqns[name]
+                block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "")
+                buckets.setdefault((block, axes), []).append(name)
+    grad_buckets = []
+    for (block, axes), names in buckets.items():
+        bname = f"grads[{block or 'rest'}]({','.join(mesh.names[a] for a in axes)})"
+        grad_buckets.append(GradBucket(bname, tuple(mesh.names[a] for a in axes), tuple(names)))
+        nbytes = sum(math.prod(strategy[n].output.local_shape(problem.meta[n].shape, mesh.sizes)) * itemsize(problem.meta[n].dtype) for n in names)
+        for a in axes:
+            add([Priced("all_reduce", mesh.names[a], nbytes, "backward", collective_time("all_reduce", nbytes, mesh.sizes[a], mesh.link(a)))], bname)
+    plan_in = [strategy[n].output for n in problem.order if tg.kinds.get(n) == INPUT]
+    input_spec = plan_in[0] if plan_in else Spec.replicated(mesh.ndim)
+    split = {a for a, p in enumerate(input_spec.placements) if isinstance(p, Shard)}
+    for k, ((u, m), spec) in enumerate(zip(problem.outputs, choice.output_specs)):
+        src = strategy[u].output
+        rg = problem.requires_grad.get(u, False)
+        if src != spec and (u, str(spec)) not in emitted:
+            emitted[(u, str(spec))] = f"output{k}"
+            add(cost.edge_priced(m, src, spec, rg), f"output{k} <- {u}")
+        # the output adapter sums a partial output over the axes that do not split the batch
+        summed = [Step("all_reduce", a, shape=m.shape) for a, p in enumerate(spec.placements) if isinstance(p, Partial) and a not in split]
+        add(price_steps(summed, m.dtype, mesh, rg), f"output{k}")
+    # node records, with alternatives priced in context for representatives
+    ins_of: dict[str, list] = {}
+    outs_of: dict[str, list] = {}
+    for u, v, i, m in problem.edges:
+        ins_of.setdefault(v, []).append((u, i, m))
+        outs_of.setdefault(u, []).append((v, i, m))
+    nodes: dict[str, NodePlan] = {}
+    for name in problem.order:
+        idx = choice.index[name]
+        nc = problem.costs[name][idx]
+        rep = problem.rep.get(name, name)
+        alts: tuple = ()
+        if rep == name:
+            scored = []
+            for si, st in enumerate(problem.cands[name]):
+                t = problem.costs[name][si].time
+                for u, i, m in ins_of.get(name, []):
+                    t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False))
+                for v, i, m in outs_of.get(name, []):
+                    t += cost.edge_time(m, st.output, strategy[v].inputs[i], problem.requires_grad.get(name, False))
+                scored.append((t, problem.costs[name][si].memory, si))
+            scored.sort(key=lambda r: (r[0], r[1], r[2]))
+            keep = scored[:N_ALTERNATIVES]
+            if idx not in [r[2] for r in keep]:
+                keep.append(next(r for r in scored if r[2] == idx))
+            alts = tuple((str(problem.cands[name][si]), t, mem) for t, mem, si in keep)
+        n = nodes_fx[name]
+        nodes[name] = NodePlan(name, tg.path(name), _op_name(tg, n), problem.meta[name].shape, strategy[name], nc.time, nc.memory, rep, alts)
+    # totals
+    compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order)
+    comm = sum(c.seconds for c in collectives)
+    step = compute + comm
+    memory = sum(problem.costs[n][choice.index[n]].memory for n in problem.order)
+    comm_bytes = {a: 0.0 for a in mesh.names}
+    for c in collectives:
+        comm_bytes[c.axis] += wire_bytes(c.kind, c.bytes, mesh.sizes[mesh.names.index(c.axis)])
+    flops, dtype = 0.0, torch.float32
+    for name in problem.order:
+        n = nodes_fx[name]
+        if n.op == "call_function" and (n.target in MATMUL_OPS or n.target in ATTENTION_OPS):
+            info = op_info(n)
+            f = op_flops(n.target, [m.shape for m in info.inputs], [m.shape for m in info.outputs])
+            flops += f * (3 if problem.requires_grad.get(name) else 1)
+            dtype = info.outputs[0].dtype
+    peak = mesh.hardware.flops(dtype) * mesh.size
+    mfu = flops / (peak * step) if step > 0 else 0.0
+    return Plan(
+        mesh=mesh,
+        graph_hash=tg.hash,
+        nodes=nodes,
+        input_spec=input_spec,
+        output_specs=list(choice.output_specs),
+        blocks=[(b.fqn, b.tied_to) for b in tg.blocks],
+        collective_list=collectives,
+        grad_buckets=grad_buckets,
+        cost=PlanCost(step, mfu, memory, comm_bytes, compute, comm, flops),
+        solver_status=choice.status,
+    )

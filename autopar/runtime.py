@@ -1,0 +1,194 @@
+"""Runtime: ParallelModule runs this rank's rewritten program on the mesh's process groups.
+
+In: the traced graph, the Plan, the rewritten GraphModule (passes/), the Mesh (attached to a torch DeviceMesh),
+and the user's model (read, never modified: its tensors are copied into local shards).
+Out: an ``nn.Module`` whose parameters are this rank's shards, registered under the model's own FQNs, so an
+ordinary torch optimizer works on it; ``forward(*local_inputs)`` takes this rank's share of the global batch;
+``local_inputs(*global_inputs)`` picks that share; ``full_state_dict()`` gathers full tensors for export.
+
+Under LocalTensorMode every tensor holds the values of all simulated ranks at once; the same code runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from autopar import _compat, collectives
+from autopar.errors import AutoparError, MeshError, PlanMismatchError
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+from autopar.spec import Shard, Spec
+from autopar.trace import BUFFER, CONSTANT, INPUT, PARAM, TracedGraph
+
+
+def shard_of(full: torch.Tensor, spec: Spec, mesh: Mesh, rank: int) -> torch.Tensor:
+    """The local piece of ``full`` that ``rank`` holds under ``spec`` (outer axes split first)."""
+    coord = mesh.coordinate(rank)
+    t = full
+    for a, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            t = t.chunk(mesh.sizes[a], dim=p.dim)[coord[a]]
+    return t.clone().contiguous()
+
+
+def _this_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def distribute(full: torch.Tensor, spec: Spec, mesh: Mesh) -> torch.Tensor:
+    """This rank's shard of a full tensor (a LocalTensor of every rank's shard under LocalTensorMode)."""
+    if _compat.in_local_tensor_mode():
+        return _compat.rank_map(lambda r: shard_of(full, spec, mesh, r))
+    return shard_of(full, spec, mesh, _this_rank())
+
+
+class ParallelModule(nn.Module):
+    def __init__(self, tg: TracedGraph, plan: Plan, gm: fx.GraphModule, mesh: Mesh, model: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_tg", tg)
+        object.__setattr__(self, "_plan", plan)
+        object.__setattr__(self, "_gm", gm)
+        object.__setattr__(self, "_mesh", mesh)
+        self._order: list[tuple[str, str]] = []  # (kind, FQN or constant name), in graph placeholder order
+        self._constants: dict[str, torch.Tensor] = {}
+        persistent = {n for n, _ in model.named_buffers()} - _non_persistent(model)
+        for name, kind in tg.kinds.items():
+            if kind == INPUT:
+                continue
+            fqn = tg.fqns[name]
+            spec = plan.nodes[name].strategy.output
+            if kind == PARAM:
+                src = model.get_parameter(fqn)
+                local = nn.Parameter(distribute(src.detach(), spec, mesh), requires_grad=src.requires_grad)
+                self._place(fqn, local, "param")
+            elif kind == BUFFER:
+                self._place(fqn, distribute(model.get_buffer(fqn).detach(), spec, mesh), "buffer", fqn in persistent)
+            elif kind == CONSTANT:
+                self._constants[fqn] = distribute(tg.constants[fqn].detach(), spec, mesh)
+            self._order.append((kind, fqn))
+        self._check_same_plan_everywhere()
+
+    # --- construction helpers ---------------------------------------------------------------------------------
+    def _place(self, fqn: str, t: torch.Tensor, kind: str, persistent: bool = True) -> None:
+        *path, leaf = fqn.split(".")
+        mod: nn.Module = self
+        for i, part in enumerate(path):
+            if mod is self and hasattr(ParallelModule, part):
+                raise AutoparError(f"the model's submodule {part!r} clashes with ParallelModule.{part}; rename it")
+            child = mod._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        if kind == "param":
+            mod.register_parameter(leaf, t)
+        else:
+            mod.register_buffer(leaf, t, persistent=persistent)
+
+    def _local(self, kind: str, fqn: str) -> torch.Tensor:
+        if kind == PARAM:
+            return self.get_parameter(fqn)
+        if kind == BUFFER:
+            return self.get_buffer(fqn)
+        return self._constants[fqn]
+
+    def _check_same_plan_everywhere(self) -> None:
+        """Rank 0's plan must be every rank's plan: checked before the first collective of training."""
+        if not dist.is_initialized() or _compat.in_local_tensor_mode() or dist.get_world_size() == 1:
+            return
+        digest = int.from_bytes(hashlib.sha256(self._plan.to_json().encode()).digest()[:7], "big")
+        dm = self._mesh.to_device_mesh()
+        dev = dm.device_type
+        mine = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        if int(mine[0]) != digest or int(mine[1]) != -digest:
+            raise PlanMismatchError(
+                f"rank {dist.get_rank()}: the plan differs between ranks (its hash {digest:x} is not every rank's). "
+                "Build the model, inputs and mesh identically on every rank, or load one plan with Plan.from_json on all ranks"
+            )
+
+    # --- public -----------------------------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """This rank's rewritten program (print ``.code`` to read it)."""
+        return self._gm
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    def _input_specs(self) -> list[Spec]:
+        return [self._plan.nodes[n].strategy.output for n in self._tg.user_inputs]
+
+    def local_inputs(self, *args, **kwargs):
+        """This rank's share of a global batch: each input split as the plan splits it (the batch dim over the
+        axes in ``plan.input_spec``), as a DistributedSampler hands shares out. Returns a tuple of positional args."""
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        specs = self._input_specs()
+        if len(tensors) != len(specs):
+            raise AutoparError(f"local_inputs got {len(tensors)} tensors; the model was planned with {len(specs)} inputs")
+        it = iter(specs)
+        out = [distribute(t, next(it), self._mesh) if isinstance(t, torch.Tensor) else t for t in flat]
+        a, kw = pytree.tree_unflatten(out, spec)
+        if kw:
+            raise AutoparError("local_inputs takes positional inputs, in the order of example_inputs")
+        return tuple(a)
+
+    def forward(self, *args, **kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._tg.in_spec:
+            raise AutoparError(
+                f"ParallelModule was planned for inputs structured as {self._tg.in_spec}, got {spec}; "
+                "call it with the same arguments as example_inputs (this rank's share: pmodel.local_inputs(...))"
+            )
+        for k, (t, s, name) in enumerate(zip(flat, self._input_specs(), self._tg.user_inputs)):
+            val = self._tg.nodes[name].meta["val"]
+            want = s.local_shape(tuple(val.shape), self._mesh.sizes)
+            if tuple(t.shape) != want:
+                raise AutoparError(
+                    f"input {k} ({name}) has shape {list(t.shape)}, but this rank's share of the planned global batch "
+                    f"{list(val.shape)} under {s} is {list(want)}; pass pmodel.local_inputs(*global_batch), or re-plan for this batch size"
+                )
+        params = [self._local(k, f) for k, f in self._order]
+        outs = self._gm(*params, *flat)
+        return pytree.tree_unflatten(list(outs), self._tg.out_spec)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) parameters and persistent buffers under the model's own FQNs, gathered over the mesh."""
+        names, sizes = self._mesh.names, self._mesh.sizes
+        dm = self._mesh.to_device_mesh()
+        out: dict[str, torch.Tensor] = {}
+        persistent = dict(self.named_buffers())
+        state = dict(self.named_parameters())
+        state.update({k: v for k, v in persistent.items() if k in self.state_dict()})
+        by_fqn = {self._tg.fqns[n]: n for n in self._tg.fqns}
+        for fqn, t in state.items():
+            spec = self._plan.nodes[by_fqn[fqn]].strategy.output
+            full = t.detach()
+            for a in reversed(range(len(sizes))):
+                p = spec[a]
+                if isinstance(p, Shard):
+                    full = collectives._gather(full.contiguous(), p.dim, sizes[a], dm.get_group(names[a]).group_name)
+            vals = _compat.local_values(full)
+            out[fqn] = next(iter(vals.values())).clone() if len(vals) > 1 else full.clone()
+        return out
+
+
+def _non_persistent(model: nn.Module) -> set[str]:
+    out = set()
+    for mname, m in model.named_modules():
+        for b in getattr(m, "_non_persistent_buffers_set", ()):
+            out.add(f"{mname}.{b}" if mname else b)
+    return out

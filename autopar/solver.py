@@ -1,0 +1,498 @@
+"""Solver: pick one Strategy per node, minimising predicted step time under a per-device memory budget.
+
+In: a TracedGraph, a Mesh, a CostModel, a memory budget (bytes per device), and user pins.
+Out: ``Choice``: node name -> Strategy for every tensor node, and the Spec each graph output is handed out in.
+
+Keeping the ILP small (what makes a 32-layer, 2-D-mesh plan take seconds):
+
+- **Tied blocks.** Trace ties each repeated layer to its first copy; a tied node shares its representative's
+  variables, so the problem does not grow with depth. Counts ``m`` say how many nodes/edges a term stands for.
+- **Followers.** A view or elementwise op with one input that is not a single-use parameter has no choice of its
+  own: its layout follows its input's (``S(2)`` through ``view(B, T, H, D)`` is ``S(2)``), gathering first on the
+  axes where the input's split cannot pass (a forced, priced redistribution). It has no variables; its cost is
+  charged to the decision that fixes it (its *root*).
+- **Folded parameters.** A parameter, buffer or constant with a single use is stored the way that use wants it
+  (``R`` where the use wants ``P``): its memory and gradient synchronisation are charged to the user's root.
+
+The ILP (OR-Tools, HiGHS; SCIP or CBC when HiGHS is missing) over the remaining *decision* nodes v, strategies s:
+
+- ``x[v, s]`` in {0, 1}, ``sum_s x[v, s] = 1`` (pinned-out strategies get no variable).
+- Every tensor a decision node reads comes from a source node u whose Spec is a function ``spec_u(s)`` of its
+  root's strategy. For an edge e = (u -> v, slot i), with o ranging over u's Specs and d over v's wanted Specs:
+  ``y[e, o, d]`` in [0, 1], ``sum_d y[e, o, d] = sum_{s: spec_u(s) = o} x[root(u), s]``,
+  ``sum_o y[e, o, d] = sum_{s: in_i(s) = d} x[v, s]`` (a transportation polytope: with binary x, y is the
+  product of the two indicators). When either side has one Spec, the edge cost folds into the other's x.
+- Shared redistributions: u redistributed to d is emitted once however many consumers want it, so per source
+  u and pair (o, d): ``r[u, o, d] >= y[e, o, d]`` for each edge e out of u, and the cost sits on r.
+- Outputs: ``z[k, spec]`` chooses how output k is handed out; a partial (``P``) output on axis a needs the
+  batch split on a: ``sum_{spec[a] = P} z[k, spec] <= sum_{s: input spec(s)[a] is a split} x[input, s]``.
+- Tied inputs: user inputs of equal rank take the same Spec (a sampler splits all of them alike).
+- Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters).
+- Objective: ``min sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]`` (time
+  includes followers, their forced redistributions, folded parameters; times in microseconds, memory in MB) +
+  a tie-breaker of 1e-9 s per MB: of two plans equally fast, the one with less memory.
+
+Deterministic: variables and constraints are created in graph order and the solver runs single-threaded to
+optimality; the time limit is a safety net whose hit is reported in the plan (``solver_status``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import operator
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopar.cost import CostModel, NodeCost, VIEW_OPS
+from autopar.errors import AutoparError, InfeasibleError, ShardingError
+from autopar.mesh import Mesh
+from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
+from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
+from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
+from autopar.trace import INPUT, TracedGraph
+
+US = 1e6  # objective in microseconds, memory in MB: keeps the solver's tolerances meaningful
+MB = 1e-6
+aten = torch.ops.aten
+
+FOLLOWER_OPS = set(VIEW_OPS) | set(UNARY_LINEAR) | set(UNARY_NONLINEAR) | set(NARY_NONLINEAR) | {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.cat.default,
+}
+DECISION, FOLLOWER, FOLDED = "decision", "follower", "folded"
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Force the Spec of a parameter / buffer (by FQN) or of a node's output (by name or ``module:name``); globs allowed."""
+
+    target: str
+    spec: str
+
+
+@dataclass
+class Problem:
+    order: list[str]  # tensor nodes in graph order (getitem nodes excluded)
+    kind: dict[str, str]  # node -> DECISION / FOLLOWER / FOLDED
+    root: dict[str, str]  # node -> the decision node whose strategy fixes it (itself for decisions)
+    cands: dict[str, list[Strategy]]
+    costs: dict[str, list[NodeCost]]
+    derived: dict[str, list[int]]  # follower / folded node -> its strategy index, per strategy of its root
+    meta: dict[str, TensorMeta]
+    requires_grad: dict[str, bool]
+    source: dict[str, str]  # getitem node -> the node that produced its tuple (identity otherwise)
+    edges: list[tuple[str, str, int, TensorMeta]]  # every (producer, consumer, slot, meta) of the graph
+    outputs: list[tuple[str, TensorMeta]]
+    output_specs: list[list[Spec]]
+    rep: dict[str, str]
+    main_slot: dict[str, int]  # follower -> the input slot its layout follows
+    folded_use: dict[str, tuple[str, int]]  # folded placeholder -> (its only user, slot)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def index(self, node: str, root_index: int) -> int:
+        """The strategy index of ``node`` when its root runs strategy ``root_index``."""
+        return root_index if self.kind[node] == DECISION else self.derived[node][root_index]
+
+    def strategy(self, node: str, root_index: int) -> Strategy:
+        return self.cands[node][self.index(node, root_index)]
+
+
+def _tmeta(v) -> TensorMeta:
+    return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
+
+
+def _requires_grad(tg: TracedGraph) -> dict[str, bool]:
+    rg: dict[str, bool] = {}
+    for n in tg.gm.graph.nodes:
+        if n.op == "placeholder":
+            rg[n.name] = n.name in tg.trainable
+        elif n.op == "call_function":
+            val = n.meta.get("val")
+            leaves = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
+            floating = any(v.dtype.is_floating_point for v in leaves)
+            rg[n.name] = floating and any(rg.get(a.name, False) for a in n.all_input_nodes)
+    return rg
+
+
+def _output_specs(meta: TensorMeta, sizes: tuple[int, ...]) -> list[Spec]:
+    """A scalar loss may be handed out from R or P on each axis; other outputs from R or split along dim 0."""
+    choices = [Replicate(), Partial()] if meta.ndim == 0 else [Replicate(), Shard(0)]
+    specs = [Spec(tuple(c)) for c in itertools.product(*[choices if n > 1 else [Replicate()] for n in sizes])]
+    return [s for s in specs if s.divides(meta.shape, sizes)]
+
+
+def _follow(cands: list[Strategy], slot: int, want: Spec) -> int:
+    """The follower strategy whose input ``slot`` takes ``want``, gathering innermost axes first until one exists."""
+    tries = [want]
+    cur = want
+    for a in reversed(range(len(want))):
+        if not isinstance(cur[a], Replicate):
+            cur = cur.replace(a, Replicate())
+            tries.append(cur)
+    for t in tries:
+        for i, s in enumerate(cands):
+            if s.inputs[slot] == t:
+                return i
+    raise AssertionError("the replicated strategy always exists")
+
+
+def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
+    t0 = time.perf_counter()
+    sizes = mesh.sizes
+    rg = _requires_grad(tg)
+    order, cands, costs, meta, source, kind, root = [], {}, {}, {}, {}, {}, {}
+    main_slot: dict[str, int] = {}
+    edges: list[tuple[str, str, int, TensorMeta]] = []
+    outputs: list[tuple[str, TensorMeta]] = []
+    uses: dict[str, list[tuple[str, int]]] = {}
+    graph_nodes = list(tg.gm.graph.nodes)
+    for n in graph_nodes:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            for i, a in enumerate(tensor_inputs(n)):
+                uses.setdefault(a.name, []).append((n.name, i))
+        if n.op == "output":
+            for a in n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]:
+                if isinstance(a, fx.Node):
+                    uses.setdefault(a.name, []).append(("output", -1))
+    folded_use: dict[str, tuple[str, int]] = {}
+    for n in graph_nodes:
+        if n.op == "output":
+            for a in n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]:
+                if isinstance(a, fx.Node):
+                    outputs.append((source.get(a.name, a.name), _tmeta(a.meta["val"])))
+            continue
+        val = n.meta.get("val")
+        if n.op == "call_function" and n.target is operator.getitem:
+            source[n.name] = source.get(n.args[0].name, n.args[0].name)
+            continue
+        if not isinstance(val, torch.Tensor) and not (isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val)):
+            raise AutoparError(f"node {tg.path(n)} ({n.target}) has a non-tensor value {type(val).__name__}; autopar plans tensor programs with static shapes")
+        source[n.name] = n.name
+        order.append(n.name)
+        meta[n.name] = _tmeta(val if isinstance(val, torch.Tensor) else val[0])
+        pk = tg.kinds.get(n.name)
+        rep = tg.rep.get(n.name, n.name)
+        if rep != n.name and rep in cands:
+            cands[n.name], costs[n.name] = cands[rep], costs[rep]
+        elif n.op == "placeholder":
+            cs = candidates(n, sizes, pk)
+            cands[n.name] = cs
+            costs[n.name] = [cost.placeholder(meta[n.name], s.output, pk, n.name in tg.trainable) for s in cs]
+        else:
+            cs = candidates(n, sizes)
+            info = op_info(n)
+            cands[n.name] = cs
+            costs[n.name] = [cost.op(info, s, rg[n.name]) for s in cs]
+        if n.op == "placeholder":
+            u = uses.get(n.name, [])
+            if pk != INPUT and len(u) == 1 and u[0][0] != "output":
+                kind[n.name] = FOLDED
+                folded_use[n.name] = u[0]
+            else:
+                kind[n.name] = DECISION
+                root[n.name] = n.name
+            continue
+        ins = tensor_inputs(n)
+        for i, a in enumerate(ins):
+            edges.append((source.get(a.name, a.name), n.name, i, _tmeta(a.meta["val"])))
+        mains = [i for i, a in enumerate(ins) if kind.get(source.get(a.name, a.name)) != FOLDED]
+        if n.target in FOLLOWER_OPS and len(mains) == 1:
+            kind[n.name] = FOLLOWER
+            main_slot[n.name] = mains[0]
+            root[n.name] = root[source[ins[mains[0]].name]]
+        else:
+            kind[n.name] = DECISION
+            root[n.name] = n.name
+    for p, (user, _slot) in folded_use.items():
+        root[p] = root[user]
+    problem = Problem(order, kind, root, cands, costs, {}, meta, rg, source, edges, outputs,
+                      [_output_specs(m, sizes) for _, m in outputs], tg.rep, main_slot, folded_use)
+    # derived strategies of followers (graph order: a follower's input is resolved before it) and folded nodes
+    ins_of = {v: {} for v in order}
+    for u, v, i, m in edges:
+        ins_of[v][i] = u
+    for n in order:
+        if kind[n] != FOLLOWER:
+            continue
+        src = ins_of[n][main_slot[n]]
+        r = root[n]
+        problem.derived[n] = [_follow(cands[n], main_slot[n], problem.strategy(src, s).output if src != r else cands[r][s].output)
+                              for s in range(len(cands[r]))]
+    for p, (user, slot) in folded_use.items():
+        r = root[p]
+        specs = [c.output for c in cands[p]]
+        d = []
+        for s in range(len(cands[r])):
+            want = problem.strategy(user, s).inputs[slot]
+            stored = Spec(tuple(Replicate() if isinstance(q, Partial) else q for q in want.placements))
+            d.append(specs.index(stored))
+        problem.derived[p] = d
+    problem.timings["strategies"] = time.perf_counter() - t0
+    return problem
+
+
+# --- pins ---------------------------------------------------------------------------------------------------------
+def _pin_nodes(tg: TracedGraph, problem: Problem, pin: Pin) -> list[str]:
+    hits = []
+    for name in problem.order:
+        keys = {name, tg.path(name)}
+        if name in tg.fqns:
+            keys.add(tg.fqns[name])
+        if any(fnmatch.fnmatchcase(k, pin.target) for k in keys):
+            hits.append(name)
+    return hits
+
+
+def _explain_unplaceable(tg: TracedGraph, name: str, spec: Spec, meta: TensorMeta, mesh: Mesh) -> str:
+    where = tg.path(name)
+    if len(spec) != mesh.ndim:
+        return f"{where}: pinned spec {spec} has {len(spec)} placements but the mesh has {mesh.ndim} axes ({', '.join(mesh.names)}); write one per axis"
+    for p in spec.placements:
+        if isinstance(p, Shard) and p.dim >= meta.ndim:
+            return f"{where}: pinned spec {spec} shards dim {p.dim} but the tensor has shape {list(meta.shape)}"
+    for d in range(meta.ndim):
+        f = spec.shard_factor(d, mesh.sizes)
+        if meta.shape[d] % f:
+            axes = " x ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in spec.axes_sharding(d))
+            return (
+                f"{where}: pinned spec {spec} splits dim {d} (size {meta.shape[d]}) over {axes}, which does not divide it "
+                f"({meta.shape[d]} % {f} = {meta.shape[d] % f}). Fix: choose axis sizes that divide {meta.shape[d]}, or drop the pin"
+            )
+    return f"{where}: no strategy of this op produces {spec} on mesh {mesh}; drop the pin, or pin a Spec its inputs can produce"
+
+
+def _allowed(tg: TracedGraph, problem: Problem, mesh: Mesh, pins: list[Pin]) -> dict[str, set[int]]:
+    """Per decision node, the strategy indices the pins leave (absent: all)."""
+    allowed: dict[str, set[int]] = {}
+    for pin in pins:
+        spec = Spec.parse(pin.spec)
+        hits = _pin_nodes(tg, problem, pin)
+        if not hits:
+            sample = ", ".join(list(tg.fqns.values())[:3] + [tg.path(n) for n in problem.order if n not in tg.fqns][:3])
+            raise AutoparError(f"pin {pin.target!r} matches no parameter, buffer or node; names look like: {sample}")
+        for name in hits:
+            if not any(s.output == spec for s in problem.cands[name]):
+                raise ShardingError(_explain_unplaceable(tg, name, spec, problem.meta[name], mesh))
+            r = problem.rep.get(problem.root[name], problem.root[name])
+            rn = problem.root[name]
+            ok = {s for s in range(len(problem.cands[rn])) if problem.strategy(name, s).output == spec}
+            if not ok:
+                raise ShardingError(
+                    f"{tg.path(name)}: its layout follows {tg.path(rn)}, and no strategy of that gives {spec}; pin {tg.path(rn)} instead"
+                )
+            allowed[r] = allowed.get(r, set(range(len(problem.cands[r])))) & ok
+            if not allowed[r]:
+                raise ShardingError(f"{tg.path(name)}: the pins contradict each other (they meet at {tg.path(r)})")
+    return allowed
+
+
+# --- the ILP ------------------------------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    strategy: dict[str, Strategy]  # every tensor node (getitem excluded) -> its strategy
+    index: dict[str, int]  # node -> index into problem.cands[node]
+    output_specs: list[Spec]
+    objective: float
+    status: str
+
+
+def _new_solver():
+    from ortools.linear_solver import pywraplp
+
+    for name in ("HIGHS", "SCIP", "CBC"):
+        s = pywraplp.Solver.CreateSolver(name)
+        if s is not None:
+            s.SuppressOutput()
+            s.SetNumThreads(1)
+            return s
+    raise AutoparError("OR-Tools has no MIP solver (HiGHS, SCIP or CBC); reinstall ortools")
+
+
+def solve(
+    tg: TracedGraph,
+    mesh: Mesh,
+    cost: CostModel,
+    problem: Problem,
+    memory_budget: float | None,
+    pins: list[Pin],
+    objective: str = "time",
+    time_limit_s: float = 120.0,
+) -> Choice:
+    from ortools.linear_solver import pywraplp
+
+    t0 = time.perf_counter()
+    P_ = problem
+    rep = lambda n: P_.rep.get(n, n)  # noqa: E731
+    allowed = _allowed(tg, P_, mesh, pins)
+    decisions = [n for n in P_.order if P_.kind[n] == DECISION and rep(n) == n]
+    solver = _new_solver()
+    x: dict[str, list] = {}
+    for vi, r in enumerate(decisions):
+        ok = allowed.get(r)
+        x[r] = [solver.BoolVar(f"x{vi}_{si}") if (ok is None or si in ok) else None for si in range(len(P_.cands[r]))]
+        solver.Add(sum(v for v in x[r] if v is not None) == 1)
+
+    def xsum(xs, specs, want):
+        return sum(xv for xv, s in zip(xs, specs) if xv is not None and s == want)
+
+    # per-strategy time and memory of each decision, with everything it fixes, canonicalised to representatives
+    t_lin = {r: [0.0] * len(P_.cands[r]) for r in decisions}
+    m_lin = {r: [0.0] * len(P_.cands[r]) for r in decisions}
+    ins_of: dict[str, dict[int, tuple[str, TensorMeta]]] = {}
+    for u, v, i, m in P_.edges:
+        ins_of.setdefault(v, {})[i] = (u, m)
+    for n in P_.order:
+        r = rep(P_.root[n])
+        k = P_.kind[n]
+        for s in range(len(P_.cands[r])):
+            nc = P_.costs[n][P_.index(n, s)]
+            t, mem = nc.time, nc.memory
+            if k == FOLLOWER:
+                u, m = ins_of[n][P_.main_slot[n]]
+                t += cost.edge_time(m, P_.strategy(u, s).output, P_.strategy(n, s).inputs[P_.main_slot[n]], P_.requires_grad.get(u, False))
+            elif k == FOLDED:
+                user, slot = P_.folded_use[n]
+                t += cost.edge_time(P_.meta[n], P_.strategy(n, s).output, P_.strategy(user, s).inputs[slot], P_.requires_grad.get(n, False))
+            t_lin[r][s] += t
+            m_lin[r][s] += mem
+
+    terms = []
+    # user inputs of equal rank share one Spec
+    ins = [n for n in P_.order if tg.kinds.get(n) == INPUT]
+    for a, b in zip(ins, ins[1:]):
+        ca, cb = P_.cands[rep(a)], P_.cands[rep(b)]
+        if P_.meta[a].ndim == P_.meta[b].ndim and [s.output for s in ca] == [s.output for s in cb]:
+            for va, vb in zip(x[rep(a)], x[rep(b)]):
+                if va is not None and vb is not None:
+                    solver.Add(va == vb)
+    # outputs
+    zs = []
+    for k, ((u, m), specs) in enumerate(zip(P_.outputs, P_.output_specs)):
+        z = [solver.BoolVar(f"z{k}_{j}") for j in range(len(specs))]
+        solver.Add(sum(z) == 1)
+        zs.append(z)
+        for a in range(mesh.ndim):
+            partial = [zv for zv, s in zip(z, specs) if isinstance(s[a], Partial)]
+            if not partial:
+                continue
+            split = 0
+            if ins:
+                i0 = rep(ins[0])
+                split = sum(xv for xv, s in zip(x[i0], P_.cands[i0]) if xv is not None and isinstance(s.output[a], Shard))
+            solver.Add(sum(partial) <= split)
+    # Edges into decisions and outputs. Sources are grouped by (root, representative); within a group, sources
+    # that feed the same set of (consumer, slot) keys form a class whose redistributions are shared: per class
+    # and (o, d) one r >= every edge's indicator, weighted by the class size (exact, also across tied copies).
+    groups: dict[tuple[str, str], dict] = {}
+
+    def note(u, ek, m):
+        g = groups.setdefault((rep(P_.root[u]), rep(u)), {"src": u, "sig": {}, "info": {}, "count": {}})
+        sig = g["sig"].setdefault(u, [])
+        if ek not in sig:
+            sig.append(ek)
+        g["info"][ek] = (m, P_.requires_grad.get(u, False))
+        g["count"][ek] = g["count"].get(ek, 0) + 1
+
+    for u, v, i, m in P_.edges:
+        if P_.kind[v] == DECISION and P_.kind[u] != FOLDED:
+            note(u, (rep(v), i), m)
+    for k, (u, m) in enumerate(P_.outputs):
+        note(u, (("output", k), 0), m)
+    n_aux = 0
+    for (r, ur), g in groups.items():
+        u = g["src"]
+        outs = [P_.strategy(u, s).output for s in range(len(P_.cands[r]))]
+        uo = list(dict.fromkeys(o for o, live in zip(outs, x[r]) if live is not None))
+        indicators: dict[tuple, dict] = {}  # edge key -> {(o, d): indicator}
+        for ek, (m, rgrad) in g["info"].items():
+            v, i = ek
+            if isinstance(v, tuple):
+                specs_v, xs_v = P_.output_specs[v[1]], zs[v[1]]
+            else:
+                specs_v, xs_v = [st.inputs[i] for st in P_.cands[v]], x[v]
+            if v == r:  # the edge ends at the decision that fixes its source: its cost is a function of x[r]
+                for s, (o, d) in enumerate(zip(outs, specs_v)):
+                    t_lin[r][s] += g["count"][ek] * cost.edge_time(m, o, d, rgrad)
+                continue
+            vd = list(dict.fromkeys(d for d, live in zip(specs_v, xs_v) if live is not None))
+            ind = {}
+            if len(uo) == 1:
+                for d in vd:
+                    ind[(uo[0], d)] = xsum(xs_v, specs_v, d)
+            elif len(vd) == 1:
+                for o in uo:
+                    ind[(o, vd[0])] = xsum(x[r], outs, o)
+            else:
+                n_aux += 1
+                y = {(o, d): solver.NumVar(0.0, 1.0, f"y{n_aux}_{oi}_{di}") for oi, o in enumerate(uo) for di, d in enumerate(vd)}
+                for o in uo:
+                    solver.Add(sum(y[o, d] for d in vd) == xsum(x[r], outs, o))
+                for d in vd:
+                    solver.Add(sum(y[o, d] for o in uo) == xsum(xs_v, specs_v, d))
+                ind = y
+            indicators[ek] = ind
+        classes: dict[tuple, int] = {}
+        for sig in g["sig"].values():
+            key = tuple(ek for ek in sig if ek in indicators)
+            if key:
+                classes[key] = classes.get(key, 0) + 1
+        for eks, size in classes.items():
+            demands: dict[tuple, list] = {}
+            for ek in eks:
+                m, rgrad = g["info"][ek]
+                for od, iv in indicators[ek].items():
+                    demands.setdefault(od, []).append((iv, cost.edge_time(m, od[0], od[1], rgrad)))
+            for od, used in demands.items():
+                c = max(ci for _, ci in used)
+                if c <= 0:
+                    continue
+                if len(used) == 1:
+                    terms.append((size * c * US, used[0][0]))
+                else:
+                    n_aux += 1
+                    rv = solver.NumVar(0.0, 1.0, f"r{n_aux}")
+                    for iv, _ in used:
+                        solver.Add(rv >= iv)
+                    terms.append((size * c * US, rv))
+    # node terms and memory
+    mem_terms = []
+    for r in decisions:
+        for s, xv in enumerate(x[r]):
+            if xv is None:
+                continue
+            t, mem = t_lin[r][s], m_lin[r][s]
+            terms.append(((mem * MB) if objective == "memory" else (t * US + 1e-3 * mem * MB), xv))
+            mem_terms.append((mem * MB, xv))
+    if memory_budget is not None and objective != "memory":
+        solver.Add(sum(c * v for c, v in mem_terms if c) <= memory_budget * MB)
+    solver.Minimize(sum(c * v for c, v in terms if c))
+    solver.SetTimeLimit(int(time_limit_s * 1000))
+    status = solver.Solve()
+    P_.timings["solve" if objective == "time" else "solve_memory"] = time.perf_counter() - t0
+    P_.timings["ilp_size"] = float(solver.NumVariables())
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None and objective == "time":
+            floor = solve(tg, mesh, cost, P_, None, pins, objective="memory")
+            need = sum(P_.costs[n][floor.index[n]].memory for n in P_.order)
+            raise InfeasibleError(
+                f"no plan fits the memory budget of {memory_budget / 2**30:.3f} GiB per device on mesh {mesh}: "
+                f"the smallest plan needs {need / 2**30:.3f} GiB ({need:.0f} bytes) per device. Raise memory_budget to at "
+                "least that, add devices, or shrink the batch",
+                smallest_budget=need,
+            )
+        raise InfeasibleError(f"the solver found no plan (status {status}); check the pins for conflicts")
+    chosen: dict[str, int] = {}
+    for r in decisions:
+        vals = [(-1.0 if v is None else v.solution_value()) for v in x[r]]
+        chosen[r] = max(range(len(vals)), key=lambda i: vals[i])
+    index = {n: P_.index(n, chosen[rep(P_.root[n])]) for n in P_.order}
+    strategy = {n: P_.cands[n][index[n]] for n in P_.order}
+    out_specs = []
+    for z, specs in zip(zs, P_.output_specs):
+        vals = [v.solution_value() for v in z]
+        out_specs.append(specs[max(range(len(vals)), key=lambda i: vals[i])])
+    status_s = "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible (time limit hit)"
+    return Choice(strategy, index, out_specs, solver.Objective().Value() / US, status_s)

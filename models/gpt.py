@@ -1,0 +1,129 @@
+"""GPT-2 / GPT-3 style decoder-only transformer, with no parallel code in it.
+
+In: token ids ``(B, T)`` int64 and, optionally, targets ``(B, T)`` int64.
+Out: the mean next-token cross-entropy loss (a scalar) when targets are given, else logits ``(B, T, V)``.
+
+The model is written the way a single-device user writes it (nanoGPT style); autopar decides how to split it.
+Every size builds on the meta device: ``with torch.device("meta"): GPT(GPTConfig.gpt3_175b())``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50304
+    block_size: int = 1024  # longest sequence (learned positions)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    bias: bool = True
+    dropout: float = 0.0
+
+    @staticmethod
+    def tiny() -> "GPTConfig":
+        return GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+
+    @staticmethod
+    def gpt2_small() -> "GPTConfig":
+        return GPTConfig(n_layer=12, n_head=12, n_embd=768)
+
+    @staticmethod
+    def gpt2_medium() -> "GPTConfig":
+        return GPTConfig(n_layer=24, n_head=16, n_embd=1024)
+
+    @staticmethod
+    def gpt2_large() -> "GPTConfig":
+        return GPTConfig(n_layer=36, n_head=20, n_embd=1280)
+
+    @staticmethod
+    def gpt2_xl() -> "GPTConfig":
+        return GPTConfig(n_layer=48, n_head=25, n_embd=1600)
+
+    @staticmethod
+    def gpt3_175b() -> "GPTConfig":
+        return GPTConfig(vocab_size=51200, block_size=2048, n_layer=96, n_head=96, n_embd=12288)
+
+    def flops_per_token(self, seq: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), with attention scores (PaLM appendix B)."""
+        t = seq or self.block_size
+        n_params = 12 * self.n_layer * self.n_embd**2 + self.vocab_size * self.n_embd
+        return 6 * n_params + 12 * self.n_layer * self.n_embd * t
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        D = C // self.n_head
+        # the fused projection holds (q, k, v) head by head (Megatron's layout), so heads split cleanly
+        qkv = self.c_attn(x).view(B, T, self.n_head, 3 * D)  # (B, T, H, 3D)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split(D, dim=3))  # 3 x (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))  # (B, T, 4C) in the middle
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if self.wte.weight.device.type != "meta":
+            self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = idx.shape
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(B * T, -1), targets.view(B * T))

@@ -1,0 +1,31 @@
+"""Rewrite passes: the traced single-device graph + a Plan -> this rank's program.
+
+Each pass is one file with one ``run(gm, plan, mesh) -> gm``; its docstring says what it requires and ensures.
+They run in the order of ``PASSES``, a literal list. The passes act; they never decide: every layout, every
+collective and every scale factor comes from the Plan.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch.fx as fx
+
+from passes import check_local, grad_sync, insert_collectives, localize_shapes, output_adapter
+
+PASSES = [
+    insert_collectives.run,  # redistributions between producers and consumers, as the plan priced them
+    grad_sync.run,  # gradient all-reduce of parameters replicated over an axis
+    localize_shapes.run,  # shape arguments rewritten from global to local
+    output_adapter.run,  # outputs handed to the user as a rank's share; gradients seeded to match
+    check_local.run,  # every local shape matches the plan (fails loudly, before any collective runs)
+]
+
+
+def run_all(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
+    gm = copy.deepcopy(gm)
+    for p in PASSES:
+        gm = p(gm, plan, mesh)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

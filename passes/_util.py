@@ -1,0 +1,50 @@
+"""Helpers the passes share: the Spec of a node's value, and emitting redistribution steps as graph nodes."""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from autopar import collectives
+from autopar.redistribute import Step
+from autopar.spec import Spec
+
+
+def source(node: fx.Node) -> fx.Node:
+    """The node whose Strategy gives ``node``'s layout (a getitem takes its tuple producer's)."""
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+    return node
+
+
+def spec_of(node: fx.Node, plan) -> Spec:
+    return plan.nodes[source(node).name].strategy.output
+
+
+def runtime_axes(mesh) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+    """(axis names, sizes, strides in rank order, this rank's process-group name per axis)."""
+    names, sizes = mesh.names, mesh.sizes
+    strides = tuple(mesh.stride(a) for a in range(mesh.ndim))
+    dm = mesh.to_device_mesh()
+    groups = tuple(dm.get_group(n).group_name if s > 1 else "" for n, s in zip(names, sizes))
+    return names, sizes, strides, groups
+
+
+def emit_step(graph: fx.Graph, x: fx.Node, step: Step, axes) -> fx.Node:
+    """One graph node that runs ``step`` on ``x`` (insert point set by the caller)."""
+    names, sizes, strides, groups = axes
+    a = step.axis
+    if step.kind == "all_gather":
+        return graph.call_function(collectives.all_gather, (x, step.dim, names[a], sizes[a], groups[a]))
+    if step.kind == "reduce_scatter":
+        return graph.call_function(collectives.reduce_scatter, (x, step.dim, names[a], sizes[a], groups[a]))
+    if step.kind == "all_reduce":
+        return graph.call_function(collectives.all_reduce, (x, names[a], groups[a]))
+    if step.kind == "all_to_all":
+        return graph.call_function(collectives.all_to_all, (x, step.dim, step.dim2, names[a], sizes[a], groups[a]))
+    if step.kind == "chunk":
+        return graph.call_function(collectives.chunk, (x, step.dim, names[a], sizes[a], strides[a]))
+    if step.kind == "zero":
+        return graph.call_function(collectives.keep_first, (x, names[a], sizes[a], strides[a]))
+    raise ValueError(step.kind)

@@ -1,0 +1,35 @@
+"""Make gradients of replicated parameters whole: all-reduce them over every axis they are replicated on.
+
+Requires: placeholders named as in the plan; ``plan.grad_buckets`` (the buckets the plan priced: one all-reduce per
+bucket and axis).
+Ensures: the parameters of each bucket are read through one ``grad_sync`` node (identity forward; backward
+all-reduces the bucket's gradients as one buffer over exactly its axes, before they reach ``.grad``, so
+gradient accumulation stays right).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from autopar import collectives
+from passes._util import runtime_axes
+
+
+def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
+    g = gm.graph
+    names, _sizes, _strides, groups = runtime_axes(mesh)
+    placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
+    first_body = next(n for n in g.nodes if n.op != "placeholder")
+    for bucket in plan.grad_buckets:
+        params = [placeholders[p] for p in bucket.params]
+        grps = tuple(groups[names.index(a)] for a in bucket.axes)
+        with g.inserting_before(first_body):
+            s = g.call_function(collectives.grad_sync, (tuple(params), bucket.axes, grps))
+            reads = [g.call_function(operator.getitem, (s, i)) for i in range(len(params))]
+        for p, r in zip(params, reads):
+            p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not s)
+    g.lint()
+    gm.recompile()
+    return gm

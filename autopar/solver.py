@@ -306,6 +306,8 @@ def _new_solver():
         s = pywraplp.Solver.CreateSolver(name)
         if s is not None:
             s.SuppressOutput()
+            if name == "HIGHS":
+                s.SetSolverSpecificParametersAsString("output_flag=false")  # HiGHS prints a banner otherwise
             s.SetNumThreads(1)
             return s
     raise AutoparError("OR-Tools has no MIP solver (HiGHS, SCIP or CBC); reinstall ortools")
@@ -447,7 +449,7 @@ def solve(
                     demands.setdefault(od, []).append((iv, cost.edge_time(m, od[0], od[1], rgrad)))
             for od, used in demands.items():
                 c = max(ci for _, ci in used)
-                if c <= 0:
+                if c <= 0 or objective == "memory":
                     continue
                 if len(used) == 1:
                     terms.append((size * c * US, used[0][0]))

@@ -9,9 +9,9 @@ parameter and buffer, the module each op came from, and the repeated-layer struc
 The graph comes from ``torch.export.export(..., strict=False)``. It is then canonicalised so that every op's
 strategies are simple, with the same values as the original:
 
-- ``linear(x, w, b)``          -> ``linear(x, w) + b``  (a row-parallel linear must add its bias once, after the sum)
 - ``mean(x, dims)``            -> ``sum(x, dims) / numel``  (a mean over a sharded dim is a partial sum)
 - ``cross_entropy(..., mean)`` -> ``cross_entropy(..., sum) / count(target != ignore_index)``
+- ``mse_loss / l1_loss(..., mean)`` -> ``...(..., sum) / numel``
 - ``dropout(x, p=0)``          -> ``x``
 
 Nothing here touches the user's model: export reads it, the parameters stay where they are.
@@ -130,14 +130,7 @@ def _canonicalize(gm: fx.GraphModule) -> None:
     for node in list(g.nodes):
         if node.op != "call_function":
             continue
-        if node.target == aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
-            x, w, b = node.args
-            node.args = (x, w)
-            users = list(node.users)
-            add = _insert_after(g, node, aten.add.Tensor, (node, b))
-            for u in users:
-                u.replace_input_with(node, add)
-        elif node.target in (aten.mean.dim, aten.mean.default):
+        if node.target in (aten.mean.dim, aten.mean.default):
             x = node.args[0]
             shape = tuple(x.meta["val"].shape)
             if node.target == aten.mean.default:
@@ -173,6 +166,20 @@ def _canonicalize(gm: fx.GraphModule) -> None:
             valid = _insert_after(g, total, aten.ne.Scalar, (t, ignore))
             count = _insert_after(g, valid, aten.sum.default, (valid,))
             div = _insert_after(g, count, aten.div.Tensor, (total, count))
+            for u in users:
+                u.replace_input_with(node, div)
+            g.erase_node(node)
+        elif node.target in (aten.mse_loss.default, aten.l1_loss.default):
+            reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
+            if reduction != 1:
+                continue
+            shape = tuple(torch.broadcast_shapes(node.args[0].meta["val"].shape, node.args[1].meta["val"].shape))
+            count = 1
+            for d in shape:
+                count *= d
+            users = list(node.users)
+            total = _insert_after(g, node, node.target, (node.args[0], node.args[1], 2))
+            div = _insert_after(g, total, aten.div.Tensor, (total, count))
             for u in users:
                 u.replace_input_with(node, div)
             g.erase_node(node)

@@ -54,7 +54,7 @@ NARY_NONLINEAR = [
 ]
 
 
-@register(*UNARY_NONLINEAR, *NARY_NONLINEAR)
+@register(*UNARY_NONLINEAR, *NARY_NONLINEAR, aten.broadcast_tensors.default)
 def pointwise(info: OpInfo) -> list[Option]:
     return broadcast_options(info)
 

@@ -28,3 +28,18 @@ def cross_entropy(info: OpInfo) -> list[Option]:
         out = P if reduction == 2 else Shard(td)
         opts.append(Option((Shard(d), Shard(td)) + rest, out))
     return opts
+
+
+@register(aten.mse_loss.default, aten.l1_loss.default)
+def pointwise_loss(info: OpInfo) -> list[Option]:
+    """Elementwise losses: split like elementwise ops; summed, a split dim leaves a partial sum."""
+    from autopar.strategies.elementwise import broadcast_options
+
+    reduction = info.arg(2, "reduction", 1)
+    if reduction == 0:
+        return broadcast_options(info)
+    if reduction != 2:
+        return []
+    shape = info.inputs[0].shape if info.inputs[0].ndim >= info.inputs[1].ndim else info.inputs[1].shape
+    fake = OpInfo(info.target, info.args, info.kwargs, info.inputs, (type(info.inputs[0])(tuple(shape), info.inputs[0].dtype),))
+    return [Option(o.inputs, P) for o in broadcast_options(fake)]

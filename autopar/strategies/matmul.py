@@ -19,13 +19,14 @@ R, P = Replicate(), Partial()
 @register(aten.linear.default)
 def linear(info: OpInfo) -> list[Option]:
     x, w = info.inputs[0], info.inputs[1]
-    if len(info.inputs) != 2 or w.ndim != 2 or x.ndim < 1:
+    if len(info.inputs) not in (2, 3) or w.ndim != 2 or x.ndim < 1:
         return []
+    b = len(info.inputs) == 3
     last = x.ndim - 1
-    opts = [Option((Shard(d), R), Shard(d)) for d in range(last)]  # split rows of x (batch, sequence)
-    opts.append(Option((R, Shard(0)), Shard(info.out.ndim - 1)))  # column parallel
-    opts.append(Option((Shard(last), Shard(1)), P))  # row parallel: partial sums
-    opts.append(Option((P, R), P))
+    opts = [Option((Shard(d), R) + ((R,) if b else ()), Shard(d)) for d in range(last)]  # rows of x (batch, sequence)
+    opts.append(Option((R, Shard(0)) + ((Shard(0),) if b else ()), Shard(info.out.ndim - 1)))  # column parallel
+    opts.append(Option((Shard(last), Shard(1)) + ((P,) if b else ()), P))  # row parallel: partial sums
+    opts.append(Option((P, R) + ((P,) if b else ()), P))
     return opts
 
 

@@ -12,6 +12,7 @@ Models:
   costs 2x the forward FLOPs for contractions and attention, 2x the bytes for memory-bound ops.
 - collectives: alpha-beta on the axis's link, ring algorithms; ``wire`` bytes per device are
   all-reduce 2(n-1)/n B, all-gather and reduce-scatter (n-1)/n B, all-to-all (n-1)/n B (B = the full buffer).
+- inputs: each rank loads its share of the batch at the host-to-device bandwidth.
 - memory: per parameter element ``2 * itemsize + 8`` bytes (value, gradient, AdamW's two fp32 moments);
   activations: the local output of every op that is not a view, when it needs a gradient.
 """
@@ -170,6 +171,8 @@ class CostModel:
         if kind == "param" and trainable:
             comm = grad_sync_bandwidth_time(spec, meta, self.mesh)
             return NodeCost(0.0, comm, float(local * (2 * isz + ADAM_STATE_BYTES)), 0.0)
+        if kind == "input":  # each rank loads its share of the batch: a whole batch per rank costs more
+            return NodeCost(local * isz / self.hw.input_bandwidth, 0.0, float(local * isz), 0.0)
         return NodeCost(0.0, 0.0, float(local * isz), 0.0)
 
     # --- edges ------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class Hardware:
     devices_per_node: int
     intra_node: Link
     inter_node: Link
+    input_bandwidth: float = 25e9  # bytes/s a device's share of the batch arrives at (host to device)
     matmul_efficiency: float = 0.7  # fraction of peak a large matmul reaches
     memory_efficiency: float = 0.8  # fraction of HBM bandwidth an elementwise op reaches
 
@@ -55,6 +56,7 @@ class Hardware:
             "devices_per_node": self.devices_per_node,
             "intra_node": vars(self.intra_node),
             "inter_node": vars(self.inter_node),
+            "input_bandwidth": self.input_bandwidth,
             "matmul_efficiency": self.matmul_efficiency,
             "memory_efficiency": self.memory_efficiency,
         }
@@ -69,6 +71,7 @@ class Hardware:
             devices_per_node=d["devices_per_node"],
             intra_node=Link(**d["intra_node"]),
             inter_node=Link(**d["inter_node"]),
+            input_bandwidth=d["input_bandwidth"],
             matmul_efficiency=d["matmul_efficiency"],
             memory_efficiency=d["memory_efficiency"],
         )
@@ -112,6 +115,7 @@ PRESETS: dict[str, Hardware] = {
         devices_per_node=64,
         intra_node=Link(bandwidth=0.7 * _GB, latency=100e-6, launch=300e-6),
         inter_node=Link(bandwidth=0.7 * _GB, latency=100e-6, launch=300e-6),
+        input_bandwidth=5 * _GB,
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
     ),

@@ -68,6 +68,17 @@ class Mesh:
     def link(self, axis: "str | int") -> Link:
         return self.hardware.inter_node if self.spans_nodes(axis) else self.hardware.intra_node
 
+    def role(self, axis: "str | int") -> str | None:
+        """What the axis name promises: "data" for dp* axes (each rank gets its share of the batch there), "model"
+        for tp / cp / sp / ep / pp / mp axes (every rank of the axis sees the same batch), None for other names (the
+        solver chooses)."""
+        name = self.names[self.axis_index(axis)]
+        if name.startswith("dp") or name in ("fsdp", "ddp", "hsdp"):
+            return "data"
+        if name in ("tp", "cp", "sp", "ep", "pp", "mp"):
+            return "model"
+        return None
+
     def coordinate(self, rank: int) -> tuple[int, ...]:
         return tuple((rank // self.stride(a)) % s for a, s in enumerate(self.sizes))
 

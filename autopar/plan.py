@@ -150,7 +150,7 @@ class Plan:
             if block != shown_block and block is not None:
                 rows.append([f"[{block}] x{copies[block]} (tied copies share this plan)" if copies[block] > 1 else f"[{block}]", "", "", "", "", ""])
                 shown_block = block
-            cols = by_node.get(n.name, []) + by_node.get(n.path, [])
+            cols = by_node.get(n.name, []) + (by_node.get(n.path, []) if n.path != n.name else [])
             colstr = "; ".join(f"{c.phase[0]}:{c.kind}({c.axis}) {_fmt_bytes(c.bytes)}" for c in cols[:4]) + (" ..." if len(cols) > 4 else "")
             rows.append([n.path, _short_op(n.op), str(n.strategy) if n.op not in ("param", "buffer", "constant", "input") else str(n.strategy.output),
                          f"{n.time * 1e3:.4f}", _fmt_bytes(n.memory), colstr])
@@ -162,7 +162,7 @@ class Plan:
         t = _tabulate.tabulate(rows, headers=["node", "op", "strategy / spec", "ms", "memory", "collectives (f/b)"], tablefmt="simple")
         phases = ""
         if self.timings:
-            phases = "\nplanning: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items())
+            phases = "\nplanning: " + ", ".join(f"{k} {v:.2f}s" if k != "ilp variables" else f"{k} {v:.0f}" for k, v in self.timings.items())
         return head + "\n" + t + phases
 
     def explain(self, name: str) -> str:

@@ -34,7 +34,8 @@ def make_plan(tg: TracedGraph, mesh: Mesh, memory_budget: float | None = None, p
     choice = solve(tg, mesh, cost, problem, budget, list(pins or []))
     t1 = time.perf_counter()
     plan = price(tg, mesh, problem, choice, cost)
-    plan.timings = {"strategies+cost": problem.timings.get("strategies", 0.0), "solve": problem.timings.get("solve", 0.0), "price": time.perf_counter() - t1}
+    plan.timings = {"strategies+cost": problem.timings.get("strategies", 0.0), "solve": problem.timings.get("solve", 0.0),
+                    "price": time.perf_counter() - t1, "ilp variables": problem.timings.get("ilp_size", 0.0)}
     plan.timings["plan total"] = time.perf_counter() - t0
     return plan
 

@@ -165,25 +165,29 @@ class ParallelModule(nn.Module):
         return pytree.tree_unflatten(list(outs), self._tg.out_spec)
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) parameters and persistent buffers under the model's own FQNs, gathered over the mesh."""
+    def _gather_full(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
         names, sizes = self._mesh.names, self._mesh.sizes
         dm = self._mesh.to_device_mesh()
-        out: dict[str, torch.Tensor] = {}
-        persistent = dict(self.named_buffers())
+        node = next(n for n, f in self._tg.fqns.items() if f == fqn)
+        spec = self._plan.nodes[node].strategy.output
+        full = t.detach()
+        for a in reversed(range(len(sizes))):
+            p = spec[a]
+            if isinstance(p, Shard):
+                full = collectives._gather(full.contiguous(), p.dim, sizes[a], dm.get_group(names[a]).group_name)
+        vals = _compat.local_values(full)
+        return next(iter(vals.values())).clone() if len(vals) > 1 else full.clone()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) parameters and persistent buffers under the model's own FQNs, gathered over the mesh."""
         state = dict(self.named_parameters())
-        state.update({k: v for k, v in persistent.items() if k in self.state_dict()})
-        by_fqn = {self._tg.fqns[n]: n for n in self._tg.fqns}
-        for fqn, t in state.items():
-            spec = self._plan.nodes[by_fqn[fqn]].strategy.output
-            full = t.detach()
-            for a in reversed(range(len(sizes))):
-                p = spec[a]
-                if isinstance(p, Shard):
-                    full = collectives._gather(full.contiguous(), p.dim, sizes[a], dm.get_group(names[a]).group_name)
-            vals = _compat.local_values(full)
-            out[fqn] = next(iter(vals.values())).clone() if len(vals) > 1 else full.clone()
-        return out
+        keys = self.state_dict().keys()
+        state.update({k: v for k, v in self.named_buffers() if k in keys})
+        return {fqn: self._gather_full(fqn, t) for fqn, t in state.items()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full gradients of the parameters that have one, under the model's own FQNs (for checks against one device)."""
+        return {fqn: self._gather_full(fqn, p.grad) for fqn, p in self.named_parameters() if p.grad is not None}
 
 
 def _non_persistent(model: nn.Module) -> set[str]:

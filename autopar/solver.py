@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import math
 import operator
 import time
 from dataclasses import dataclass, field
@@ -178,7 +179,13 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
         if rep != n.name and rep in cands:
             cands[n.name], costs[n.name] = cands[rep], costs[rep]
         elif n.op == "placeholder":
-            cs = candidates(n, sizes, pk)
+            cs = candidates(n, sizes, pk, tuple(mesh.role(a) for a in range(mesh.ndim)))
+            if not cs:
+                dp = " x ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in range(mesh.ndim) if mesh.role(a) == "data")
+                raise ShardingError(
+                    f"input {n.name!r} has batch dim {meta[n.name].shape[0] if meta[n.name].shape else 0}, which does not divide over "
+                    f"the data axes {dp}; use a global batch that is a multiple of {math.prod(mesh.sizes[a] for a in range(mesh.ndim) if mesh.role(a) == 'data')}"
+                )
             cands[n.name] = cs
             costs[n.name] = [cost.placeholder(meta[n.name], s.output, pk, n.name in tg.trainable) for s in cs]
         else:

@@ -1,0 +1,55 @@
+"""Reference models with no parallel code, and a registry that names their sizes.
+
+``build(name, device="meta", dtype=None) -> (model, inputs(batch, seq))``: every size builds on the meta device in
+well under a second, so any of them can be planned on a laptop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from models.gpt import GPT, GPTConfig
+from models.llama import Llama, LlamaConfig
+from models.mlp import MLP, MLPConfig
+
+REGISTRY: dict[str, tuple[type, Callable[[], object]]] = {
+    "gpt-tiny": (GPT, GPTConfig.tiny),
+    "gpt2-small": (GPT, GPTConfig.gpt2_small),
+    "gpt2-medium": (GPT, GPTConfig.gpt2_medium),
+    "gpt2-large": (GPT, GPTConfig.gpt2_large),
+    "gpt2-xl": (GPT, GPTConfig.gpt2_xl),
+    "gpt3-175b": (GPT, GPTConfig.gpt3_175b),
+    "llama-tiny": (Llama, LlamaConfig.tiny),
+    "llama3-8b": (Llama, LlamaConfig.llama3_8b),
+    "llama3-70b": (Llama, LlamaConfig.llama3_70b),
+    "llama3-405b": (Llama, LlamaConfig.llama3_405b),
+    "mlp-tiny": (MLP, MLPConfig.tiny),
+    "mlp": (MLP, MLPConfig),
+}
+
+
+def build(name: str, device: str = "meta", dtype: torch.dtype | None = None):
+    """The model named ``name`` and a function ``inputs(batch, seq)`` giving one example global batch."""
+    if name not in REGISTRY:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
+    cls, make_cfg = REGISTRY[name]
+    cfg = make_cfg()
+    with torch.device(device):
+        model = cls(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+
+    def inputs(batch: int, seq: int | None = None):
+        if cls is MLP:
+            x = torch.empty(batch, cfg.dim, device=device, dtype=dtype or torch.float32)
+            return (x, x.clone())
+        seq = seq or (cfg.block_size if cls is GPT else cfg.max_seq_len)
+        if device == "meta":
+            ids = torch.empty(batch, seq, dtype=torch.long, device=device)
+        else:
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+        return (ids, ids.clone())
+
+    return model, inputs

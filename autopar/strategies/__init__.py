@@ -11,7 +11,8 @@ does: sharding on different axes composes), adds the always-valid replicated opt
 whose sharded dims do not divide by their axes. Ops without a rule run replicated.
 
 Placeholders are not ops: parameters, buffers and constants may take any Spec of ``R`` / ``S(d)``; the user's
-inputs take ``R`` or ``S(0)`` (the batch dim) per axis, as a sampler would hand them out.
+inputs take ``R`` or ``S(0)`` (the batch dim) per axis, as a sampler would hand them out: ``S(0)`` on axes named
+as data axes (``dp``...), ``R`` on axes named as model axes (``tp``...), either on other axes.
 """
 
 from __future__ import annotations
@@ -149,24 +150,34 @@ def op_candidates(info: OpInfo, sizes: tuple[int, ...]) -> list[Strategy]:
     return _expand(options, [m.shape for m in info.inputs], [m.shape for m in info.outputs], sizes)
 
 
-def placeholder_candidates(meta: TensorMeta, sizes: tuple[int, ...], is_input: bool) -> list[Strategy]:
+def placeholder_candidates(meta: TensorMeta, sizes: tuple[int, ...], is_input: bool, roles: tuple | None = None) -> list[Strategy]:
     dims = [0] if (is_input and meta.ndim > 0) else list(range(meta.ndim))
     choices: list[Placement] = [R] + [Shard(d) for d in dims]
+    per_axis = []
+    for a, n in enumerate(sizes):
+        role = roles[a] if (is_input and roles) else None
+        if n == 1 or role == "model" or (role == "data" and meta.ndim == 0):
+            per_axis.append([R])
+        elif role == "data":
+            per_axis.append([Shard(0)])
+        else:
+            per_axis.append(choices)
     out = []
-    for combo in itertools.product(*[choices if n > 1 else [R] for n in sizes]):
+    for combo in itertools.product(*per_axis):
         spec = Spec(tuple(combo))
         if spec.divides(meta.shape, sizes):
             out.append(Strategy((), spec))
     return out
 
 
-def candidates(node: fx.Node, sizes: tuple[int, ...], kind: str | None = None) -> list[Strategy]:
+def candidates(node: fx.Node, sizes: tuple[int, ...], kind: str | None = None, roles: tuple | None = None) -> list[Strategy]:
     """All valid strategies of one node on a mesh with axis sizes ``sizes``.
 
-    ``kind`` is the placeholder kind (param / buffer / constant / input) for placeholders, else None.
+    ``kind`` is the placeholder kind (param / buffer / constant / input) for placeholders, else None; ``roles``
+    the mesh axes' roles (``Mesh.role``), which fix how the user's inputs are split.
     """
     if node.op == "placeholder":
-        return placeholder_candidates(_meta(node.meta["val"]), sizes, is_input=(kind == "input"))
+        return placeholder_candidates(_meta(node.meta["val"]), sizes, is_input=(kind == "input"), roles=roles)
     if node.target is operator.getitem:
         raise ValueError("getitem nodes take their producer's spec; they have no strategies of their own")
     return op_candidates(op_info(node), sizes)

@@ -95,7 +95,7 @@ def mul(info: OpInfo) -> list[Option]:
 @register(aten.div.Tensor)
 def div(info: OpInfo) -> list[Option]:
     opts = broadcast_options(info)
-    if _is_float(info):
+    if info.out.dtype.is_floating_point and info.inputs[0].dtype.is_floating_point:  # the divisor may be a count
         if len(info.inputs) == 2:
             opts.append(Option((P, R), P))
         elif isinstance(info.args[0], TensorMeta):

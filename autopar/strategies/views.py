@@ -81,7 +81,14 @@ def unsqueeze(info: OpInfo) -> list[Option]:
 def squeeze(info: OpInfo) -> list[Option]:
     x = info.inputs[0]
     m = view_dim_map(x.shape, info.out.shape)
-    return [Option((Shard(i),), Shard(o)) for i, o in m.items()] + _partial(info)
+    # squeeze runs on the local shape: a dim it may squeeze (every dim for squeeze.default) that a split leaves
+    # with one element locally would be squeezed there and not globally, so such dims are never split
+    if info.target == aten.squeeze.default:
+        asked = set(range(x.ndim))
+    else:
+        dims = info.arg(1, "dim")
+        asked = {d % max(x.ndim, 1) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    return [Option((Shard(i),), Shard(o)) for i, o in m.items() if i not in asked] + _partial(info)
 
 
 @register(aten.transpose.int)

@@ -1,0 +1,127 @@
+"""The ``autopar`` command.
+
+- ``autopar`` (no arguments): the main job. Plans Llama-3-8B on one node of 8 x H100 and prints the plan; then
+  trains a small GPT on 4 local gloo ranks (launched with torch's own launcher) and shows its loss equals
+  single-device training.
+- ``autopar plan MODEL --mesh dp=8,tp=8 --hardware h100-80gb [--batch B] [--seq S] [--memory-budget GiB]
+  [--dtype bf16] [--json FILE] [--explain NAME]``: plan only (MODEL: a registry name or ``module:callable``).
+- ``autopar demo [--nproc 4] [--steps 5]``: only the distributed half of the main job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _parse_mesh(text: str) -> dict[str, int]:
+    axes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not size.strip().isdigit():
+            raise SystemExit(f"autopar: --mesh wants name=size pairs like dp=8,tp=8; got {text!r}")
+        axes[name.strip()] = int(size)
+    return axes
+
+
+def _load_model(spec: str, dtype):
+    import models
+
+    if spec in models.REGISTRY:
+        return models.build(spec, device="meta", dtype=dtype)
+    if ":" in spec:
+        mod, _, fn = spec.partition(":")
+        out = getattr(importlib.import_module(mod), fn)()
+        if isinstance(out, tuple):
+            return out
+        raise SystemExit(f"autopar: {spec} must return (model, inputs(batch, seq))")
+    raise SystemExit(f"autopar: unknown model {spec!r}; known: {', '.join(models.REGISTRY)} (or module:callable)")
+
+
+def cmd_plan(args) -> int:
+    import autopar
+
+    dtype = DTYPES[args.dtype]
+    t0 = time.perf_counter()
+    model, inputs = _load_model(args.model, dtype)
+    mesh = autopar.Mesh(_parse_mesh(args.mesh), hardware=args.hardware)
+    print(f"planning {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {args.dtype}) ...", flush=True)
+    budget = args.memory_budget * 2**30 if args.memory_budget else None
+    plan = autopar.plan(model, mesh, inputs(args.batch, args.seq), memory_budget=budget)
+    print(plan.table())
+    if args.explain:
+        print()
+        print(plan.explain(args.explain))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan.to_json())
+        print(f"plan written to {args.json}")
+    print(f"planned in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cmd_demo(args) -> int:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}", "-m", "autopar.demo", f"--steps={args.steps}",
+    ]
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    print(f"$ torchrun --nproc-per-node {args.nproc} -m autopar.demo   (gloo, 127.0.0.1)", flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def cmd_main(_args) -> int:
+    print("== 1. Plan Llama-3-8B on one node of 8 x H100 (dp=2 x tp=4), global batch 8 x 4096 tokens, bf16 ==", flush=True)
+    rc = cmd_plan(argparse.Namespace(model="llama3-8b", mesh="dp=2,tp=4", hardware="h100-80gb", batch=8, seq=4096,
+                                     dtype="bf16", memory_budget=None, json=None, explain="layers.0.attention.wq"))
+    if rc:
+        return rc
+    print("\n== 2. Train a small GPT on 4 local gloo ranks, next to single-device training ==", flush=True)
+    return cmd_demo(argparse.Namespace(nproc=4, steps=5))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="autopar", description="a compiler for distributed training")
+    sub = ap.add_subparsers(dest="cmd")
+    p = sub.add_parser("plan", help="plan a model on a mesh (no devices needed)")
+    p.add_argument("model")
+    p.add_argument("--mesh", required=True, help="axes outermost first, e.g. dp=8,tp=8")
+    p.add_argument("--hardware", default="h100-80gb")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's memory)")
+    p.add_argument("--json", default=None, help="write the plan as JSON to this file")
+    p.add_argument("--explain", default=None, help="explain the choice for this parameter, module or node")
+    d = sub.add_parser("demo", help="train a small GPT on local gloo ranks next to single-device training")
+    d.add_argument("--nproc", type=int, default=4)
+    d.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.cmd == "plan":
+        return cmd_plan(args)
+    if args.cmd == "demo":
+        return cmd_demo(args)
+    return cmd_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

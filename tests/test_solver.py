@@ -1,0 +1,154 @@
+"""The solver rediscovers textbook plans, respects pins and budgets, is deterministic, and its problem does not
+grow with depth. All planning-only (meta-device models, no processes)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import autopar
+from models.gpt import GPT, GPTConfig
+from models.mlp import MLP, MLPConfig
+
+H100 = "h100-80gb"
+
+
+def _meta(cls, cfg, dtype=torch.bfloat16):
+    with torch.device("meta"):
+        return cls(cfg).to(dtype)
+
+
+def _activation_collectives(plan, nbytes):
+    """(kind, phase) -> count of the collectives that move activations of ``nbytes`` (gradient buckets excluded)."""
+    return collections.Counter((c.kind, c.phase) for c in plan.collectives() if c.bytes == nbytes and not c.where.startswith("grads"))
+
+
+def test_large_batch_small_hidden_is_pure_data_parallel():
+    cfg = MLPConfig(dim=256, hidden=1024, n_layer=4)
+    x = torch.empty(65536, cfg.dim, dtype=torch.bfloat16, device="meta")
+    plan = autopar.plan(_meta(MLP, cfg), autopar.Mesh({"x": 8}, hardware=H100), (x, x))
+    assert str(plan.input_spec) == "S(0)"
+    params = [n for n in plan.nodes.values() if n.op == "param"]
+    assert params and all(str(n.strategy.output) == "R" for n in params)
+    # the only communication is the gradient all-reduce (plus the scalar loss's, 2 bytes)
+    big = [c for c in plan.collectives() if c.bytes > 16]
+    assert big and all(c.where.startswith("grads") and c.kind == "all_reduce" and c.phase == "backward" for c in big)
+    grad_bytes = sum(c.bytes for c in big)  # every parameter's bf16 gradient, once
+    assert grad_bytes == cfg.n_layer * 2 * (2 * cfg.dim * cfg.hidden + cfg.dim + cfg.hidden)
+
+
+def test_small_batch_large_hidden_is_megatron():
+    cfg = MLPConfig(dim=8192, hidden=32768, n_layer=4)
+    x = torch.empty(8, cfg.dim, dtype=torch.bfloat16, device="meta")
+    plan = autopar.plan(_meta(MLP, cfg), autopar.Mesh({"x": 8}, hardware=H100), (x, x))
+    for i in range(cfg.n_layer):
+        assert str(plan.spec_of(f"layers.{i}.up.weight")) == "S(0)"  # column parallel
+        assert str(plan.spec_of(f"layers.{i}.down.weight")) == "S(1)"  # row parallel
+    counts = _activation_collectives(plan, 8 * cfg.dim * 2)
+    assert counts == {("all_reduce", "forward"): cfg.n_layer, ("all_reduce", "backward"): cfg.n_layer}
+
+
+GPT_BLOCKS = GPTConfig(n_layer=2, n_head=32, n_embd=4096, vocab_size=50304, block_size=2048)
+
+
+def _gpt_plan(**kw):
+    x = torch.empty(1, 512, dtype=torch.long, device="meta")
+    return autopar.plan(_meta(GPT, GPT_BLOCKS), autopar.Mesh({"tp": 8}, hardware=H100), (x, x), **kw)
+
+
+def test_gpt_block_small_batch_is_megatron_one_all_reduce_per_attention_and_mlp():
+    plan = _gpt_plan()
+    for i in range(GPT_BLOCKS.n_layer):
+        assert str(plan.spec_of(f"h.{i}.attn.c_attn.weight")) == "S(0)"
+        assert str(plan.spec_of(f"h.{i}.attn.c_proj.weight")) == "S(1)"
+        assert str(plan.spec_of(f"h.{i}.mlp.c_fc.weight")) == "S(0)"
+        assert str(plan.spec_of(f"h.{i}.mlp.c_proj.weight")) == "S(1)"
+    counts = _activation_collectives(plan, 1 * 512 * GPT_BLOCKS.n_embd * 2)
+    n = 2 * GPT_BLOCKS.n_layer  # one per attention and one per MLP
+    assert counts[("all_reduce", "forward")] == n and counts[("all_reduce", "backward")] == n
+    assert counts[("reduce_scatter", "forward")] == 0
+
+
+def test_tight_activation_budget_gives_sequence_parallel_with_the_same_bytes():
+    tp = _gpt_plan()
+    pinned_sp = _gpt_plan(constraints=[("h.[0-9]:add*", "S(1)")])
+    assert pinned_sp.cost.memory_per_device < tp.cost.memory_per_device
+    sp = _gpt_plan(memory_budget=pinned_sp.cost.memory_per_device * 1.001)
+    assert sp.cost.memory_per_device < tp.cost.memory_per_device
+    act = 1 * 512 * GPT_BLOCKS.n_embd * 2
+    counts = _activation_collectives(sp, act)
+    n = 2 * GPT_BLOCKS.n_layer
+    assert counts[("all_reduce", "forward")] == 0
+    assert counts[("reduce_scatter", "forward")] == n and counts[("all_gather", "forward")] >= n
+    # each all-reduce became a reduce-scatter + all-gather pair: the activations move the same bytes
+    from autopar.cost import wire_bytes
+
+    def wire(plan, phase):
+        return sum(wire_bytes(c.kind, c.bytes, 8) for c in plan.collectives() if c.bytes == act and c.phase == phase and c.kind != "all_to_all")
+
+    for phase in ("forward", "backward"):
+        assert wire(sp, phase) == pytest.approx(wire(tp, phase))
+
+
+def test_tensor_parallel_on_the_fast_axis_data_parallel_on_the_slow_one():
+    x = torch.empty(8, 2048, dtype=torch.long, device="meta")
+    mesh = autopar.Mesh({"a": 4, "b": 8}, hardware=H100)  # b fills a node (NVLink); a spans nodes (InfiniBand)
+    assert mesh.spans_nodes("a") and not mesh.spans_nodes("b")
+    plan = autopar.plan(_meta(GPT, GPT_BLOCKS), mesh, (x, x))
+    for i in range(GPT_BLOCKS.n_layer):
+        for w in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            spec = plan.spec_of(f"h.{i}.{w}.weight")
+            assert str(spec[0]) == "R" and str(spec[1]).startswith("S"), (w, spec)  # split on b, whole on a
+    sdpa = plan.nodes["scaled_dot_product_attention"].strategy
+    assert str(sdpa.output) == "S(0)S(1)"  # batch over a (data parallel), heads over b (tensor parallel)
+
+
+def test_block_ties_keep_the_problem_size_independent_of_depth():
+    sizes = {}
+    for n_layer in (2, 8):
+        cfg = GPTConfig(n_layer=n_layer, n_head=4, n_embd=64, vocab_size=128, block_size=32)
+        x = torch.empty(4, 32, dtype=torch.long, device="meta")
+        plan = autopar.plan(_meta(GPT, cfg), autopar.Mesh({"dp": 2, "tp": 2}, hardware=H100), (x, x))
+        sizes[n_layer] = plan.timings["ilp variables"]
+        assert sum(1 for b, t in plan.blocks if t is not None) == n_layer - 1
+    assert sizes[2] == sizes[8]
+
+
+def test_pins_are_obeyed_and_bad_pins_explained():
+    cfg = GPTConfig.tiny()
+    x = torch.empty(4, 16, dtype=torch.long, device="meta")
+    mesh = autopar.Mesh({"tp": 2})
+    plan = autopar.plan(_meta(GPT, cfg, torch.float32), mesh, (x, x), constraints=[autopar.Pin("h.*.mlp.c_fc.weight", "S(1)")])
+    assert str(plan.spec_of("h.0.mlp.c_fc.weight")) == "S(1)" and str(plan.spec_of("h.1.mlp.c_fc.weight")) == "S(1)"
+    with pytest.raises(autopar.AutoparError, match="matches no parameter"):
+        autopar.plan(_meta(GPT, cfg, torch.float32), mesh, (x, x), constraints=[("nope.weight", "R")])
+    with pytest.raises(autopar.ShardingError, match="one per axis"):
+        autopar.plan(_meta(GPT, cfg, torch.float32), mesh, (x, x), constraints=[("wte.weight", "RR")])
+
+
+def test_plans_are_byte_identical_across_processes():
+    code = textwrap.dedent("""
+        import sys, torch, autopar
+        from models.llama import Llama, LlamaConfig
+        from models.gpt import GPT, GPTConfig
+        torch.manual_seed(0)
+        out = []
+        for m in (GPT(GPTConfig.tiny()), Llama(LlamaConfig.tiny())):
+            x = torch.randint(0, 64, (4, 16))
+            out.append(autopar.plan(m, autopar.Mesh({"dp": 2, "tp": 2}, hardware="h100-80gb"), (x, x)).to_json())
+        sys.stdout.write("\\n=====\\n".join(out))
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    texts = []
+    for seed in ("0", "1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=root)
+        texts.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=root).stdout)
+    assert texts[0] and texts[0] == texts[1] == texts[2]
+    json.loads(texts[0].split("\n=====\n")[0])

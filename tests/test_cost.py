@@ -1,0 +1,61 @@
+"""Cost model: alpha-beta collectives with ring factors, roofline compute, AdamW memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar import Mesh, Spec
+from autopar.cost import CostModel, collective_time, op_flops, wire_bytes
+from autopar.hardware import Link
+from autopar.strategies import TensorMeta
+
+aten = torch.ops.aten
+
+
+def test_wire_bytes_ring_factors():
+    assert wire_bytes("all_reduce", 1000, 4) == pytest.approx(2 * 3 / 4 * 1000)
+    assert wire_bytes("all_gather", 1000, 4) == pytest.approx(3 / 4 * 1000)
+    assert wire_bytes("reduce_scatter", 1000, 4) == pytest.approx(3 / 4 * 1000)
+    assert wire_bytes("all_to_all", 1000, 4) == pytest.approx(3 / 4 * 1000)
+    assert wire_bytes("all_reduce", 1000, 1) == 0
+
+
+def test_collective_time_alpha_beta():
+    link = Link(bandwidth=1e9, latency=1e-5, launch=1e-4)
+    assert collective_time("all_reduce", 1e6, 4, link) == pytest.approx(1e-4 + 6 * 1e-5 + 1.5e6 / 1e9)
+    assert collective_time("all_gather", 1e6, 4, link) == pytest.approx(1e-4 + 3 * 1e-5 + 0.75e6 / 1e9)
+
+
+def test_parameter_memory_is_value_gradient_and_adam_state():
+    cm = CostModel(Mesh({"tp": 4}))
+    meta = TensorMeta((64, 32), torch.float32)
+    whole = cm.placeholder(meta, Spec.parse("R"), "param", True)
+    split = cm.placeholder(meta, Spec.parse("S(0)"), "param", True)
+    assert whole.memory == 64 * 32 * 16  # 4 value + 4 gradient + 8 AdamW moments
+    assert split.memory == whole.memory / 4
+    assert whole.comm > 0 and split.comm == 0  # a replicated parameter's gradient is all-reduced
+
+
+def test_flops_and_sharded_compute():
+    assert op_flops(aten.linear.default, [(8, 16), (32, 16)], [(8, 32)]) == 2 * 8 * 32 * 16
+    assert op_flops(aten.scaled_dot_product_attention.default, [(2, 4, 16, 8)] * 3, [(2, 4, 16, 8)]) == 4 * 2 * 4 * 16 * 16 * 8
+    cm = CostModel(Mesh({"tp": 4}, hardware="h100-80gb"))
+    from autopar.strategies import OpInfo
+    from autopar.spec import Strategy
+
+    info = OpInfo(aten.linear.default, (), {}, (TensorMeta((4096, 4096), torch.bfloat16), TensorMeta((4096, 4096), torch.bfloat16)), (TensorMeta((4096, 4096), torch.bfloat16),))
+    rep = cm.op(info, Strategy.parse("(R, R) -> R"), True)
+    col = cm.op(info, Strategy.parse("(R, S(0)) -> S(1)"), True)
+    assert col.compute == pytest.approx(rep.compute / 4)
+    assert rep.flops == 3 * 2 * 4096**3  # forward + backward
+
+
+def test_edge_cost_is_zero_for_equal_specs_and_cheaper_inside_a_node():
+    meta = TensorMeta((1024, 1024), torch.bfloat16)
+    mesh = Mesh({"dp": 2, "tp": 8}, hardware="h100-80gb")
+    cm = CostModel(mesh)
+    assert cm.edge_time(meta, Spec.parse("RS(0)"), Spec.parse("RS(0)"), True) == 0
+    inter = cm.edge_time(meta, Spec.parse("S(0)R"), Spec.parse("RR"), True)
+    intra = cm.edge_time(meta, Spec.parse("RS(0)"), Spec.parse("RR"), True)
+    assert intra < inter

@@ -1,0 +1,137 @@
+"""Bad input gets a clear autopar error (what, where, how to fix), and the user's model is left as it was."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autopar
+from autopar import _compat
+from models.gpt import GPT, GPTConfig
+from tests._util import fake_world
+
+
+def _gpt(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**GPTConfig.tiny().__dict__, **kw}))
+
+
+def _ids(b=4, t=16):
+    x = torch.randint(0, 64, (b, t))
+    return x, x.clone()
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_mesh_size_must_match_world_size():
+    model = _gpt()
+    with fake_world(4):
+        with pytest.raises(autopar.MeshError, match=r"world size 4.*multiply to 4"):
+            autopar.parallelize(model, autopar.Mesh({"tp": 2}), _ids())
+
+
+def test_parallelize_without_a_process_group_says_how_to_launch():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    with pytest.raises(autopar.MeshError, match="torchrun --nproc-per-node 2"):
+        autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), _ids())
+
+
+def test_a_dim_that_does_not_divide_its_axis_when_forced():
+    model = _gpt(n_head=3, n_embd=24)  # 3 heads cannot split over tp=2
+    before = _state(model)
+    with pytest.raises(autopar.ShardingError, match=r"attn:scaled_dot_product_attention.*dim 1 \(size 3\).*tp=2"):
+        autopar.plan(model, autopar.Mesh({"tp": 2}), _ids(), constraints=[("h.0.attn:scaled_dot_product_attention", "S(1)")])
+    assert _same(before, _state(model))
+    # unforced, the solver simply does not split the heads
+    plan = autopar.plan(model, autopar.Mesh({"tp": 2}), _ids())
+    assert "S(1)" not in str(plan.nodes["scaled_dot_product_attention"].strategy.output)
+
+
+def test_batch_that_does_not_divide_the_data_axes():
+    with pytest.raises(autopar.ShardingError, match=r"batch dim 6.*dp=4.*multiple of 4"):
+        autopar.plan(_gpt(), autopar.Mesh({"dp": 4}), _ids(b=6))
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = Gate()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(self.gate(x)).sum()
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a tensor's value
+            return x * 2
+        return x
+
+
+def test_untraceable_model_names_the_module_and_the_fix():
+    model = DataDependent()
+    before = _state(model)
+    with pytest.raises(autopar.TraceError) as e:
+        autopar.plan(model, autopar.Mesh({"tp": 2}), (torch.randn(4, 8),))
+    msg = str(e.value)
+    assert "'gate'" in msg and "Gate" in msg and "torch.cond" in msg
+    assert _same(before, _state(model))
+
+
+def test_a_budget_no_plan_fits_names_the_smallest_budget():
+    model = _gpt()
+    with pytest.raises(autopar.InfeasibleError) as e:
+        autopar.plan(model, autopar.Mesh({"tp": 2}), _ids(), memory_budget=1000)
+    assert e.value.smallest_budget and e.value.smallest_budget > 1000
+    assert "at least" in str(e.value) and f"{e.value.smallest_budget:.0f} bytes" in str(e.value)
+    # and that budget is enough
+    plan = autopar.plan(model, autopar.Mesh({"tp": 2}), _ids(), memory_budget=e.value.smallest_budget)
+    assert plan.cost.memory_per_device <= e.value.smallest_budget
+
+
+def test_parallelize_leaves_the_users_model_as_it_was_even_after_training():
+    model = _gpt()
+    before = _state(model)
+    with fake_world(2), _compat.local_tensor_mode(2):
+        pm = autopar.parallelize(model, autopar.Mesh({"tp": 2}), _ids())
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        pm(*pm.local_inputs(*_ids())).backward()
+        opt.step()
+    assert _same(before, _state(model))
+
+
+def test_a_plan_for_another_model_or_mesh_is_refused():
+    plan = autopar.plan(_gpt(), autopar.Mesh({"tp": 2}), _ids())
+    with fake_world(2):
+        with pytest.raises(autopar.PlanMismatchError, match="different graph"):
+            autopar.parallelize(_gpt(n_layer=3), autopar.Mesh({"tp": 2}), _ids(), plan=plan)
+        with pytest.raises(autopar.PlanMismatchError, match="mesh"):
+            autopar.parallelize(_gpt(), autopar.Mesh({"dp": 2}), _ids(), plan=plan)
+
+
+def test_wrong_input_shapes_are_explained():
+    with fake_world(2), _compat.local_tensor_mode(2):
+        pm = autopar.parallelize(_gpt(), autopar.Mesh({"dp": 2}), _ids())
+        with pytest.raises(autopar.AutoparError, match="local_inputs"):
+            pm(*_ids())  # the global batch, not this rank's share
+
+
+def test_bad_mesh_and_hardware():
+    with pytest.raises(autopar.MeshError, match="positive"):
+        autopar.Mesh({"tp": 0})
+    with pytest.raises(autopar.MeshError, match="known presets"):
+        autopar.Mesh({"tp": 2}, hardware="tpu-v9")
+    with pytest.raises(autopar.AutoparError, match="S\\(<dim>\\)"):
+        autopar.Spec.parse("X(1)")

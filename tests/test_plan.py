@@ -1,0 +1,80 @@
+"""The Plan prints, explains, diffs, and round-trips through versioned JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import autopar
+from models.gpt import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def plans():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    x = torch.randint(0, 64, (4, 16))
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, hardware="h100-80gb")
+    auto = autopar.plan(model, mesh, (x, x))
+    pinned = autopar.plan(model, mesh, (x, x), constraints=[("h.*.mlp.c_fc.weight", "RS(1)")])
+    return auto, pinned
+
+
+def test_json_round_trip_is_exact(plans):
+    auto, _ = plans
+    text = auto.to_json()
+    again = autopar.Plan.from_json(text)
+    assert again.to_json() == text
+    assert again.nodes == auto.nodes and again.cost == auto.cost and again.mesh == auto.mesh
+    d = json.loads(text)
+    assert d["format"] == "autopar.plan" and d["version"] == 1
+
+
+def test_json_errors_are_clear(plans):
+    auto, _ = plans
+    with pytest.raises(autopar.AutoparError, match="invalid JSON"):
+        autopar.Plan.from_json("{not json")
+    with pytest.raises(autopar.AutoparError, match="not an autopar plan"):
+        autopar.Plan.from_json("{}")
+    d = json.loads(auto.to_json())
+    d["version"] = 99
+    with pytest.raises(autopar.PlanMismatchError, match="version 99"):
+        autopar.Plan.from_json(json.dumps(d))
+
+
+def test_cost_fields(plans):
+    auto, _ = plans
+    c = auto.cost
+    assert c.step_time > 0 and 0 < c.mfu < 1 and c.memory_per_device > 0
+    assert set(c.comm_bytes) == {"dp", "tp"}
+    assert c.step_time == pytest.approx(c.compute_time + c.comm_time)
+    assert c.comm_time == pytest.approx(sum(x.seconds for x in auto.collectives()))
+    for col in auto.collectives():
+        assert col.kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all") and col.axis in ("dp", "tp")
+        assert col.phase in ("forward", "backward") and col.bytes > 0
+
+
+def test_table_names_blocks_ops_and_costs(plans):
+    auto, _ = plans
+    t = auto.table()
+    assert "mesh dp=2 x tp=2 on h100-80gb" in t and "MFU" in t
+    assert "[h.0] x2" in t and "h.0.attn.c_attn.weight" in t and "linear" in t
+    assert "h.1.attn.c_attn.weight" not in t  # tied copies are shown once
+
+
+def test_explain_shows_alternatives_priced_in_context(plans):
+    auto, _ = plans
+    text = auto.explain("h.0.mlp.c_fc")
+    assert "h.0.mlp.c_fc:linear" in text and "<- chosen" in text and "h.0.mlp.c_fc.weight" in text
+    assert "chosen: " + str(auto.nodes["linear_2"].strategy) in text
+    with pytest.raises(autopar.AutoparError, match="no node, parameter or module"):
+        auto.explain("nope")
+
+
+def test_diff_lists_changed_strategies(plans):
+    auto, pinned = plans
+    d = auto.diff(pinned)
+    assert "h.0.mlp.c_fc.weight" in d and "step time" in d
+    assert auto.diff(auto).splitlines()[0].startswith("step time")

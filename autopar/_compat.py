@@ -29,9 +29,10 @@ def reduce_scatter_dim0(x: torch.Tensor, n: int, group_name: str) -> torch.Tenso
     return wait(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", n, group_name))
 
 
-def all_to_all_dim0(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Equal-split all-to-all along dim 0 (chunk j goes to the group's rank j)."""
-    return wait(_c10d.all_to_all_single(x.contiguous(), None, None, group_name))
+def all_to_all_dim0(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+    """Equal-split all-to-all along dim 0 over a group of ``n`` (chunk j goes to the group's rank j)."""
+    splits = [x.shape[0] // n] * n
+    return wait(_c10d.all_to_all_single(x.contiguous(), splits, splits, group_name))
 
 
 # LocalTensorMode: many ranks in one process, with the exact values of each

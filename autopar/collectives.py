@@ -66,7 +66,7 @@ def _scatter(x: torch.Tensor, dim: int, n: int, group: str) -> torch.Tensor:
 
 def _a2a(x: torch.Tensor, split_dim: int, cat_dim: int, n: int, group: str) -> torch.Tensor:
     inp = torch.stack(x.chunk(n, dim=split_dim), 0)
-    out = _compat.all_to_all_dim0(inp, group)
+    out = _compat.all_to_all_dim0(inp, n, group)
     return torch.cat(out.unbind(0), dim=cat_dim)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import sys
 
 import torch
@@ -48,9 +49,39 @@ def case(name: str, axes: dict, pins) -> tuple[float, float, float]:
     return dl, dg, dp
 
 
+def redistributions(axes: dict) -> int:
+    """Every (src, dst) pair of R / S(0) / S(1) / S(2) Specs, run with real collectives; returns pairs checked."""
+    import itertools
+
+    from autopar.redistribute import redistribute
+    from autopar.runtime import shard_of
+    from autopar.spec import R, S, Spec
+    from tests.test_redistribute import axes_of, run_step
+
+    mesh = autopar.Mesh(axes)
+    runtime = axes_of(mesh)
+    shape = (4, 8, 12)
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    specs = [Spec(c) for c in itertools.product(*[(R, S(0), S(1), S(2))] * mesh.ndim)]
+    n = 0
+    for src in specs:
+        for dst in specs:
+            x = shard_of(full, src, mesh, dist.get_rank())
+            for step in redistribute(src, dst, shape, mesh.sizes):
+                x = run_step(x, step, runtime)
+            want = shard_of(full, dst, mesh, dist.get_rank())
+            if not torch.equal(x, want):
+                raise AssertionError(f"rank {dist.get_rank()}: {src} -> {dst} gives a wrong local tensor")
+            n += 1
+    return n
+
+
 def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world = dist.get_world_size()
+    pairs = redistributions({"dp": 2, "tp": world // 2} if world > 2 else {"dp": 2})
+    if dist.get_rank() == 0:
+        print(f"REDISTRIBUTE {pairs}", flush=True)
     meshes = [{"dp": 2}, {"tp": 2}] if world == 2 else [{"tp": 4}, {"dp": 2, "tp": 2}]
     for axes in meshes:
         for name in ("gpt", "llama"):

@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _launch(nproc: int) -> list[list[str]]:
+def _launch(nproc: int) -> list[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -21,12 +21,15 @@ def _launch(nproc: int) -> list[list[str]]:
            f"--master-port={port}", "-m", "tests.gloo_worker"]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("PARITY")]
+    return out.stdout.splitlines()
 
 
 @pytest.mark.parametrize("nproc,expected", [(2, 6), (4, 8)])
 def test_real_gloo_processes_match_single_device(nproc, expected):
-    rows = _launch(nproc)
+    lines = _launch(nproc)
+    # every redistribution between R / S(d) layouts, through real all-gathers, all-to-alls and chunks
+    assert f"REDISTRIBUTE {16 * 16 if nproc == 4 else 16}" in lines
+    rows = [line.split()[1:] for line in lines if line.startswith("PARITY")]
     assert len(rows) == expected, rows
     for name, mesh, variant, dl, dg, dp in rows:
         assert max(float(dl), float(dg), float(dp)) <= 1e-5, (name, mesh, variant, dl, dg, dp)

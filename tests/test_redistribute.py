@@ -25,7 +25,7 @@ from autopar import Mesh, _compat, collectives
 from autopar.cost import collective_time, price_steps, wire_bytes
 from autopar.redistribute import Step, redistribute
 from autopar.runtime import shard_of
-from autopar.spec import P, R, S, Partial, Replicate, Shard, Spec
+from autopar.spec import P, R, S, Partial, Replicate, Spec
 
 PLACEMENTS = (R, P, S(0), S(1), S(2))
 DTYPE = torch.float64

@@ -116,11 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--nproc", type=int, default=4)
     d.add_argument("--steps", type=int, default=5)
     args = ap.parse_args(argv)
-    if args.cmd == "plan":
-        return cmd_plan(args)
-    if args.cmd == "demo":
-        return cmd_demo(args)
-    return cmd_main(args)
+    from autopar.errors import AutoparError
+
+    try:
+        if args.cmd == "plan":
+            return cmd_plan(args)
+        if args.cmd == "demo":
+            return cmd_demo(args)
+        return cmd_main(args)
+    except AutoparError as e:
+        print(f"autopar: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ strategies are simple, with the same values as the original:
 - ``mean(x, dims)``            -> ``sum(x, dims) / numel``  (a mean over a sharded dim is a partial sum)
 - ``cross_entropy(..., mean)`` -> ``cross_entropy(..., sum) / count(target != ignore_index)``
 - ``mse_loss / l1_loss(..., mean)`` -> ``...(..., sum) / numel``
+- ``squeeze(x)``                -> ``squeeze(x, dims of size 1)``  (on local shapes, a split dim may have size 1)
 - ``dropout(x, p=0)``          -> ``x``
 
 Nothing here touches the user's model: export reads it, the parameters stay where they are.
@@ -183,6 +184,10 @@ def _canonicalize(gm: fx.GraphModule) -> None:
             for u in users:
                 u.replace_input_with(node, div)
             g.erase_node(node)
+        elif node.target == aten.squeeze.default:
+            shape = tuple(node.args[0].meta["val"].shape)
+            node.target = aten.squeeze.dims
+            node.args = (node.args[0], [d for d, n in enumerate(shape) if n == 1])
         elif node.target == aten.dropout.default and float(node.args[1]) == 0.0:
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)

@@ -7,13 +7,10 @@ Out: a Plan, or a ParallelModule ready to train on this rank. The user's model i
 
 from __future__ import annotations
 
-import contextlib
 
-import torch
 import torch.distributed as dist
 
 import passes
-from autopar import _compat
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.mesh import Mesh
 from autopar.plan import Plan

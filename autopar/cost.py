@@ -28,7 +28,7 @@ import torch
 from autopar.hardware import Link
 from autopar.mesh import Mesh
 from autopar.redistribute import Step, redistribute
-from autopar.spec import Partial, Replicate, Spec, Strategy
+from autopar.spec import Replicate, Spec, Strategy
 from autopar.strategies import OpInfo, TensorMeta
 
 aten = torch.ops.aten

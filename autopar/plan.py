@@ -13,7 +13,6 @@ kept beside the plan (``plan.timings``), not in its JSON.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 
 import tabulate as _tabulate
@@ -131,39 +130,45 @@ class Plan:
         )
 
     def table(self, *, views: bool = False) -> str:
-        """Chosen Specs per block and op, with predicted time, memory and the collectives each op's inputs need."""
+        """Chosen Specs per block and op, with predicted time, memory and the collectives each op's inputs need.
+
+        A repeated block is shown once, as its representative copy; views are left out unless ``views`` (or they
+        need a collective).
+        """
         by_node: dict[str, list[Collective]] = {}
         for col in self.collective_list:
             by_node.setdefault(col.where.split(" <- ")[0], []).append(col)
-        tied = {b: t for b, t in self.blocks if t is not None}
         copies: dict[str, int] = {}
         for b, t in self.blocks:
             copies[t or b] = copies.get(t or b, 0) + 1
+        view_ops = {str(v) for v in VIEW_OPS} | {"<built-in function getitem>"}
+        placeholder = ("param", "buffer", "constant", "input")
+
+        def colstr(cols: list[Collective]) -> str:
+            s = "; ".join(f"{c.phase[0]}:{c.kind}({c.axis}) {_fmt_bytes(c.bytes)}" for c in cols[:4])
+            return s + (" ..." if len(cols) > 4 else "")
+
         rows, shown_block = [], None
         for n in self.nodes.values():
-            if n.rep != n.name:
+            cols = by_node.get(n.name, [])
+            if n.rep != n.name or (not views and n.op in view_ops and not cols):
                 continue
-            if not views and n.op.split(".")[-2:-1] and _is_view(n.op):
-                if n.path not in by_node and n.name not in by_node:
-                    continue
             block = _block_of(n.path, copies)
             if block != shown_block and block is not None:
                 rows.append([f"[{block}] x{copies[block]} (tied copies share this plan)" if copies[block] > 1 else f"[{block}]", "", "", "", "", ""])
                 shown_block = block
-            cols = by_node.get(n.name, []) + (by_node.get(n.path, []) if n.path != n.name else [])
-            colstr = "; ".join(f"{c.phase[0]}:{c.kind}({c.axis}) {_fmt_bytes(c.bytes)}" for c in cols[:4]) + (" ..." if len(cols) > 4 else "")
-            rows.append([n.path, _short_op(n.op), str(n.strategy) if n.op not in ("param", "buffer", "constant", "input") else str(n.strategy.output),
-                         f"{n.time * 1e3:.4f}", _fmt_bytes(n.memory), colstr])
+            what = str(n.strategy.output) if n.op in placeholder else str(n.strategy)
+            rows.append([n.path, _short_op(n.op), what, f"{n.time * 1e3:.4f}", _fmt_bytes(n.memory), colstr(cols)])
         for b in self.grad_buckets:
-            cols = by_node.get(b.name, [])
-            rows.append([b.name, "grad sync", f"{len(b.params)} params", "", "",
-                         "; ".join(f"b:{c.kind}({c.axis}) {_fmt_bytes(c.bytes)}" for c in cols)])
-        head = self.summary()
+            block = b.name[len("grads["):].split("]")[0]
+            if block in copies or block == "rest":
+                label = f"{b.name} x{copies[block]}" if copies.get(block, 1) > 1 else b.name
+                rows.append([label, "grad sync", f"{len(b.params)} params", "", "", colstr(by_node.get(b.name, []))])
         t = _tabulate.tabulate(rows, headers=["node", "op", "strategy / spec", "ms", "memory", "collectives (f/b)"], tablefmt="simple")
         phases = ""
         if self.timings:
             phases = "\nplanning: " + ", ".join(f"{k} {v:.2f}s" if k != "ilp variables" else f"{k} {v:.0f}" for k, v in self.timings.items())
-        return head + "\n" + t + phases
+        return self.summary() + "\n" + t + phases
 
     def explain(self, name: str) -> str:
         """The chosen strategy of a node, parameter or module, against its alternatives, each priced in context."""
@@ -263,10 +268,6 @@ class Plan:
             cost=PlanCost(c["step_time"], c["mfu"], c["memory_per_device"], dict(c["comm_bytes"]), c["compute_time"], c["comm_time"], c["model_flops"]),
             solver_status=d.get("solver_status", "optimal"),
         )
-
-
-def _is_view(op: str) -> bool:
-    return any(op == f"aten.{str(v).split('aten.')[-1]}" or op == str(v) for v in VIEW_OPS) or op.endswith("getitem")
 
 
 def _short_op(op: str) -> str:

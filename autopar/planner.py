@@ -9,7 +9,6 @@ destination Spec) exactly as ``passes/insert_collectives.py`` will emit it.
 from __future__ import annotations
 
 import math
-import operator
 import time
 
 import torch

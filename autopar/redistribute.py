@@ -109,8 +109,11 @@ def redistribute(src: Spec, dst: Spec, shape: tuple[int, ...], sizes: tuple[int,
         if not isinstance(p, Shard) or (p == dst[a] and not redo[a]):
             continue
         q = dst[a]
-        others = [cur[b] for b in range(n_axes) if b != a] + [dst[b] for b in range(n_axes) if b != a]
-        if isinstance(q, Shard) and q.dim != p.dim and not redo[a] and not any(_dims(o) & {p.dim, q.dim} for o in others):
+        # an all-to-all keeps the nesting right when every outer axis that splits either dim keeps its split
+        # (inner axes that split them were gathered above: they are marked to redo)
+        moved = {p.dim, q.dim} if isinstance(q, Shard) else set()
+        outer_ok = all(src[b] == dst[b] or not (moved & (_dims(src[b]) | _dims(dst[b]))) for b in range(a))
+        if isinstance(q, Shard) and q.dim != p.dim and not redo[a] and outer_ok:
             emit("all_to_all", a, q.dim, p.dim)
             cur[a] = q
         else:

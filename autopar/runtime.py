@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar import _compat, collectives
-from autopar.errors import AutoparError, MeshError, PlanMismatchError
+from autopar.errors import AutoparError, PlanMismatchError
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.spec import Shard, Spec

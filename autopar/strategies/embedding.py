@@ -13,7 +13,7 @@ R = Replicate()
 
 @register(aten.embedding.default)
 def embedding(info: OpInfo) -> list[Option]:
-    w, ids = info.inputs[0], info.inputs[1]
+    ids = info.inputs[1]
     opts = [Option((R, Shard(d)), Shard(d)) for d in range(ids.ndim)]
     opts.append(Option((Shard(1), R), Shard(info.out.ndim - 1)))
     return opts

@@ -2,8 +2,9 @@
 
 In: a Mesh (axis sizes, links, hardware), node metadata (local shapes follow from the Strategy), and which
 values need gradients.
-Out: ``NodeCost`` per (node, Strategy): compute seconds (forward + backward), communication seconds (gradient
-synchronisation of parameters), memory bytes per device (parameters + gradients + AdamW state, activations kept
+Out: ``NodeCost`` per (node, Strategy): compute seconds (forward + backward), communication seconds (a
+parameter's share of its gradient bucket's all-reduces: bandwidth only, the bucket pays the latency once, see
+planner), memory bytes per device (parameters + gradients + AdamW state, activations kept
 for backward); ``edge_time`` per (tensor, source Spec, destination Spec): the seconds of the redistribution steps,
 forward and, when the tensor carries a gradient, their transposes in backward.
 

@@ -28,6 +28,8 @@ The ILP (OR-Tools, HiGHS; SCIP or CBC when HiGHS is missing) over the remaining 
   batch split on a: ``sum_{spec[a] = P} z[k, spec] <= sum_{s: input spec(s)[a] is a split} x[input, s]``.
 - Tied inputs: user inputs of equal rank take the same Spec (a sampler splits all of them alike).
 - Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters).
+- A parameter's gradient all-reduce is priced by its bandwidth alone: the planner buckets gradients per block,
+  and a bucket pays the latency once (the plan's step time includes it; the objective leaves it out).
 - Objective: ``min sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]`` (time
   includes followers, their forced redistributions, folded parameters; times in microseconds, memory in MB) +
   a tie-breaker of 1e-9 s per MB: of two plans equally fast, the one with less memory.

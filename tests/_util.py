@@ -51,7 +51,7 @@ def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(),
                 ref_loss.backward()
                 shares = _compat.local_values(loss.detach())
                 mean = sum(float(v) for v in shares.values()) / len(shares)
-                out["loss"] = max(out["loss"], abs(mean - float(ref_loss)))
+                out["loss"] = max(out["loss"], abs(mean - ref_loss.item()))
                 for k, p in reference.named_parameters():
                     out["grad"] = max(out["grad"], float((grads[k] - p.grad).abs().max()))
             opt.step()

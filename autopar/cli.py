@@ -90,8 +90,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_main(_args) -> int:
-    print("== 1. Plan Llama-3-8B on one node of 8 x H100 (dp=2 x tp=4), global batch 8 x 4096 tokens, bf16 ==", flush=True)
-    rc = cmd_plan(argparse.Namespace(model="llama3-8b", mesh="dp=2,tp=4", hardware="h100-80gb", batch=8, seq=4096,
+    print("== 1. Plan Llama-3-8B on one node of 8 x H100 (dp=4 x tp=2), global batch 4 x 4096 tokens, bf16 ==", flush=True)
+    rc = cmd_plan(argparse.Namespace(model="llama3-8b", mesh="dp=4,tp=2", hardware="h100-80gb", batch=4, seq=4096,
                                      dtype="bf16", memory_budget=None, json=None, explain="layers.0.attention.wq"))
     if rc:
         return rc

@@ -69,9 +69,9 @@ class Mesh:
         return self.hardware.inter_node if self.spans_nodes(axis) else self.hardware.intra_node
 
     def role(self, axis: "str | int") -> str | None:
-        """What the axis name promises: "data" for dp* axes (each rank gets its share of the batch there), "model"
-        for tp / cp / sp / ep / pp / mp axes (every rank of the axis sees the same batch), None for other names (the
-        solver chooses)."""
+        """What the axis name promises: "data" for dp* axes (each rank gets its share of the batch there and holds
+        whole weights), "model" for tp / cp / sp / ep / pp / mp axes (every rank of the axis sees the same batch),
+        None for other names (the solver chooses)."""
         name = self.names[self.axis_index(axis)]
         if name.startswith("dp") or name in ("fsdp", "ddp", "hsdp"):
             return "data"

@@ -182,7 +182,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             cands[n.name], costs[n.name] = cands[rep], costs[rep]
         elif n.op == "placeholder":
             cs = candidates(n, sizes, pk, tuple(mesh.role(a) for a in range(mesh.ndim)))
-            if not cs:
+            if not cs and pk == INPUT:
                 dp = " x ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in range(mesh.ndim) if mesh.role(a) == "data")
                 raise ShardingError(
                     f"input {n.name!r} has batch dim {meta[n.name].shape[0] if meta[n.name].shape else 0}, which does not divide over "
@@ -237,7 +237,9 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
         for s in range(len(cands[r])):
             want = problem.strategy(user, s).inputs[slot]
             stored = Spec(tuple(Replicate() if isinstance(q, Partial) else q for q in want.placements))
-            d.append(specs.index(stored))
+            if stored not in specs:  # e.g. split on a data axis, where weights stay whole: store it whole there
+                stored = Spec(tuple(q if mesh.role(a) != "data" else Replicate() for a, q in enumerate(stored.placements)))
+            d.append(specs.index(stored) if stored in specs else specs.index(Spec.replicated(mesh.ndim)))
         problem.derived[p] = d
     problem.timings["strategies"] = time.perf_counter() - t0
     return problem

@@ -11,8 +11,9 @@ does: sharding on different axes composes), adds the always-valid replicated opt
 whose sharded dims do not divide by their axes. Ops without a rule run replicated.
 
 Placeholders are not ops: parameters, buffers and constants may take any Spec of ``R`` / ``S(d)``; the user's
-inputs take ``R`` or ``S(0)`` (the batch dim) per axis, as a sampler would hand them out: ``S(0)`` on axes named
-as data axes (``dp``...), ``R`` on axes named as model axes (``tp``...), either on other axes.
+inputs take ``R`` or ``S(0)`` (the batch dim) per axis, as a sampler would hand them out. Axis names carry roles:
+on a data axis (``dp``...) inputs are ``S(0)`` and weights ``R``; on a model axis (``tp``...) inputs are ``R``;
+other names leave both to the solver.
 """
 
 from __future__ import annotations
@@ -155,11 +156,15 @@ def placeholder_candidates(meta: TensorMeta, sizes: tuple[int, ...], is_input: b
     choices: list[Placement] = [R] + [Shard(d) for d in dims]
     per_axis = []
     for a, n in enumerate(sizes):
-        role = roles[a] if (is_input and roles) else None
-        if n == 1 or role == "model" or (role == "data" and meta.ndim == 0):
+        role = roles[a] if roles else None
+        if n == 1:
             per_axis.append([R])
-        elif role == "data":
+        elif is_input and role == "model" or (is_input and role == "data" and meta.ndim == 0):
+            per_axis.append([R])
+        elif is_input and role == "data":
             per_axis.append([Shard(0)])
+        elif not is_input and role == "data":
+            per_axis.append([R])  # a data axis replicates the weights (sharding their storage is ZeRO's job)
         else:
             per_axis.append(choices)
     out = []

@@ -8,7 +8,6 @@ Out: a Plan, or a ParallelModule ready to train on this rank. The user's model i
 from __future__ import annotations
 
 
-import torch.distributed as dist
 
 import passes
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
@@ -59,17 +58,7 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
 def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory_budget: float | None = None, constraints=()) -> ParallelModule:
     """Plan (or take ``plan``), rewrite the model into this rank's program, and wrap it in a ParallelModule."""
     mesh = _as_mesh(mesh)
-    if not dist.is_initialized():
-        raise MeshError(
-            f"parallelize needs torch.distributed: launch with `torchrun --nproc-per-node {mesh.size} your_script.py` "
-            "and call torch.distributed.init_process_group(...) first (for planning alone, use autopar.plan)"
-        )
-    world = dist.get_world_size()
-    if world != mesh.size:
-        raise MeshError(
-            f"rank {dist.get_rank()}: mesh {mesh} has {mesh.size} devices but torch.distributed has world size {world}; "
-            f"make the axis sizes multiply to {world} or launch {mesh.size} processes"
-        )
+    mesh.to_device_mesh()  # checks the process group and its world size before any work
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AutoparError("parallelize needs the model's real weights (it is on the meta device); build it on cpu, or use autopar.plan to plan only")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -86,6 +75,5 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
             if plan.mesh != mesh:
                 raise PlanMismatchError(f"the plan was made for mesh {plan.mesh}, not {mesh}; re-plan for this mesh")
             the_plan = plan
-        mesh.to_device_mesh()
         gm = passes.run_all(tg.gm, the_plan, mesh)
     return ParallelModule(tg, the_plan, gm, mesh, model)

@@ -126,8 +126,8 @@ class Mesh:
 
         if not dist.is_initialized():
             raise MeshError(
-                f"mesh {self} needs a process group: launch with torchrun --nproc-per-node {self.size} "
-                "(or call torch.distributed.init_process_group) before parallelize()"
+                f"mesh {self} needs a process group: launch with `torchrun --nproc-per-node {self.size} your_script.py` "
+                "and call torch.distributed.init_process_group(...) before parallelize() (to plan only, use autopar.plan)"
             )
         world = dist.get_world_size()
         if world != self.size:

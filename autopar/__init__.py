@@ -10,11 +10,11 @@ from autopar.hardware import PRESETS, Hardware, Link
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule
-from autopar.solver import Pin
+from autopar.solver import Pin, ZeroPin
 from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 
 __all__ = [
-    "parallelize", "plan", "Mesh", "Plan", "ParallelModule", "Pin", "Spec", "Strategy", "Shard", "Replicate",
+    "parallelize", "plan", "Mesh", "Plan", "ParallelModule", "Pin", "ZeroPin", "Spec", "Strategy", "Shard", "Replicate",
     "Partial", "Hardware", "Link", "PRESETS", "AutoparError", "TraceError", "MeshError", "ShardingError",
     "InfeasibleError", "PlanMismatchError",
 ]

@@ -76,3 +76,10 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+
+
+def fake_mode():
+    """A FakeTensorMode: tensors with shapes and dtypes but no storage (for probing what an op saves)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()

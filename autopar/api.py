@@ -15,7 +15,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.planner import make_plan
 from autopar.runtime import ParallelModule
-from autopar.solver import Pin
+from autopar.solver import Pin, ZeroPin
 from autopar.trace import trace
 
 
@@ -24,12 +24,15 @@ def _pins(constraints) -> list[Pin]:
         return [Pin(k, v) for k, v in constraints.items()]
     out = []
     for c in constraints or ():
-        if isinstance(c, Pin):
+        if isinstance(c, (Pin, ZeroPin)):
             out.append(c)
         elif isinstance(c, (tuple, list)) and len(c) == 2:
             out.append(Pin(str(c[0]), str(c[1])))
         else:
-            raise AutoparError(f"constraint {c!r} is not understood; use autopar.Pin('<fqn or node>', 'S(0)R') or a (target, spec) pair")
+            raise AutoparError(
+                f"constraint {c!r} is not understood; use autopar.Pin('<fqn or node>', 'S(0)R'), a (target, spec) pair, "
+                "or autopar.ZeroPin('<group>', stage)"
+            )
     return out
 
 

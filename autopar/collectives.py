@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from dataclasses import dataclass
 
 import torch
@@ -246,3 +247,97 @@ def output_scale(x, fwd: float, bwd: float):
 
 
 COLLECTIVE_OPS = (all_gather, reduce_scatter, all_reduce, all_to_all)
+
+
+# --- ZeRO: flat shards of parameters, gathered for use, gradients reduce-scattered back ---------------------------
+# A ZeRO-sharded parameter is stored as a flat chunk of its local tensor; with several shard axes the chunk index is
+# row-major over them (outer axis slowest). ``levels`` lists (axis, size, group) innermost first: gathering over the
+# innermost axis rebuilds a contiguous block of the outer chunk, and so on outwards.
+def gather_flat(segments: list[torch.Tensor], levels, phase: str) -> list[torch.Tensor]:
+    """All-gather a bucket of flat shards level by level (one collective per level for the whole bucket)."""
+    for axis, n, group in levels:
+        sizes = [s.numel() for s in segments]
+        buf = torch.cat(segments) if len(segments) > 1 else segments[0].contiguous()
+        out = _compat.all_gather_dim0(buf, n, group)
+        _note("all_gather", axis, out, phase)
+        rows = out.view(n, buf.numel())
+        segments, pos = [], 0
+        for k in sizes:  # each rank's piece of segment i, in rank order, is the next block of segment i
+            segments.append(rows[:, pos : pos + k].reshape(-1))
+            pos += k
+    return segments
+
+
+def scatter_flat(fulls: list[torch.Tensor], levels, reduce) -> list[torch.Tensor]:
+    """Transpose of ``gather_flat``: reduce-scatter full flat gradients outermost level first, then all-reduce the
+    shards over ``reduce`` ((axis, group) pairs)."""
+    for axis, n, group in reversed(levels):
+        sizes = [f.numel() // n for f in fulls]
+        buf = torch.cat([f.reshape(n, k) for f, k in zip(fulls, sizes)], dim=1).reshape(-1)
+        _note("reduce_scatter", axis, buf, "backward")
+        out = _compat.reduce_scatter_dim0(buf, n, group)
+        fulls, pos = [], 0
+        for k in sizes:
+            fulls.append(out[pos : pos + k])
+            pos += k
+    if reduce:
+        buf = torch.cat(fulls) if len(fulls) > 1 else fulls[0]
+        for axis, group in reduce:
+            _note("all_reduce", axis, buf, "backward")
+            buf = _compat.all_reduce_sum(buf, group)
+        sizes = [f.numel() for f in fulls]
+        fulls, pos = [], 0
+        for k in sizes:
+            fulls.append(buf[pos : pos + k])
+            pos += k
+    return fulls
+
+
+class _ZeroGather(torch.autograd.Function):
+    """Shards -> whole local parameters (forward); whole gradients -> shard gradients (backward, once every
+    gradient of the bucket is ready)."""
+
+    @staticmethod
+    def forward(ctx, shapes, levels, reduce, *shards):
+        ctx.args = (shapes, levels, reduce)
+        ctx.set_materialize_grads(False)
+        fulls = gather_flat(list(shards), levels, "forward")
+        return tuple(f.view(shape) for f, shape in zip(fulls, shapes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        shapes, levels, reduce = ctx.args
+        like = next(g for g in grads if g is not None)
+        full = [g.reshape(-1) if g is not None else like.new_zeros(math.prod(s)) for g, s in zip(grads, shapes)]
+        return (None, None, None) + tuple(scatter_flat(full, levels, reduce))
+
+
+class _Zero3Linear(torch.autograd.Function):
+    """``linear(x, gather(w_shard), b)`` that keeps only the shard: the weight is gathered again in backward."""
+
+    @staticmethod
+    def forward(ctx, x, w_shard, b, shape, levels):
+        ctx.args = (shape, levels, b is not None)
+        w = gather_flat([w_shard], levels, "forward")[0].view(shape)
+        ctx.save_for_backward(x, w_shard)
+        return torch.nn.functional.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        shape, levels, has_b = ctx.args
+        x, w_shard = ctx.saved_tensors
+        w = gather_flat([w_shard], levels, "backward")[0].view(shape)
+        gx = g @ w
+        gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        gb = g.reshape(-1, g.shape[-1]).sum(0) if has_b else None
+        return gx, scatter_flat([gw.reshape(-1)], levels, ())[0], gb, None, None
+
+
+def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple):
+    """A ZeRO bucket: all-gather the shards into whole local parameters; backward reduce-scatters (and all-reduces
+    over ``reduce``) their gradients."""
+    return _ZeroGather.apply(shapes, levels, reduce, *shards)
+
+
+def zero3_linear(x, w_shard, b, shape: tuple, levels: tuple):
+    return _Zero3Linear.apply(x, w_shard, b, shape, levels)

@@ -14,8 +14,11 @@ Models:
 - collectives: alpha-beta on the axis's link, ring algorithms; ``wire`` bytes per device are
   all-reduce 2(n-1)/n B, all-gather and reduce-scatter (n-1)/n B, all-to-all (n-1)/n B (B = the full buffer).
 - inputs: each rank loads its share of the batch at the host-to-device bandwidth.
-- memory: per parameter element ``2 * itemsize + 8`` bytes (value, gradient, AdamW's two fp32 moments);
-  activations: the local output of every op that is not a view, when it needs a gradient.
+- memory, in three kinds: state held all step (parameters and AdamW state: two moments in the parameter's
+  dtype, or for 16-bit parameters the ZeRO paper's 12 bytes of fp32 master copy and moments; buffers; inputs),
+  gradients, and activations kept for backward (what autograd saves, found by running each op once on fake
+  tensors: kept outputs, scaled to the local share, and the op's own kept intermediates). The peak of a step
+  is state + max(activations, gradients): activations peak as backward starts, gradients as it ends.
 """
 
 from __future__ import annotations
@@ -33,9 +36,6 @@ from autopar.spec import Replicate, Spec, Strategy
 from autopar.strategies import OpInfo, TensorMeta
 
 aten = torch.ops.aten
-
-ADAM_STATE_BYTES = 8  # two fp32 moments per parameter element
-
 
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -129,12 +129,81 @@ def op_flops(target, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]) ->
 class NodeCost:
     compute: float  # seconds, forward + backward
     comm: float  # seconds of communication the node itself owns (gradient sync of a parameter)
-    memory: float  # bytes per device
+    state: float  # bytes per device held all step: parameters, optimizer state, buffers, inputs
+    grad: float  # bytes per device of gradients (they exist by the end of backward)
+    act: float  # bytes per device kept for backward (they exist at the start of backward)
     flops: float  # forward + backward FLOPs on this device
 
     @property
     def time(self) -> float:
         return self.compute + self.comm
+
+    @property
+    def memory(self) -> float:
+        """Everything this node owns, summed (the plan's peak is not this sum: see ``peak_memory``)."""
+        return self.state + self.grad + self.act
+
+
+def optimizer_bytes(dtype: torch.dtype) -> int:
+    """AdamW's bytes per parameter element: two moments in the parameter's dtype, or, for a 16-bit parameter
+    trained in mixed precision, an fp32 master copy and two fp32 moments (the ZeRO paper's 12)."""
+    isz = itemsize(dtype)
+    return 2 * isz if isz >= 4 else 12
+
+
+def peak_memory(state: float, grad: float, act: float, transient: float = 0.0) -> float:
+    """Per-device peak of a training step: activations peak at the start of backward, gradients at its end."""
+    return state + max(act, grad) + transient
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What an op keeps for its backward, on single-device shapes."""
+
+    inputs: frozenset  # tensor input slots whose values (or views of them) are kept
+    output: bool  # its own output is kept
+    internal: int  # bytes of tensors it creates only to keep (e.g. LayerNorm's mean and rstd)
+
+
+def probe_saved(target, args: tuple, kwargs: dict, requires_grad: tuple) -> Saved:
+    """Run the op once on fake tensors and record what autograd saves (no memory, no compute)."""
+    from torch.utils import _pytree as pytree
+
+    from autopar import _compat
+
+    with _compat.fake_mode():
+        made: list[torch.Tensor] = []
+
+        def fake(a):
+            if isinstance(a, TensorMeta):
+                t = torch.empty(a.shape, dtype=a.dtype)
+                if requires_grad[len(made)] and a.dtype.is_floating_point:
+                    t.requires_grad_(True)
+                made.append(t)
+                return t
+            return a
+
+        fargs, fkwargs = pytree.tree_map(fake, (list(args), dict(kwargs)), is_leaf=lambda a: isinstance(a, TensorMeta))
+        kept: list[torch.Tensor] = []
+
+        def pack(t):
+            kept.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = target(*fargs, **fkwargs)
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        inputs, output, internal = set(), False, 0
+        for t in kept:
+            base = t._base if t._base is not None else t
+            hit = next((i for i, m in enumerate(made) if base is m or t is m), None)
+            if hit is not None:
+                inputs.add(hit)
+            elif any(base is o or t is o for o in outs):
+                output = True
+            else:
+                internal += t.numel() * t.element_size()
+    return Saved(frozenset(inputs), output, internal)
 
 
 class CostModel:
@@ -144,7 +213,9 @@ class CostModel:
         self._edge = lru_cache(maxsize=None)(self._edge_uncached)
 
     # --- nodes ------------------------------------------------------------------------------------------------
-    def op(self, info: OpInfo, st: Strategy, requires_grad: bool) -> NodeCost:
+    def op(self, info: OpInfo, st: Strategy, requires_grad: bool, saved_output: bool = False, internal: float = 0.0) -> NodeCost:
+        """``saved_output``: some backward keeps this node's output; ``internal``: bytes the op keeps for itself
+        (both on single-device shapes; scaled here to this strategy's local share)."""
         sizes = self.mesh.sizes
         ins = [s.local_shape(m.shape, sizes) for s, m in zip(st.inputs, info.inputs)]
         outs = [st.output.local_shape(m.shape, sizes) for m in info.outputs]
@@ -161,20 +232,20 @@ class CostModel:
         bwd = 0.0
         if requires_grad:
             bwd = max(2 * flops / peak, 2 * moved / bw)
-        act = 0.0
-        if requires_grad and info.target not in VIEW_OPS:
-            act = float(sum(math.prod(o) for o in outs) * isz)
-        return NodeCost(fwd + bwd, 0.0, act, flops * (3 if requires_grad and heavy else 1))
+        local_out = sum(math.prod(o) for o in outs)
+        global_out = sum(math.prod(m.shape) for m in info.outputs) or 1
+        act = (local_out * isz if saved_output else 0.0) + internal * local_out / global_out
+        return NodeCost(fwd + bwd, 0.0, 0.0, 0.0, float(act), flops * (3 if requires_grad and heavy else 1))
 
     def placeholder(self, meta: TensorMeta, spec: Spec, kind: str, trainable: bool) -> NodeCost:
         local = math.prod(spec.local_shape(meta.shape, self.mesh.sizes))
         isz = itemsize(meta.dtype)
         if kind == "param" and trainable:
             comm = grad_sync_bandwidth_time(spec, meta, self.mesh)
-            return NodeCost(0.0, comm, float(local * (2 * isz + ADAM_STATE_BYTES)), 0.0)
+            return NodeCost(0.0, comm, float(local * (isz + optimizer_bytes(meta.dtype))), float(local * isz), 0.0, 0.0)
         if kind == "input":  # each rank loads its share of the batch: a whole batch per rank costs more
-            return NodeCost(local * isz / self.hw.input_bandwidth, 0.0, float(local * isz), 0.0)
-        return NodeCost(0.0, 0.0, float(local * isz), 0.0)
+            return NodeCost(local * isz / self.hw.input_bandwidth, 0.0, float(local * isz), 0.0, 0.0, 0.0)
+        return NodeCost(0.0, 0.0, float(local * isz), 0.0, 0.0, 0.0)
 
     # --- edges ------------------------------------------------------------------------------------------------
     def _edge_uncached(self, shape: tuple[int, ...], dtype: torch.dtype, src: Spec, dst: Spec, requires_grad: bool) -> float:

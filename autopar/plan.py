@@ -45,6 +45,19 @@ class GradBucket:
 
 
 @dataclass(frozen=True)
+class ZeroBucket:
+    """Parameters stored as shards (ZeRO-1/2: gathered together at the start of the step and their gradients
+    reduce-scattered together; ZeRO-3: one parameter, gathered at each use), with the axes their shards are all-reduced
+    over after the reduce-scatter."""
+
+    name: str
+    stage: int
+    shard_axes: tuple[str, ...]
+    reduce_axes: tuple[str, ...]
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class NodePlan:
     name: str
     path: str  # module:node, or the parameter / buffer FQN
@@ -66,6 +79,7 @@ class PlanCost:
     compute_time: float
     comm_time: float
     model_flops: float  # per training step, whole model
+    memory_breakdown: dict = field(default_factory=dict)  # state / gradients / activations / transient bytes
 
 
 @dataclass
@@ -79,6 +93,8 @@ class Plan:
     collective_list: list[Collective]
     cost: PlanCost
     grad_buckets: list[GradBucket] = field(default_factory=list)
+    zero_buckets: list[ZeroBucket] = field(default_factory=list)
+    zero_stages: dict = field(default_factory=dict)  # parameter group -> [stage, [shard axes]]
     solver_status: str = "optimal"
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -225,6 +241,7 @@ class Plan:
                 "compute_time": self.cost.compute_time,
                 "comm_time": self.cost.comm_time,
                 "model_flops": self.cost.model_flops,
+                "memory_breakdown": self.cost.memory_breakdown,
             },
             "nodes": [
                 {
@@ -236,6 +253,8 @@ class Plan:
             ],
             "collectives": [[c.kind, c.axis, c.bytes, c.phase, c.where, c.seconds] for c in self.collective_list],
             "grad_buckets": [[b.name, list(b.axes), list(b.params)] for b in self.grad_buckets],
+            "zero_buckets": [[b.name, b.stage, list(b.shard_axes), list(b.reduce_axes), list(b.params)] for b in self.zero_buckets],
+            "zero_stages": self.zero_stages,
         }
         return json.dumps(d, indent=1)
 
@@ -265,7 +284,10 @@ class Plan:
             blocks=[(b, t) for b, t in d["blocks"]],
             collective_list=[Collective(*row) for row in d["collectives"]],
             grad_buckets=[GradBucket(b[0], tuple(b[1]), tuple(b[2])) for b in d.get("grad_buckets", [])],
-            cost=PlanCost(c["step_time"], c["mfu"], c["memory_per_device"], dict(c["comm_bytes"]), c["compute_time"], c["comm_time"], c["model_flops"]),
+            zero_buckets=[ZeroBucket(b[0], b[1], tuple(b[2]), tuple(b[3]), tuple(b[4])) for b in d.get("zero_buckets", [])],
+            zero_stages=d.get("zero_stages", {}),
+            cost=PlanCost(c["step_time"], c["mfu"], c["memory_per_device"], dict(c["comm_bytes"]), c["compute_time"], c["comm_time"],
+                          c["model_flops"], dict(c.get("memory_breakdown", {}))),
             solver_status=d.get("solver_status", "optimal"),
         )
 

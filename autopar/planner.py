@@ -13,11 +13,12 @@ import time
 
 import torch
 
-from autopar.cost import ATTENTION_OPS, MATMUL_OPS, CostModel, Priced, collective_time, grad_sync_axes, itemsize, op_flops, price_steps, wire_bytes
+from autopar.cost import ATTENTION_OPS, MATMUL_OPS, CostModel, Priced, collective_time, grad_sync_axes, itemsize, op_flops, peak_memory, price_steps, wire_bytes
 from autopar.mesh import Mesh
-from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost
+from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
-from autopar.solver import Choice, Pin, Problem, build_problem, solve
+from autopar.solver import Choice, Pin, Problem, build_problem, solve, zero_groups
+from autopar.zero import ZeroOption, eligible, gather_priced, param_cost, scatter_priced, shard_factor, zero3_uses
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info
 from autopar.trace import INPUT, PARAM, TracedGraph
@@ -65,21 +66,65 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         pr = cost.edge_priced(m, src, dst, problem.requires_grad.get(u, False))
         add(pr, f"{v} <- {u}")
         edge_seconds[v] = edge_seconds.get(v, 0.0) + sum(p.seconds for p in pr)
-    buckets: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    # parameters: gradient all-reduce buckets (ZeRO-0, and ZeRO-3 shards over the axes they do not shard) and
+    # ZeRO buckets (ZeRO-1/2: gathered at the start of forward, reduce-scattered in backward; ZeRO-3: per use)
+    zgroups = zero_groups(tg, problem.order)
+    state = grad = 0.0
+    transient = 0.0
+    by_zero: dict[tuple, list[str]] = {}
+    buckets: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}  # -> [(param, bytes to all-reduce)]
+    zero_of: dict[str, ZeroOption] = {}
     for name in problem.order:
-        if tg.kinds.get(name) == PARAM and name in tg.trainable:
-            axes = grad_sync_axes(strategy[name].output, mesh)
-            if axes:
-                fqn = tg.fqns[name]
-                block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "")
-                buckets.setdefault((block, axes), []).append(name)
+        if name not in zgroups:
+            continue
+        g, copies, gparams = zgroups[name]
+        spec, meta = strategy[name].output, problem.meta[name]
+        opt = choice.zero.get(g, ZeroOption(0))
+        if not eligible(opt, spec, meta, mesh):
+            opt = ZeroOption(0)
+        zero_of[name] = opt
+        zc = param_cost(opt, spec, meta, mesh)
+        state += zc.state - problem.costs[name][choice.index[name]].state
+        grad += zc.grad - problem.costs[name][choice.index[name]].grad
+        fqn = tg.fqns[name]
+        block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "")
+        local = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
+        n = shard_factor(opt, mesh)
+        rest = tuple(a for a in grad_sync_axes(spec, mesh) if a not in opt.shard_axes)
+        if opt.stage in (1, 2):
+            key = (opt.stage, opt.shard_axes, rest, block if opt.stage == 2 else "")
+            by_zero.setdefault(key, []).append(name)
+        elif rest:
+            buckets.setdefault((block, rest), []).append((name, local // n))
+        if opt.stage == 3:
+            transient = max(transient, 2 * local)
     grad_buckets = []
-    for (block, axes), names in buckets.items():
+    for (block, axes), members in buckets.items():
         bname = f"grads[{block or 'rest'}]({','.join(mesh.names[a] for a in axes)})"
-        grad_buckets.append(GradBucket(bname, tuple(mesh.names[a] for a in axes), tuple(names)))
-        nbytes = sum(math.prod(strategy[n].output.local_shape(problem.meta[n].shape, mesh.sizes)) * itemsize(problem.meta[n].dtype) for n in names)
+        grad_buckets.append(GradBucket(bname, tuple(mesh.names[a] for a in axes), tuple(n for n, _ in members)))
+        nbytes = sum(b for _, b in members)
         for a in axes:
             add([Priced("all_reduce", mesh.names[a], nbytes, "backward", collective_time("all_reduce", nbytes, mesh.sizes[a], mesh.link(a)))], bname)
+    zero_buckets = []
+    for (stage, shard_axes, rest, block), members in by_zero.items():
+        zname = f"zero{stage}[{block or 'all' if stage == 1 else block or 'rest'}]({','.join(mesh.names[a] for a in shard_axes)})"
+        if rest:
+            zname += f"+ar({','.join(mesh.names[a] for a in rest)})"
+        full = sum(math.prod(strategy[n].output.local_shape(problem.meta[n].shape, mesh.sizes)) * itemsize(problem.meta[n].dtype) for n in members)
+        zero_buckets.append(ZeroBucket(zname, stage, tuple(mesh.names[a] for a in shard_axes), tuple(mesh.names[a] for a in rest), tuple(members)))
+        add(gather_priced(full, shard_axes, mesh, "forward") + scatter_priced(full, shard_axes, rest, mesh), zname)
+        if stage == 2:
+            transient = max(transient, full)
+    for name, opt in zero_of.items():
+        if opt.stage != 3:
+            continue
+        spec, meta = strategy[name].output, problem.meta[name]
+        full = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
+        zname = f"zero3[{tg.fqns[name]}]({','.join(mesh.names[a] for a in opt.shard_axes)})"
+        zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in opt.shard_axes), (), (name,)))
+        for use in zero3_uses(tg, name):
+            again = gather_priced(full, opt.shard_axes, mesh, "backward") if use == "linear" else []
+            add(gather_priced(full, opt.shard_axes, mesh, "forward") + again + scatter_priced(full, opt.shard_axes, (), mesh), zname)
     plan_in = [strategy[n].output for n in problem.order if tg.kinds.get(n) == INPUT]
     input_spec = plan_in[0] if plan_in else Spec.replicated(mesh.ndim)
     split = {a for a, p in enumerate(input_spec.placements) if isinstance(p, Shard)}
@@ -124,7 +169,11 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order)
     comm = sum(c.seconds for c in collectives)
     step = compute + comm
-    memory = sum(problem.costs[n][choice.index[n]].memory for n in problem.order)
+    state += sum(problem.costs[n][choice.index[n]].state for n in problem.order)
+    grad += sum(problem.costs[n][choice.index[n]].grad for n in problem.order)
+    act = sum(problem.costs[n][choice.index[n]].act for n in problem.order)
+    memory = peak_memory(state, grad, act, transient)
+    breakdown = {"state": state, "gradients": grad, "activations": act, "transient": transient}
     comm_bytes = {a: 0.0 for a in mesh.names}
     for c in collectives:
         comm_bytes[c.axis] += wire_bytes(c.kind, c.bytes, mesh.sizes[mesh.names.index(c.axis)])
@@ -147,6 +196,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         blocks=[(b.fqn, b.tied_to) for b in tg.blocks],
         collective_list=collectives,
         grad_buckets=grad_buckets,
-        cost=PlanCost(step, mfu, memory, comm_bytes, compute, comm, flops),
+        cost=PlanCost(step, mfu, memory, comm_bytes, compute, comm, flops, breakdown),
+        zero_buckets=zero_buckets,
+        zero_stages={g: opt.to_json(mesh) for g, opt in choice.zero.items()},
         solver_status=choice.status,
     )

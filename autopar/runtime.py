@@ -27,13 +27,20 @@ from autopar.spec import Shard, Spec
 from autopar.trace import BUFFER, CONSTANT, INPUT, PARAM, TracedGraph
 
 
-def shard_of(full: torch.Tensor, spec: Spec, mesh: Mesh, rank: int) -> torch.Tensor:
-    """The local piece of ``full`` that ``rank`` holds under ``spec`` (outer axes split first)."""
+def shard_of(full: torch.Tensor, spec: Spec, mesh: Mesh, rank: int, zero_axes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The local piece of ``full`` that ``rank`` holds under ``spec`` (outer axes split first); with ``zero_axes``,
+    this rank's flat ZeRO chunk of that piece (chunk index row-major over those axes)."""
     coord = mesh.coordinate(rank)
     t = full
     for a, p in enumerate(spec.placements):
         if isinstance(p, Shard):
             t = t.chunk(mesh.sizes[a], dim=p.dim)[coord[a]]
+    if zero_axes:
+        index, n = 0, 1
+        for a in zero_axes:
+            index = index * mesh.sizes[a] + coord[a]
+            n *= mesh.sizes[a]
+        t = t.reshape(-1).chunk(n)[index]
     return t.clone().contiguous()
 
 
@@ -41,11 +48,11 @@ def _this_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def distribute(full: torch.Tensor, spec: Spec, mesh: Mesh) -> torch.Tensor:
+def distribute(full: torch.Tensor, spec: Spec, mesh: Mesh, zero_axes: tuple[int, ...] | None = None) -> torch.Tensor:
     """This rank's shard of a full tensor (a LocalTensor of every rank's shard under LocalTensorMode)."""
     if _compat.in_local_tensor_mode():
-        return _compat.rank_map(lambda r: shard_of(full, spec, mesh, r))
-    return shard_of(full, spec, mesh, _this_rank())
+        return _compat.rank_map(lambda r: shard_of(full, spec, mesh, r, zero_axes))
+    return shard_of(full, spec, mesh, _this_rank(), zero_axes)
 
 
 class ParallelModule(nn.Module):
@@ -56,6 +63,7 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_gm", gm)
         object.__setattr__(self, "_mesh", mesh)
         self._order: list[tuple[str, str]] = []  # (kind, FQN or constant name), in graph placeholder order
+        self._zero_axes = {p: tuple(mesh.names.index(a) for a in b.shard_axes) for b in plan.zero_buckets for p in b.params}
         self._constants: dict[str, torch.Tensor] = {}
         persistent = {n for n, _ in model.named_buffers()} - _non_persistent(model)
         for name, kind in tg.kinds.items():
@@ -65,8 +73,9 @@ class ParallelModule(nn.Module):
             spec = plan.nodes[name].strategy.output
             if kind == PARAM:
                 src = model.get_parameter(fqn)
-                local = nn.Parameter(distribute(src.detach(), spec, mesh), requires_grad=src.requires_grad)
-                self._place(fqn, local, "param")
+                shard_axes = self._zero_axes.get(name)
+                local = distribute(src.detach(), spec, mesh, shard_axes)
+                self._place(fqn, nn.Parameter(local, requires_grad=src.requires_grad), "param")
             elif kind == BUFFER:
                 self._place(fqn, distribute(model.get_buffer(fqn).detach(), spec, mesh), "buffer", fqn in persistent)
             elif kind == CONSTANT:
@@ -171,6 +180,10 @@ class ParallelModule(nn.Module):
         node = next(n for n, f in self._tg.fqns.items() if f == fqn)
         spec = self._plan.nodes[node].strategy.output
         full = t.detach()
+        if node in self._zero_axes:  # a flat ZeRO shard: rebuild the local tensor first
+            levels = tuple((names[a], sizes[a], dm.get_group(names[a]).group_name) for a in reversed(self._zero_axes[node]))
+            shape = spec.local_shape(tuple(self._tg.nodes[node].meta["val"].shape), sizes)
+            full = collectives.gather_flat([full.reshape(-1)], levels, "forward")[0].view(shape)
         for a in reversed(range(len(sizes))):
             p = spec[a]
             if isinstance(p, Shard):

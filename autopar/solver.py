@@ -50,13 +50,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.cost import CostModel, NodeCost, VIEW_OPS
+from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, probe_saved
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
+from autopar.zero import ZeroCost, ZeroOption, group_latency, param_cost, zero_options
 
 US = 1e6  # objective in microseconds, memory in MB: keeps the solver's tolerances meaningful
 MB = 1e-6
@@ -142,6 +143,51 @@ def _follow(cands: list[Strategy], slot: int, want: Spec) -> int:
     raise AssertionError("the replicated strategy always exists")
 
 
+def _storage_root(node: fx.Node) -> fx.Node:
+    """The node whose output owns ``node``'s storage (views, and reshapes that need no copy, alias their input)."""
+    while node.op == "call_function":
+        t = node.target
+        if t is operator.getitem or (t in VIEW_OPS and t not in (aten.reshape.default, aten._unsafe_view.default)):
+            node = node.args[0]
+        elif t in (aten.reshape.default, aten._unsafe_view.default) and node.args[0].meta["val"].is_contiguous():
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
+def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool]) -> tuple[dict[str, bool], dict[str, int]]:
+    """Which nodes' outputs some backward keeps, and the bytes each op keeps of its own (single-device shapes).
+
+    Each distinct op (target, shapes, arguments, which inputs need gradients) is run once on fake tensors under
+    saved-tensor hooks (``cost.probe_saved``); a kept view counts at the node that owns its storage, once.
+    """
+    cache: dict[str, object] = {}
+    saved_out: dict[str, bool] = {}
+    internal: dict[str, int] = {}
+    for n in nodes:
+        if n.op != "call_function" or n.target is operator.getitem or not rg.get(n.name):
+            continue
+        ins = tensor_inputs(n)
+        flags = tuple(rg.get(a.name, False) for a in ins)
+        info = op_info(n)
+        key = repr((str(n.target), info.args, sorted(info.kwargs.items(), key=str), flags))
+        if key not in cache:
+            try:
+                cache[key] = probe_saved(n.target, info.args, info.kwargs, flags)
+            except Exception:  # an op fake tensors cannot run: assume it keeps its inputs (conservative)
+                cache[key] = Saved(frozenset(range(len(ins))), False, 0)
+        sv = cache[key]
+        internal[n.name] = sv.internal
+        for i in sv.inputs:
+            root = _storage_root(ins[i])
+            if root.op == "call_function":
+                saved_out[root.name] = True
+        if sv.output:
+            saved_out[_storage_root(n).name] = True
+    return saved_out, internal
+
+
 def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     t0 = time.perf_counter()
     sizes = mesh.sizes
@@ -160,6 +206,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             for a in n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]:
                 if isinstance(a, fx.Node):
                     uses.setdefault(a.name, []).append(("output", -1))
+    saved_out, internal = _saved_activations(graph_nodes, rg)
     folded_use: dict[str, tuple[str, int]] = {}
     for n in graph_nodes:
         if n.op == "output":
@@ -194,7 +241,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             cs = candidates(n, sizes)
             info = op_info(n)
             cands[n.name] = cs
-            costs[n.name] = [cost.op(info, s, rg[n.name]) for s in cs]
+            costs[n.name] = [cost.op(info, s, rg[n.name], saved_out.get(n.name, False), internal.get(n.name, 0)) for s in cs]
         if n.op == "placeholder":
             u = uses.get(n.name, [])
             if pk != INPUT and len(u) == 1 and u[0][0] != "output":
@@ -279,6 +326,8 @@ def _allowed(tg: TracedGraph, problem: Problem, mesh: Mesh, pins: list[Pin]) -> 
     """Per decision node, the strategy indices the pins leave (absent: all)."""
     allowed: dict[str, set[int]] = {}
     for pin in pins:
+        if isinstance(pin, ZeroPin):
+            continue
         spec = Spec.parse(pin.spec)
         hits = _pin_nodes(tg, problem, pin)
         if not hits:
@@ -300,6 +349,73 @@ def _allowed(tg: TracedGraph, problem: Problem, mesh: Mesh, pins: list[Pin]) -> 
     return allowed
 
 
+# --- ZeRO groups ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZeroPin:
+    """Force the ZeRO stage (0-3) of parameter groups (``"layers.0"``-style block names, ``"rest"``, or ``"*"``); with
+    ``shard`` (axis names) also the axes it shards over (HSDP: a subset of the data axes)."""
+
+    group: str
+    stage: int
+    shard: tuple[str, ...] | None = None
+
+
+def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int, int]]:
+    """Trainable parameter -> (group, copies of the group, parameters per copy). A group is a repeated block
+    (named by its representative copy, so tied copies share one choice) or "rest" (embeddings, head, norms)."""
+    rep_of = {b.fqn: (b.tied_to or b.fqn) for b in tg.blocks}
+    copies: dict[str, int] = {}
+    for b in tg.blocks:
+        copies[rep_of[b.fqn]] = copies.get(rep_of[b.fqn], 0) + 1
+    out: dict[str, tuple[str, int, int]] = {}
+    members: dict[str, int] = {}
+    for n in order:
+        if tg.kinds.get(n) == "param" and n in tg.trainable:
+            fqn = tg.fqns[n]
+            block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), None)
+            g = rep_of[block] if block else "rest"
+            out[n] = (g, copies.get(g, 1), 0)
+            members[g] = members.get(g, 0) + 1
+    return {n: (g, c, members[g] // c) for n, (g, c, _) in out.items()}
+
+
+_zcost_cache: dict = {}
+
+
+def _zcost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int, gparams: int) -> ZeroCost:
+    key = (opt, spec, meta, id(mesh), copies, gparams)
+    if key not in _zcost_cache:
+        _zcost_cache[key] = param_cost(opt, spec, meta, mesh, copies, gparams)
+    return _zcost_cache[key]
+
+
+def _zero_allowed(zgroups, zopts: list[ZeroOption], mesh: Mesh, pins) -> dict[str, set[int]]:
+    allowed: dict[str, set[int]] = {}
+    groups = list(dict.fromkeys(g for g, _, _ in zgroups.values()))
+    for pin in pins:
+        if not isinstance(pin, ZeroPin):
+            continue
+        hits = [g for g in groups if fnmatch.fnmatchcase(g, pin.group)]
+        if not hits:
+            raise AutoparError(f"ZeRO pin {pin.group!r} matches no parameter group; the groups are: {', '.join(groups) or 'none'}")
+        ok = set()
+        for k, o in enumerate(zopts):
+            if o.stage != pin.stage:
+                continue
+            if pin.shard is not None and tuple(mesh.names[a] for a in o.shard_axes) != tuple(pin.shard):
+                continue
+            ok.add(k)
+        if not ok:
+            axes = [mesh.names[a] for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1]
+            raise ShardingError(
+                f"ZeRO pin {pin.group!r}: stage {pin.stage}" + (f" over {','.join(pin.shard)}" if pin.shard else "")
+                + f" is not available on mesh {mesh}: ZeRO shards over the data axes (named dp...), here {axes or 'none'}"
+            )
+        for g in hits:
+            allowed[g] = allowed.get(g, ok) & ok
+    return allowed
+
+
 # --- the ILP ------------------------------------------------------------------------------------------------------
 @dataclass
 class Choice:
@@ -308,6 +424,7 @@ class Choice:
     output_specs: list[Spec]
     objective: float
     status: str
+    zero: dict = field(default_factory=dict)  # parameter group -> ZeroOption
 
 
 def _new_solver():
@@ -352,17 +469,20 @@ def solve(
         return sum(xv for xv, s in zip(xs, specs) if xv is not None and s == want)
 
     # per-strategy time and memory of each decision, with everything it fixes, canonicalised to representatives
-    t_lin = {r: [0.0] * len(P_.cands[r]) for r in decisions}
-    m_lin = {r: [0.0] * len(P_.cands[r]) for r in decisions}
+    nstrat = {r: len(P_.cands[r]) for r in decisions}
+    t_lin = {r: [0.0] * nstrat[r] for r in decisions}
+    m_state = {r: [0.0] * nstrat[r] for r in decisions}
+    m_grad = {r: [0.0] * nstrat[r] for r in decisions}
+    m_act = {r: [0.0] * nstrat[r] for r in decisions}
     ins_of: dict[str, dict[int, tuple[str, TensorMeta]]] = {}
     for u, v, i, m in P_.edges:
         ins_of.setdefault(v, {})[i] = (u, m)
     for n in P_.order:
         r = rep(P_.root[n])
         k = P_.kind[n]
-        for s in range(len(P_.cands[r])):
+        for s in range(nstrat[r]):
             nc = P_.costs[n][P_.index(n, s)]
-            t, mem = nc.time, nc.memory
+            t = nc.time
             if k == FOLLOWER:
                 u, m = ins_of[n][P_.main_slot[n]]
                 t += cost.edge_time(m, P_.strategy(u, s).output, P_.strategy(n, s).inputs[P_.main_slot[n]], P_.requires_grad.get(u, False))
@@ -370,7 +490,26 @@ def solve(
                 user, slot = P_.folded_use[n]
                 t += cost.edge_time(P_.meta[n], P_.strategy(n, s).output, P_.strategy(user, s).inputs[slot], P_.requires_grad.get(n, False))
             t_lin[r][s] += t
-            m_lin[r][s] += mem
+            m_state[r][s] += nc.state
+            m_grad[r][s] += nc.grad
+            m_act[r][s] += nc.act
+    # ZeRO: per parameter group a stage (z), and how it changes each decision's parameters (w = x * z)
+    zgroups = zero_groups(tg, P_.order)
+    zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
+    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, grad, transient, comm]
+    for n, (g, copies, gparams) in zgroups.items():
+        r = rep(P_.root[n])
+        for s in range(nstrat[r]):
+            spec = P_.strategy(n, s).output
+            base = _zcost(zopts[0], spec, P_.meta[n], mesh, copies, gparams)
+            row = zdelta.setdefault((r, s, g), [[0.0] * 4 for _ in zopts])
+            for k in range(1, len(zopts)):
+                c = _zcost(zopts[k], spec, P_.meta[n], mesh, copies, gparams)
+                d = row[k]
+                d[0] += c.state - base.state
+                d[1] += c.grad - base.grad
+                d[2] += c.transient - base.transient
+                d[3] += c.comm - base.comm
 
     terms = []
     # user inputs of equal rank share one Spec
@@ -470,17 +609,59 @@ def solve(
                     for iv, _ in used:
                         solver.Add(rv >= iv)
                     terms.append((size * c * US, rv))
+    # ZeRO variables: one stage per group, w linearises (decision strategy) x (group stage) exactly
+    zvar: dict[str, list] = {}
+    pinned = _zero_allowed(zgroups, zopts, mesh, pins)
+    group_meta = {}
+    for g, copies, gparams in zgroups.values():
+        group_meta[g] = (copies, gparams)
+    for gi, (g, (copies, gparams)) in enumerate(group_meta.items()):
+        ok = pinned.get(g)
+        zvar[g] = [solver.BoolVar(f"z{gi}_{k}") if (ok is None or k in ok) else None for k in range(len(zopts))]
+        solver.Add(sum(v for v in zvar[g] if v is not None) == 1)
+        for k, zv in enumerate(zvar[g]):
+            dlat = copies * (group_latency(zopts[k], mesh, gparams, len(group_meta)) - group_latency(zopts[0], mesh, gparams, len(group_meta)))
+            if zv is not None and dlat and objective != "memory":
+                terms.append((dlat * US, zv))
+    mem_a, mem_g = [], []  # terms of the two peaks: state + activations, state + gradients
+    for (r, s, g), row in zdelta.items():
+        xv = x[r][s]
+        if xv is None:
+            continue
+        for k in range(1, len(zopts)):
+            zv = zvar[g][k]
+            ds, dg, dt, dc = row[k]
+            if zv is None or not (ds or dg or dt or dc):
+                continue
+            n_aux += 1
+            w = solver.NumVar(0.0, 1.0, f"w{n_aux}")
+            solver.Add(w <= xv)
+            solver.Add(w <= zv)
+            solver.Add(w >= xv + zv - 1)
+            if objective != "memory" and dc:
+                terms.append((dc * US, w))
+            mem_a.append(((ds + dt) * MB, w))
+            mem_g.append(((ds + dg + dt) * MB, w))
     # node terms and memory
-    mem_terms = []
     for r in decisions:
         for s, xv in enumerate(x[r]):
             if xv is None:
                 continue
-            t, mem = t_lin[r][s], m_lin[r][s]
-            terms.append(((mem * MB) if objective == "memory" else (t * US + 1e-3 * mem * MB), xv))
-            mem_terms.append((mem * MB, xv))
-    if memory_budget is not None and objective != "memory":
-        solver.Add(sum(c * v for c, v in mem_terms if c) <= memory_budget * MB)
+            st, gr, ac = m_state[r][s], m_grad[r][s], m_act[r][s]
+            if objective != "memory":
+                terms.append((t_lin[r][s] * US + 1e-3 * (st + max(gr, ac)) * MB, xv))
+            mem_a.append(((st + ac) * MB, xv))
+            mem_g.append(((st + gr) * MB, xv))
+    peak_a = sum(c * v for c, v in mem_a if c)
+    peak_g = sum(c * v for c, v in mem_g if c)
+    if objective == "memory":
+        top = solver.NumVar(0.0, solver.infinity(), "peak")
+        solver.Add(top >= peak_a)
+        solver.Add(top >= peak_g)
+        terms.append((1.0, top))
+    elif memory_budget is not None:
+        solver.Add(peak_a <= memory_budget * MB)
+        solver.Add(peak_g <= memory_budget * MB)
     solver.Minimize(sum(c * v for c, v in terms if c))
     solver.SetTimeLimit(int(time_limit_s * 1000))
     status = solver.Solve()
@@ -489,7 +670,7 @@ def solve(
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None and objective == "time":
             floor = solve(tg, mesh, cost, P_, None, pins, objective="memory")
-            need = sum(P_.costs[n][floor.index[n]].memory for n in P_.order)
+            need = floor.objective * US / MB
             raise InfeasibleError(
                 f"no plan fits the memory budget of {memory_budget / 2**30:.3f} GiB per device on mesh {mesh}: "
                 f"the smallest plan needs {need / 2**30:.3f} GiB ({need:.0f} bytes) per device. Raise memory_budget to at "
@@ -507,5 +688,9 @@ def solve(
     for z, specs in zip(zs, P_.output_specs):
         vals = [v.solution_value() for v in z]
         out_specs.append(specs[max(range(len(vals)), key=lambda i: vals[i])])
+    zero = {}
+    for g, zs_g in zvar.items():
+        vals = [(-1.0 if v is None else v.solution_value()) for v in zs_g]
+        zero[g] = zopts[max(range(len(vals)), key=lambda i: vals[i])]
     status_s = "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible (time limit hit)"
-    return Choice(strategy, index, out_specs, solver.Objective().Value() / US, status_s)
+    return Choice(strategy, index, out_specs, solver.Objective().Value() / US, status_s, zero)

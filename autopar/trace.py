@@ -13,7 +13,7 @@ strategies are simple, with the same values as the original:
 - ``cross_entropy(..., mean)`` -> ``cross_entropy(..., sum) / count(target != ignore_index)``
 - ``mse_loss / l1_loss(..., mean)`` -> ``...(..., sum) / numel``
 - ``squeeze(x)``                -> ``squeeze(x, dims of size 1)``  (on local shapes, a split dim may have size 1)
-- ``dropout(x, p=0)``          -> ``x``
+- ``dropout(x, p=0)``          -> ``x``;  ``_assert_tensor_metadata`` (export's check before ``.to``) -> removed
 
 Nothing here touches the user's model: export reads it, the parameters stay where they are.
 """
@@ -184,6 +184,8 @@ def _canonicalize(gm: fx.GraphModule) -> None:
             for u in users:
                 u.replace_input_with(node, div)
             g.erase_node(node)
+        elif node.target == aten._assert_tensor_metadata.default:
+            g.erase_node(node)  # export's check before a .to(); it has no value and no effect on the plan
         elif node.target == aten.squeeze.default:
             shape = tuple(node.args[0].meta["val"].shape)
             node.target = aten.squeeze.dims
@@ -295,6 +297,17 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> TracedGraph:
         raise TraceError(f"autopar parallelizes an nn.Module; got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    # the same tensor passed twice would be traced as one input: give each argument its own tensor
+    seen: set[int] = set()
+
+    def distinct(t):
+        if isinstance(t, torch.Tensor):
+            if id(t) in seen:
+                return t.clone()
+            seen.add(id(t))
+        return t
+
+    example_inputs = pytree.tree_map(distinct, example_inputs)
     devices = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
     if devices == {"meta"}:
         example_inputs = pytree.tree_map(_as_meta, example_inputs)

@@ -12,6 +12,7 @@ import torch
 
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
+from models.mixtral import Mixtral, MixtralConfig
 from models.mlp import MLP, MLPConfig
 
 REGISTRY: dict[str, tuple[type, Callable[[], object]]] = {
@@ -25,6 +26,8 @@ REGISTRY: dict[str, tuple[type, Callable[[], object]]] = {
     "llama3-8b": (Llama, LlamaConfig.llama3_8b),
     "llama3-70b": (Llama, LlamaConfig.llama3_70b),
     "llama3-405b": (Llama, LlamaConfig.llama3_405b),
+    "mixtral-tiny": (Mixtral, MixtralConfig.tiny),
+    "mixtral-8x7b": (Mixtral, MixtralConfig.mixtral_8x7b),
     "mlp-tiny": (MLP, MLPConfig.tiny),
     "mlp": (MLP, MLPConfig),
 }

@@ -11,10 +11,11 @@ import copy
 
 import torch.fx as fx
 
-from passes import check_local, grad_sync, insert_collectives, localize_shapes, output_adapter
+from passes import check_local, grad_sync, insert_collectives, localize_shapes, output_adapter, zero
 
 PASSES = [
     insert_collectives.run,  # redistributions between producers and consumers, as the plan priced them
+    zero.run,  # ZeRO-sharded parameters stored as flat shards, gathered where they are used
     grad_sync.run,  # gradient all-reduce of parameters replicated over an axis
     localize_shapes.run,  # shape arguments rewritten from global to local
     output_adapter.run,  # outputs handed to the user as a rank's share; gradients seeded to match

@@ -8,6 +8,7 @@ memory, no communication.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -34,10 +35,15 @@ def _meta_like(shape, dtype):
 
 def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     env: dict[str, object] = {}
+    sharded = {p: b for b in plan.zero_buckets for p in b.params}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = node.meta["val"]
-            env[node.name] = _meta_like(spec_of(node, plan).local_shape(tuple(val.shape), mesh.sizes), val.dtype)
+            shape = spec_of(node, plan).local_shape(tuple(val.shape), mesh.sizes)
+            if node.name in sharded:  # a ZeRO flat shard
+                n = math.prod(mesh.sizes[mesh.names.index(a)] for a in sharded[node.name].shard_axes)
+                shape = (math.prod(shape) // n,)
+            env[node.name] = _meta_like(shape, val.dtype)
             continue
         if node.op == "output":
             continue
@@ -52,6 +58,10 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             out = args[0]
         elif t is collectives.grad_sync:
             out = tuple(args[0])
+        elif t is collectives.zero_gather:
+            out = tuple(_meta_like(shape, x.dtype) for x, shape in zip(args[0], args[1]))
+        elif t is collectives.zero3_linear:
+            out = torch.ops.aten.linear.default(args[0], _meta_like(args[3], args[1].dtype), args[2])
         elif t is operator.getitem:
             out = args[0][args[1]]
         else:

@@ -45,7 +45,7 @@ UNARY_NONLINEAR = [
 ]
 UNARY_LINEAR = [
     aten.neg.default, aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default,
-    aten.mul.Scalar, aten.div.Scalar, aten.type_as.default,
+    aten.mul.Scalar, aten.div.Scalar, aten.type_as.default, aten.to.dtype, aten.to.dtype_layout,
 ]
 NARY_NONLINEAR = [
     aten.where.self, aten.maximum.default, aten.minimum.default, aten.masked_fill.Scalar, aten.ne.Tensor,

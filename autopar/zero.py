@@ -1,0 +1,193 @@
+"""ZeRO stages as plan choices: how a parameter group stores its parameters, gradients and optimizer state.
+
+In: a parameter's Spec as compute uses it (replicated on the data axes), its metadata, the mesh.
+Out: ``zero_options(mesh)`` (stage 0 = plain data parallel, then stages 1-3 over every non-empty set of data
+axes; sharding over some data axes and replicating over the others is HSDP), and ``param_cost(option, ...)``:
+the per-device bytes (held all step, gradients) and the gradient-synchronisation seconds (bandwidth part) of one
+parameter under an option; ``group_latency`` the per-group launch latency; the solver chooses per group.
+
+How each stage runs (passes/zero.py, autopar/collectives.py) and what it holds, per parameter of e elements of
+itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO paper's Psi = e):
+
+| stage | held all step                         | gradients            | communication over the shard axes       |
+|-------|---------------------------------------|----------------------|-----------------------------------------|
+| 0     | e(p + o)                              | e p                  | all-reduce                              |
+| 1     | e p/n (shard) + e p (gathered) + e o/n| e p, then e p/n      | all-gather (forward) + reduce-scatter   |
+| 2     | e p/n + e p + e o/n                   | e p/n (+ one bucket) | all-gather + reduce-scatter per bucket   |
+| 3     | e (p + o)/n (+ one gathered param)    | e p/n                | all-gather forward and again backward   |
+|       |                                       |                      | + reduce-scatter: 1.5x the bytes        |
+
+Stage 1 reduce-scatters all its gradients at the end of backward (full gradients are held until then); stage 2
+reduce-scatters each group's gradients as soon as they are ready. A storage shard is a flat chunk of the
+parameter's local tensor (FSDP1 style), so any parameter whose local size divides by n can be sharded.
+Gradients over data axes the group does not shard (HSDP's replicate axis) and over other replicated axes are
+all-reduced on the shard (1/n of the bytes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from autopar.cost import collective_time, itemsize, optimizer_bytes, wire_bytes
+from autopar.mesh import Mesh
+from autopar.spec import Replicate, Spec
+from autopar.strategies import TensorMeta
+
+
+@dataclass(frozen=True)
+class ZeroOption:
+    stage: int
+    shard_axes: tuple[int, ...] = ()  # mesh axes the group's state is sharded over (empty for stage 0)
+
+    def label(self, mesh: Mesh) -> str:
+        if self.stage == 0:
+            return "ZeRO-0 (data parallel)"
+        shard = ",".join(mesh.names[a] for a in self.shard_axes)
+        rest = [mesh.names[a] for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1 and a not in self.shard_axes]
+        hsdp = f", replicated over {','.join(rest)} (HSDP)" if rest else ""
+        return f"ZeRO-{self.stage} over {shard}{hsdp}"
+
+    def to_json(self, mesh: Mesh) -> list:
+        return [self.stage, [mesh.names[a] for a in self.shard_axes]]
+
+    @staticmethod
+    def from_json(d: list, mesh: Mesh) -> "ZeroOption":
+        return ZeroOption(int(d[0]), tuple(mesh.names.index(a) for a in d[1]))
+
+
+def data_axes(mesh: Mesh) -> tuple[int, ...]:
+    return tuple(a for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1)
+
+
+def zero_options(mesh: Mesh) -> list[ZeroOption]:
+    """Stage 0, then stages 1-3 over every non-empty set of data axes (outermost axes first)."""
+    opts = [ZeroOption(0)]
+    axes = data_axes(mesh)
+    subsets = [c for k in range(1, len(axes) + 1) for c in itertools.combinations(axes, k)]
+    for stage in (1, 2, 3):
+        for sub in subsets:
+            opts.append(ZeroOption(stage, tuple(sub)))
+    return opts
+
+
+def shard_factor(opt: ZeroOption, mesh: Mesh) -> int:
+    return math.prod(mesh.sizes[a] for a in opt.shard_axes)
+
+
+def eligible(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> bool:
+    """A parameter can be sharded by ``opt`` when it is whole on the shard axes and its local size divides."""
+    if opt.stage == 0:
+        return True
+    if any(not isinstance(spec[a], Replicate) for a in opt.shard_axes):
+        return False
+    return math.prod(spec.local_shape(meta.shape, mesh.sizes)) % shard_factor(opt, mesh) == 0
+
+
+@dataclass(frozen=True)
+class ZeroCost:
+    state: float  # bytes held all step
+    grad: float  # bytes of gradients at the end of backward
+    transient: float  # bytes alive for a moment (a gathered parameter, a bucket of full gradients)
+    comm: float  # seconds of gradient / parameter communication, bandwidth part
+
+
+def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int = 1, group_params: int = 1) -> ZeroCost:
+    """One trainable parameter's memory and communication under ``opt`` (stage 0 if it is not eligible).
+
+    ``copies`` and ``group_params`` spread a group's one-at-a-time transients over the parameters that share them
+    (a bucket of full gradients per group copy in stage 2; one gathered parameter at a time in stage 3).
+    """
+    if not eligible(opt, spec, meta, mesh):
+        opt = ZeroOption(0)
+    p = itemsize(meta.dtype)
+    o = optimizer_bytes(meta.dtype)
+    e = math.prod(spec.local_shape(meta.shape, mesh.sizes))
+    b = e * p
+    synced = tuple(a for a, q in enumerate(spec.placements) if isinstance(q, Replicate) and mesh.sizes[a] > 1)
+
+    def bw(kind: str, nbytes: float, a: int) -> float:
+        return wire_bytes(kind, nbytes, mesh.sizes[a]) / mesh.link(a).bandwidth
+
+    if opt.stage == 0:
+        return ZeroCost(e * (p + o), b, 0.0, sum(bw("all_reduce", b, a) for a in synced))
+    n = shard_factor(opt, mesh)
+    rest = tuple(a for a in synced if a not in opt.shard_axes)
+    on_shard = sum(bw("all_reduce", b / n, a) for a in rest)
+    gathers = 2 if opt.stage == 3 else 1
+    comm = sum(gathers * bw("all_gather", b, a) + bw("reduce_scatter", b, a) for a in opt.shard_axes) + on_shard
+    if opt.stage == 1:
+        return ZeroCost(b / n + b + e * o / n, b + b / n, 0.0, comm)
+    if opt.stage == 2:
+        return ZeroCost(b / n + b + e * o / n, b / n, b / copies, comm)
+    return ZeroCost(e * (p + o) / n, b / n, 2 * b / (copies * group_params), comm)
+
+
+def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_groups: int) -> float:
+    """Launch and latency seconds of one group copy's collectives per step (its bytes are in ``param_cost``)."""
+    def lat(kind: str, a: int) -> float:
+        return collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a))
+
+    data = data_axes(mesh)
+    if opt.stage == 0:
+        return sum(lat("all_reduce", a) for a in data)
+    rest = sum(lat("all_reduce", a) for a in data if a not in opt.shard_axes)
+    pair = sum(lat("all_gather", a) + lat("reduce_scatter", a) for a in opt.shard_axes)
+    if opt.stage == 1:  # one bucket for the whole model
+        return pair / max(n_groups, 1) + rest
+    if opt.stage == 2:  # one bucket per group copy
+        return pair + rest
+    per_use = sum(2 * lat("all_gather", a) + lat("reduce_scatter", a) for a in opt.shard_axes)
+    return group_params * per_use + rest
+
+
+def _levels(full: float, shard_axes: tuple[int, ...], mesh: Mesh, gather: bool) -> list[tuple[int, float]]:
+    """(axis, bytes at that level) for gathering (innermost axis first, the buffer grows) or scattering (outermost
+    first, it shrinks); bytes: all-gather counts its output, reduce-scatter its input."""
+    n = shard_factor(ZeroOption(1, shard_axes), mesh)
+    out = []
+    if gather:
+        size = full / n
+        for a in reversed(shard_axes):
+            size *= mesh.sizes[a]
+            out.append((a, size))
+    else:
+        size = full
+        for a in shard_axes:
+            out.append((a, size))
+            size /= mesh.sizes[a]
+    return out
+
+
+def gather_priced(full: float, shard_axes: tuple[int, ...], mesh: Mesh, phase: str) -> list:
+    """The all-gathers that rebuild ``full`` bytes from their shards."""
+    from autopar.cost import Priced
+
+    return [Priced("all_gather", mesh.names[a], int(b), phase, collective_time("all_gather", b, mesh.sizes[a], mesh.link(a)))
+            for a, b in _levels(full, shard_axes, mesh, gather=True)]
+
+
+def scatter_priced(full: float, shard_axes: tuple[int, ...], rest: tuple[int, ...], mesh: Mesh) -> list:
+    """Backward: reduce-scatter ``full`` bytes of gradients to the shards, then all-reduce the shard over ``rest``."""
+    from autopar.cost import Priced
+
+    out = [Priced("reduce_scatter", mesh.names[a], int(b), "backward", collective_time("reduce_scatter", b, mesh.sizes[a], mesh.link(a)))
+           for a, b in _levels(full, shard_axes, mesh, gather=False)]
+    shard = full / shard_factor(ZeroOption(1, shard_axes), mesh)
+    out += [Priced("all_reduce", mesh.names[a], int(shard), "backward", collective_time("all_reduce", shard, mesh.sizes[a], mesh.link(a)))
+            for a in rest]
+    return out
+
+
+def zero3_uses(tg, name: str) -> list[str]:
+    """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's weight: gathered for the op and again
+    in backward, never kept) or "other" (gathered once; autograd may keep it)."""
+    import torch
+
+    node = tg.nodes[name]
+    out = []
+    for u in node.users:
+        is_weight = u.target == torch.ops.aten.linear.default and len(u.args) > 1 and u.args[1] is node
+        out.append("linear" if is_weight and u.args[0] is not node else "other")
+    return out

@@ -1,0 +1,74 @@
+"""Store ZeRO-sharded parameters as flat shards, and gather them where the program uses them.
+
+Requires: ``plan.zero_buckets``; redistributions already inserted (a parameter's consumers read it in its Spec).
+Ensures: the placeholder of every ZeRO parameter holds this rank's flat shard. ZeRO-1/2 buckets: one
+``zero_gather`` at the start of the program rebuilds the bucket's whole local parameters; its backward
+reduce-scatters their gradients once all are ready (and all-reduces the shards over the bucket's other
+replicated axes). ZeRO-3: a linear that takes the parameter as its weight becomes ``zero3_linear`` (gathers for
+the op, again in backward, keeps only the shard); any other use reads one shared ``zero_gather`` of it.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar import collectives
+from passes._util import runtime_axes
+
+aten = torch.ops.aten
+
+
+def levels_and_reduce(bucket, mesh, axes) -> tuple[tuple, tuple]:
+    names, sizes, _strides, groups = axes
+    levels = tuple((a, sizes[names.index(a)], groups[names.index(a)]) for a in reversed(bucket.shard_axes))
+    reduce = tuple((a, groups[names.index(a)]) for a in bucket.reduce_axes)
+    return levels, reduce
+
+
+def local_shape(plan, node: fx.Node, mesh) -> tuple[int, ...]:
+    return plan.nodes[node.name].strategy.output.local_shape(tuple(node.meta["val"].shape), mesh.sizes)
+
+
+def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
+    g = gm.graph
+    axes = runtime_axes(mesh)
+    placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
+    first_body = next(n for n in g.nodes if n.op != "placeholder")
+    position = {n: i for i, n in enumerate(g.nodes)}
+    for bucket in plan.zero_buckets:
+        levels, reduce = levels_and_reduce(bucket, mesh, axes)
+        params = [placeholders[p] for p in bucket.params]
+        shapes = tuple(local_shape(plan, p, mesh) for p in params)
+        if bucket.stage in (1, 2):
+            with g.inserting_before(first_body):
+                z = g.call_function(collectives.zero_gather, (tuple(params), shapes, levels, reduce))
+                reads = [g.call_function(operator.getitem, (z, i)) for i in range(len(params))]
+            for p, r in zip(params, reads):
+                p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not z)
+            continue
+        (p,), (shape,) = params, shapes
+        users = list(p.users)
+        fused = set()
+        for u in users:
+            if u.target == aten.linear.default and len(u.args) > 1 and u.args[1] is p and u.args[0] is not p:
+                b = u.args[2] if len(u.args) > 2 else None
+                with g.inserting_before(u):
+                    new = g.call_function(collectives.zero3_linear, (u.args[0], p, b, shape, levels))
+                new.meta.update(u.meta)
+                u.replace_all_uses_with(new)
+                g.erase_node(u)
+                fused.add(new)
+        others = [u for u in p.users if u not in fused]
+        if others:
+            first = min(others, key=lambda n: position.get(n, len(position)))
+            with g.inserting_before(first):
+                z = g.call_function(collectives.zero_gather, ((p,), (shape,), levels, ()))
+                read = g.call_function(operator.getitem, (z, 0))
+            for u in others:
+                u.replace_input_with(p, read)
+    g.lint()
+    gm.recompile()
+    return gm

@@ -48,6 +48,13 @@ def in_local_tensor_mode() -> bool:
     return enabled_local_tensor_mode() is not None
 
 
+def no_local_tensor_mode():
+    """A context in which LocalTensorMode (if any) is off: tracing and planning see plain tensors."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    return maybe_disable_local_tensor_mode()
+
+
 def per_rank(x: torch.Tensor, fn):
     """Apply ``fn(global_rank, local_tensor)``: once per simulated rank under LocalTensorMode, else for this rank."""
     from torch.distributed._local_tensor import tensor_map
@@ -83,3 +90,12 @@ def fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
+
+
+def fsdp2_replicate(module, mesh):
+    """FSDP2's ``replicate`` (data parallel on FSDP2's runtime, taking DTensor parameters), which torch 2.13 exposes
+    only from ``torch.distributed._composable.replicate_with_fsdp`` (``torch.distributed.fsdp`` exports
+    ``fully_shard`` alone; ``torch.distributed._composable.replicate`` is the older one on DDP's reducer)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate(module, mesh=mesh)

@@ -44,16 +44,10 @@ def _as_mesh(mesh) -> Mesh:
     raise MeshError(f"expected an autopar.Mesh or a torch DeviceMesh, got {type(mesh).__name__}")
 
 
-def _no_local_tensor_mode():
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-
-    return maybe_disable_local_tensor_mode()
-
-
 def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, constraints=()) -> Plan:
     """Plan only: no process group, no real weights needed (a meta-device model plans the same), any mesh size."""
     mesh = _as_mesh(mesh)
-    with _no_local_tensor_mode():
+    with _compat.no_local_tensor_mode():
         tg = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
         return make_plan(tg, mesh, memory_budget, _pins(constraints))
 
@@ -65,7 +59,7 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AutoparError("parallelize needs the model's real weights (it is on the meta device); build it on cpu, or use autopar.plan to plan only")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    with _no_local_tensor_mode():
+    with _compat.no_local_tensor_mode():
         tg = trace(model, args)
         if plan is None:
             the_plan = make_plan(tg, mesh, memory_budget, _pins(constraints))

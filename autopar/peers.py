@@ -60,18 +60,6 @@ _LATER = {
 }
 
 
-# ---- private torch APIs (move to autopar/_compat.py) ------------------------------------------------------------
-def _fsdp2_replicate(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """PRIVATE TORCH API: FSDP2's ``replicate`` (DDP on FSDP2's runtime), which torch 2.13 exposes only from
-    ``torch.distributed._composable.replicate_with_fsdp`` (``torch.distributed.fsdp`` exports ``fully_shard`` alone;
-    ``torch.distributed._composable.replicate`` is the older one on DDP's C++ reducer). Chosen so that 'ddp' and
-    'fsdp' run on one runtime, and because it takes TP's DTensor parameters ('megatron+ddp')."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    return replicate(module, mesh=mesh)
-# -----------------------------------------------------------------------------------------------------------------
-
-
 def torch_peer(model: nn.Module, device_mesh: DeviceMesh, strategy: str, *, sequence_parallel: bool = False) -> nn.Module:
     """A deep copy of ``model`` parallelized on ``device_mesh`` with torch's own APIs (see the module docstring).
 
@@ -221,8 +209,8 @@ def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh) -> None:
 
 def _replicate(model: nn.Module, dp_mesh: DeviceMesh) -> None:
     for block in _blocks(model):
-        _fsdp2_replicate(block, dp_mesh)
-    _fsdp2_replicate(model, dp_mesh)
+        _compat.fsdp2_replicate(block, dp_mesh)
+    _compat.fsdp2_replicate(model, dp_mesh)
 
 
 # ---- tensor parallel ----------------------------------------------------------------------------------------------

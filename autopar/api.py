@@ -10,6 +10,7 @@ from __future__ import annotations
 
 
 import passes
+from autopar import _compat
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.mesh import Mesh
 from autopar.plan import Plan

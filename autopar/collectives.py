@@ -184,10 +184,10 @@ class _GradSync(torch.autograd.Function):
         live = [g for g in grads if g is not None]
         if not live:
             return (None, None) + grads
-        flat = torch.cat([g.reshape(-1) for g in live])
+        flat = torch.cat([g.reshape(-1) for g in live])  # the bucket: reduced in place, then the gradients' storage
         for axis, group in zip(axes, groups):
             _note("all_reduce", axis, flat, "backward")
-            flat = _compat.all_reduce_sum(flat, group)
+            flat = _compat.all_reduce_sum_(flat, group)
         out, pos = [], 0
         for g in grads:
             if g is None:
@@ -273,7 +273,10 @@ def scatter_flat(fulls: list[torch.Tensor], levels, reduce) -> list[torch.Tensor
     shards over ``reduce`` ((axis, group) pairs)."""
     for axis, n, group in reversed(levels):
         sizes = [f.numel() // n for f in fulls]
-        buf = torch.cat([f.reshape(n, k) for f, k in zip(fulls, sizes)], dim=1).reshape(-1)
+        if len(fulls) == 1:
+            buf = fulls[0].reshape(-1)
+        else:
+            buf = torch.cat([f.reshape(n, k) for f, k in zip(fulls, sizes)], dim=1).reshape(-1)
         _note("reduce_scatter", axis, buf, "backward")
         out = _compat.reduce_scatter_dim0(buf, n, group)
         fulls, pos = [], 0
@@ -281,10 +284,10 @@ def scatter_flat(fulls: list[torch.Tensor], levels, reduce) -> list[torch.Tensor
             fulls.append(out[pos : pos + k])
             pos += k
     if reduce:
-        buf = torch.cat(fulls) if len(fulls) > 1 else fulls[0]
+        buf = torch.cat(fulls) if len(fulls) > 1 else fulls[0].clone()
         for axis, group in reduce:
             _note("all_reduce", axis, buf, "backward")
-            buf = _compat.all_reduce_sum(buf, group)
+            buf = _compat.all_reduce_sum_(buf, group)
         sizes = [f.numel() for f in fulls]
         fulls, pos = [], 0
         for k in sizes:

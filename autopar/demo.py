@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 
 import torch
 import torch.distributed as dist
@@ -70,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"after {args.steps} AdamW steps: max |loss diff| {worst_loss:.1e}, max |grad diff| {worst_grad:.1e}, "
               f"max |parameter diff| {worst_param:.1e} -> "
               + ("equal to single-device training (fp32, 1e-5)" if ok else "DIFFERENT from single-device training"), flush=True)
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from autopar import _compat
+
+    _compat.end_process(main())

@@ -69,7 +69,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     # parameters: gradient all-reduce buckets (ZeRO-0, and ZeRO-3 shards over the axes they do not shard) and
     # ZeRO buckets (ZeRO-1/2: gathered at the start of forward, reduce-scattered in backward; ZeRO-3: per use)
     zgroups = zero_groups(tg, problem.order)
-    state = grad = 0.0
+    state = grad = act = 0.0
     transient = 0.0
     by_zero: dict[tuple, list[str]] = {}
     buckets: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}  # -> [(param, bytes to all-reduce)]
@@ -86,6 +86,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         zc = param_cost(opt, spec, meta, mesh)
         state += zc.state - problem.costs[name][choice.index[name]].state
         grad += zc.grad - problem.costs[name][choice.index[name]].grad
+        act += zc.act - problem.costs[name][choice.index[name]].act
         fqn = tg.fqns[name]
         block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "")
         local = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
@@ -103,6 +104,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         bname = f"grads[{block or 'rest'}]({','.join(mesh.names[a] for a in axes)})"
         grad_buckets.append(GradBucket(bname, tuple(mesh.names[a] for a in axes), tuple(n for n, _ in members)))
         nbytes = sum(b for _, b in members)
+        transient = max(transient, nbytes)  # the bucket's flat copy, reduced in place, beside the gradients
         for a in axes:
             add([Priced("all_reduce", mesh.names[a], nbytes, "backward", collective_time("all_reduce", nbytes, mesh.sizes[a], mesh.link(a)))], bname)
     zero_buckets = []
@@ -114,7 +116,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         zero_buckets.append(ZeroBucket(zname, stage, tuple(mesh.names[a] for a in shard_axes), tuple(mesh.names[a] for a in rest), tuple(members)))
         add(gather_priced(full, shard_axes, mesh, "forward") + scatter_priced(full, shard_axes, rest, mesh), zname)
         if stage == 2:
-            transient = max(transient, full)
+            transient = max(transient, 2 * full)
     for name, opt in zero_of.items():
         if opt.stage != 3:
             continue
@@ -171,7 +173,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     step = compute + comm
     state += sum(problem.costs[n][choice.index[n]].state for n in problem.order)
     grad += sum(problem.costs[n][choice.index[n]].grad for n in problem.order)
-    act = sum(problem.costs[n][choice.index[n]].act for n in problem.order)
+    act += sum(problem.costs[n][choice.index[n]].act for n in problem.order)
     memory = peak_memory(state, grad, act, transient)
     breakdown = {"state": state, "gradients": grad, "activations": act, "transient": transient}
     comm_bytes = {a: 0.0 for a in mesh.names}

@@ -496,20 +496,21 @@ def solve(
     # ZeRO: per parameter group a stage (z), and how it changes each decision's parameters (w = x * z)
     zgroups = zero_groups(tg, P_.order)
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
-    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, grad, transient, comm]
+    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, transient, comm]
     for n, (g, copies, gparams) in zgroups.items():
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
             spec = P_.strategy(n, s).output
             base = _zcost(zopts[0], spec, P_.meta[n], mesh, copies, gparams)
-            row = zdelta.setdefault((r, s, g), [[0.0] * 4 for _ in zopts])
+            row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             for k in range(1, len(zopts)):
                 c = _zcost(zopts[k], spec, P_.meta[n], mesh, copies, gparams)
                 d = row[k]
                 d[0] += c.state - base.state
-                d[1] += c.grad - base.grad
-                d[2] += c.transient - base.transient
-                d[3] += c.comm - base.comm
+                d[1] += c.act - base.act
+                d[2] += c.grad - base.grad
+                d[3] += c.transient - base.transient
+                d[4] += c.comm - base.comm
 
     terms = []
     # user inputs of equal rank share one Spec
@@ -630,8 +631,8 @@ def solve(
             continue
         for k in range(1, len(zopts)):
             zv = zvar[g][k]
-            ds, dg, dt, dc = row[k]
-            if zv is None or not (ds or dg or dt or dc):
+            ds, da, dg, dt, dc = row[k]
+            if zv is None or not (ds or da or dg or dt or dc):
                 continue
             n_aux += 1
             w = solver.NumVar(0.0, 1.0, f"w{n_aux}")
@@ -640,7 +641,7 @@ def solve(
             solver.Add(w >= xv + zv - 1)
             if objective != "memory" and dc:
                 terms.append((dc * US, w))
-            mem_a.append(((ds + dt) * MB, w))
+            mem_a.append(((ds + da + dt) * MB, w))
             mem_g.append(((ds + dg + dt) * MB, w))
     # node terms and memory
     for r in decisions:

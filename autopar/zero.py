@@ -9,13 +9,14 @@ parameter under an option; ``group_latency`` the per-group launch latency; the s
 How each stage runs (passes/zero.py, autopar/collectives.py) and what it holds, per parameter of e elements of
 itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO paper's Psi = e):
 
-| stage | held all step                         | gradients            | communication over the shard axes       |
-|-------|---------------------------------------|----------------------|-----------------------------------------|
-| 0     | e(p + o)                              | e p                  | all-reduce                              |
-| 1     | e p/n (shard) + e p (gathered) + e o/n| e p, then e p/n      | all-gather (forward) + reduce-scatter   |
-| 2     | e p/n + e p + e o/n                   | e p/n (+ one bucket) | all-gather + reduce-scatter per bucket   |
-| 3     | e (p + o)/n (+ one gathered param)    | e p/n                | all-gather forward and again backward   |
-|       |                                       |                      | + reduce-scatter: 1.5x the bytes        |
+| stage | held all step      | + as backward starts | + as backward ends               | communication over the shard axes     |
+|-------|--------------------|----------------------|----------------------------------|---------------------------------------|
+| 0     | e(p + o)           | -                    | e p (gradients)                  | all-reduce                            |
+| 1     | e p/n + e o/n      | e p (gathered)       | 2 e p + e p/n (full gradients,   | all-gather (forward) + reduce-scatter |
+|       |                    |                      | their flat copy, the shard)      |                                       |
+| 2     | e p/n + e o/n      | e p (gathered)       | e p/n (+ one bucket, twice)      | all-gather + reduce-scatter per bucket |
+| 3     | e (p + o)/n        | (one param at a time)| e p/n (+ one param, twice)       | all-gather forward and again in       |
+|       |                    |                      |                                  | backward + reduce-scatter: 1.5x bytes |
 
 Stage 1 reduce-scatters all its gradients at the end of backward (full gradients are held until then); stage 2
 reduce-scatters each group's gradients as soon as they are ready. A storage shard is a flat chunk of the
@@ -88,8 +89,9 @@ def eligible(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> bool:
 @dataclass(frozen=True)
 class ZeroCost:
     state: float  # bytes held all step
-    grad: float  # bytes of gradients at the end of backward
-    transient: float  # bytes alive for a moment (a gathered parameter, a bucket of full gradients)
+    act: float  # bytes alive as backward starts (the gathered parameters of ZeRO-1/2)
+    grad: float  # bytes alive as backward ends (gradients, and the buffer they are reduce-scattered from)
+    transient: float  # bytes alive for a moment (a bucket of full gradients, a parameter gathered again)
     comm: float  # seconds of gradient / parameter communication, bandwidth part
 
 
@@ -111,17 +113,17 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
         return wire_bytes(kind, nbytes, mesh.sizes[a]) / mesh.link(a).bandwidth
 
     if opt.stage == 0:
-        return ZeroCost(e * (p + o), b, 0.0, sum(bw("all_reduce", b, a) for a in synced))
+        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", b, a) for a in synced))
     n = shard_factor(opt, mesh)
     rest = tuple(a for a in synced if a not in opt.shard_axes)
     on_shard = sum(bw("all_reduce", b / n, a) for a in rest)
     gathers = 2 if opt.stage == 3 else 1
     comm = sum(gathers * bw("all_gather", b, a) + bw("reduce_scatter", b, a) for a in opt.shard_axes) + on_shard
-    if opt.stage == 1:
-        return ZeroCost(b / n + b + e * o / n, b + b / n, 0.0, comm)
+    if opt.stage == 1:  # full gradients and their flattened copy meet the shards at the end of backward
+        return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm)
     if opt.stage == 2:
-        return ZeroCost(b / n + b + e * o / n, b / n, b / copies, comm)
-    return ZeroCost(e * (p + o) / n, b / n, 2 * b / (copies * group_params), comm)
+        return ZeroCost(b / n + e * o / n, b, b / n, 2 * b / copies, comm)
+    return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm)
 
 
 def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_groups: int) -> float:

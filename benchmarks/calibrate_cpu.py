@@ -55,7 +55,9 @@ def worker() -> None:
     if dist.get_rank() == 0:
         for (kind, numel), t in out.items():
             print(f"RESULT {kind} {numel} {t}", flush=True)
-    dist.destroy_process_group()
+    from autopar import _compat
+
+    _compat.end_process(0)
 
 
 def main() -> None:

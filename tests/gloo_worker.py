@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import datetime
 import math
-import sys
 
 import torch
 import torch.distributed as dist
@@ -93,9 +92,10 @@ def main() -> None:
                 if dist.get_rank() == 0:
                     mesh = "x".join(f"{k}{v}" for k, v in axes.items())
                     print(f"PARITY {name} {mesh} {variant} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from autopar import _compat
+
     main()
-    sys.exit(0)
+    _compat.end_process(0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import sys
 
 import torch
 import torch.distributed as dist
@@ -98,9 +97,10 @@ def main() -> None:
             if steps >= 10:
                 print(f"LOSSES {name} {label} {strategy} {','.join(f'{v:.9f}' for v in losses)} "
                       f"{','.join(f'{v:.9f}' for v in ref_losses)}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from autopar import _compat
+
     main()
-    sys.exit(0)
+    _compat.end_process(0)

@@ -113,9 +113,17 @@ def mem_tracker():
     return MemTracker()
 
 
+def mem_tracker_current(tracker) -> dict:
+    return _mem_snapshot(tracker, "current")
+
+
 def mem_tracker_peak(tracker) -> dict:
-    """The tracker's peak snapshot summed over devices: total, parameters, gradients, optimizer, activations, other."""
-    snap = tracker.get_tracker_snapshot("peak")
+    return _mem_snapshot(tracker, "peak")
+
+
+def _mem_snapshot(tracker, which: str) -> dict:
+    """A tracker snapshot summed over devices: total, parameters, gradients, optimizer, activations, other."""
+    snap = tracker.get_tracker_snapshot(which)
     total: dict = {"total": 0, "parameters": 0, "gradients": 0, "optimizer": 0, "activations": 0, "other": 0}
     names = {"PARAM": "parameters", "GRAD": "gradients", "OPT": "optimizer", "ACT": "activations"}
     for _dev, stats in snap.items():

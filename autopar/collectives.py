@@ -188,12 +188,14 @@ class _GradSync(torch.autograd.Function):
         for axis, group in zip(axes, groups):
             _note("all_reduce", axis, flat, "backward")
             flat = _compat.all_reduce_sum_(flat, group)
+        # each gradient gets its own storage: autograd would copy views of a shared buffer anyway, and a view it
+        # kept would keep the whole bucket alive
         out, pos = [], 0
         for g in grads:
             if g is None:
                 out.append(None)
             else:
-                out.append(flat[pos : pos + g.numel()].view_as(g))
+                out.append(flat[pos : pos + g.numel()].view_as(g).clone())
                 pos += g.numel()
         return (None, None) + tuple(out)
 
@@ -293,7 +295,7 @@ def scatter_flat(fulls: list[torch.Tensor], levels, reduce) -> list[torch.Tensor
         for k in sizes:
             fulls.append(buf[pos : pos + k])
             pos += k
-    return fulls
+    return [f.clone() if f._base is not None else f for f in fulls]  # own storage each (see _GradSync)
 
 
 class _ZeroGather(torch.autograd.Function):

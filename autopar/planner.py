@@ -104,7 +104,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         bname = f"grads[{block or 'rest'}]({','.join(mesh.names[a] for a in axes)})"
         grad_buckets.append(GradBucket(bname, tuple(mesh.names[a] for a in axes), tuple(n for n, _ in members)))
         nbytes = sum(b for _, b in members)
-        transient = max(transient, nbytes)  # the bucket's flat copy, reduced in place, beside the gradients
+        transient = max(transient, 2 * nbytes)  # the bucket's flat copy, and the gradients cut from it, beside autograd's
         for a in axes:
             add([Priced("all_reduce", mesh.names[a], nbytes, "backward", collective_time("all_reduce", nbytes, mesh.sizes[a], mesh.link(a)))], bname)
     zero_buckets = []
@@ -115,8 +115,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         full = sum(math.prod(strategy[n].output.local_shape(problem.meta[n].shape, mesh.sizes)) * itemsize(problem.meta[n].dtype) for n in members)
         zero_buckets.append(ZeroBucket(zname, stage, tuple(mesh.names[a] for a in shard_axes), tuple(mesh.names[a] for a in rest), tuple(members)))
         add(gather_priced(full, shard_axes, mesh, "forward") + scatter_priced(full, shard_axes, rest, mesh), zname)
-        if stage == 2:
-            transient = max(transient, 2 * full)
+        if stage == 2:  # a bucket's full gradients and flat copy, after its gathered parameters are freed
+            transient = max(transient, full)
     for name, opt in zero_of.items():
         if opt.stage != 3:
             continue

@@ -170,7 +170,7 @@ class ParallelModule(nn.Module):
                     f"{list(val.shape)} under {s} is {list(want)}; pass pmodel.local_inputs(*global_batch), or re-plan for this batch size"
                 )
         params = [self._local(k, f) for k, f in self._order]
-        outs = self._gm(*params, *flat)
+        outs = self._gm.forward(*params, *flat)  # not through __call__: module hooks of trackers would hold every gradient of its inputs
         return pytree.tree_unflatten(list(outs), self._tg.out_spec)
 
     @torch.no_grad()

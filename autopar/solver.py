@@ -239,6 +239,10 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             costs[n.name] = [cost.placeholder(meta[n.name], s.output, pk, n.name in tg.trainable) for s in cs]
         else:
             cs = candidates(n, sizes)
+            data = [a for a in range(mesh.ndim) if mesh.role(a) == "data"]
+            weights = [i for i, a in enumerate(tensor_inputs(n)) if tg.kinds.get(a.name) == "param"]
+            if data and weights:  # a data axis uses weights whole (no tensor parallel through the back door)
+                cs = [c for c in cs if all(isinstance(c.inputs[i][a], Replicate) for i in weights for a in data)] or cs
             info = op_info(n)
             cands[n.name] = cs
             costs[n.name] = [cost.op(info, s, rg[n.name], saved_out.get(n.name, False), internal.get(n.name, 0)) for s in cs]

@@ -12,9 +12,9 @@ itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO pap
 | stage | held all step      | + as backward starts | + as backward ends               | communication over the shard axes     |
 |-------|--------------------|----------------------|----------------------------------|---------------------------------------|
 | 0     | e(p + o)           | -                    | e p (gradients)                  | all-reduce                            |
-| 1     | e p/n + e o/n      | e p (gathered)       | 2 e p + e p/n (full gradients,   | all-gather (forward) + reduce-scatter |
-|       |                    |                      | their flat copy, the shard)      |                                       |
-| 2     | e p/n + e o/n      | e p (gathered)       | e p/n (+ one bucket, twice)      | all-gather + reduce-scatter per bucket |
+| 1     | e p/n + e o/n      | e p (gathered)       | 2 e p + 2 e p/n (full gradients, | all-gather (forward) + reduce-scatter |
+|       |                    |                      | their flat copy, the shard x2)   |                                       |
+| 2     | e p/n + e o/n      | e p (gathered)       | e p/n (+ one bucket)             | all-gather + reduce-scatter per bucket |
 | 3     | e (p + o)/n        | (one param at a time)| e p/n (+ one param, twice)       | all-gather forward and again in       |
 |       |                    |                      |                                  | backward + reduce-scatter: 1.5x bytes |
 
@@ -119,10 +119,10 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     on_shard = sum(bw("all_reduce", b / n, a) for a in rest)
     gathers = 2 if opt.stage == 3 else 1
     comm = sum(gathers * bw("all_gather", b, a) + bw("reduce_scatter", b, a) for a in opt.shard_axes) + on_shard
-    if opt.stage == 1:  # full gradients and their flattened copy meet the shards at the end of backward
-        return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm)
-    if opt.stage == 2:
-        return ZeroCost(b / n + e * o / n, b, b / n, 2 * b / copies, comm)
+    if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard (and its copy) at the end
+        return ZeroCost(b / n + e * o / n, b, 2 * b + 2 * b / n, 0.0, comm)
+    if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
+        return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm)
     return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm)
 
 

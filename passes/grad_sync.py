@@ -2,9 +2,9 @@
 
 Requires: placeholders named as in the plan; ``plan.grad_buckets`` (the buckets the plan priced: one all-reduce per
 bucket and axis).
-Ensures: the parameters of each bucket are read through one ``grad_sync`` node (identity forward; backward
-all-reduces the bucket's gradients as one buffer over exactly its axes, before they reach ``.grad``, so
-gradient accumulation stays right).
+Ensures: the parameters of each bucket are read through one ``grad_sync`` node, placed just before the bucket's
+first use (identity forward; backward all-reduces the bucket's gradients as one buffer over exactly its axes,
+as soon as they are all computed and before they reach ``.grad``, so gradient accumulation stays right).
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     g = gm.graph
     names, _sizes, _strides, groups = runtime_axes(mesh)
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
-    first_body = next(n for n in g.nodes if n.op != "placeholder")
+    position = {n: i for i, n in enumerate(g.nodes)}
     for bucket in plan.grad_buckets:
         params = [placeholders[p] for p in bucket.params]
         grps = tuple(groups[names.index(a)] for a in bucket.axes)
-        with g.inserting_before(first_body):
+        # read the bucket just before its first use: autograd then runs its backward (the all-reduce) as soon as the
+        # bucket's gradients are done, not after the whole backward pass
+        first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
+        with g.inserting_before(first_use):
             s = g.call_function(collectives.grad_sync, (tuple(params), bucket.axes, grps))
             reads = [g.call_function(operator.getitem, (s, i)) for i in range(len(params))]
         for p, r in zip(params, reads):

@@ -36,14 +36,16 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     g = gm.graph
     axes = runtime_axes(mesh)
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
-    first_body = next(n for n in g.nodes if n.op != "placeholder")
     position = {n: i for i, n in enumerate(g.nodes)}
     for bucket in plan.zero_buckets:
         levels, reduce = levels_and_reduce(bucket, mesh, axes)
         params = [placeholders[p] for p in bucket.params]
         shapes = tuple(local_shape(plan, p, mesh) for p in params)
         if bucket.stage in (1, 2):
-            with g.inserting_before(first_body):
+            # gather just before the bucket's first use (ZeRO-2 buckets are blocks: their gathered parameters live
+            # from their block's forward on, and their backward reduce-scatters as soon as the block is done)
+            first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
+            with g.inserting_before(first_use):
                 z = g.call_function(collectives.zero_gather, (tuple(params), shapes, levels, reduce))
                 reads = [g.call_function(operator.getitem, (z, i)) for i in range(len(params))]
             for p, r in zip(params, reads):

@@ -50,14 +50,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, probe_saved
+from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_saved
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
-from autopar.zero import ZeroCost, ZeroOption, group_latency, param_cost, zero_options
+from autopar.zero import ZeroCost, ZeroOption, eligible, group_latency, param_cost, zero_options
 
 US = 1e6  # objective in microseconds, memory in MB: keeps the solver's tolerances meaningful
 MB = 1e-6
@@ -500,21 +500,36 @@ def solve(
     # ZeRO: per parameter group a stage (z), and how it changes each decision's parameters (w = x * z)
     zgroups = zero_groups(tg, P_.order)
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
-    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, transient, comm]
+    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm]
+    # one-at-a-time buffers, as their largest instance: a gradient bucket (stage 0: flat copy + cut gradients, 2x;
+    # stage 2: 1x), one ZeRO-3 parameter gathered again with its full gradient (2x)
+    tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2 bucket bytes], one copy
+    tparam: list[tuple[str, int, str, int, float]] = []  # (decision, strategy, group, option, bytes) of ZeRO-3 params
     for n, (g, copies, gparams) in zgroups.items():
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
-            spec = P_.strategy(n, s).output
-            base = _zcost(zopts[0], spec, P_.meta[n], mesh, copies, gparams)
-            row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
-            for k in range(1, len(zopts)):
-                c = _zcost(zopts[k], spec, P_.meta[n], mesh, copies, gparams)
+            spec, meta = P_.strategy(n, s).output, P_.meta[n]
+            base = _zcost(zopts[0], spec, meta, mesh, copies, gparams)
+            row = zdelta.setdefault((r, s, g), [[0.0] * 4 for _ in zopts])
+            buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
+            b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
+            synced = bool(grad_sync_axes(spec, mesh))
+            for k in range(len(zopts)):
+                stage = zopts[k].stage if eligible(zopts[k], spec, meta, mesh) else 0
+                if stage == 0 and synced:
+                    buck[k][0] += 2 * b / copies
+                elif stage == 2:
+                    buck[k][1] += b / copies
+                elif stage == 3 and rep(n) == n:
+                    tparam.append((r, s, g, k, 2 * b))
+                if k == 0:
+                    continue
+                c = _zcost(zopts[k], spec, meta, mesh, copies, gparams)
                 d = row[k]
                 d[0] += c.state - base.state
                 d[1] += c.act - base.act
                 d[2] += c.grad - base.grad
-                d[3] += c.transient - base.transient
-                d[4] += c.comm - base.comm
+                d[3] += c.comm - base.comm
 
     terms = []
     # user inputs of equal rank share one Spec
@@ -629,24 +644,41 @@ def solve(
             if zv is not None and dlat and objective != "memory":
                 terms.append((dlat * US, zv))
     mem_a, mem_g = [], []  # terms of the two peaks: state + activations, state + gradients
+    ind: dict[tuple[str, int, str, int], object] = {}  # (decision, strategy, group, option) -> x * z
     for (r, s, g), row in zdelta.items():
         xv = x[r][s]
         if xv is None:
             continue
+        ws = []
         for k in range(1, len(zopts)):
             zv = zvar[g][k]
-            ds, da, dg, dt, dc = row[k]
-            if zv is None or not (ds or da or dg or dt or dc):
+            if zv is None:
                 continue
             n_aux += 1
             w = solver.NumVar(0.0, 1.0, f"w{n_aux}")
             solver.Add(w <= xv)
             solver.Add(w <= zv)
             solver.Add(w >= xv + zv - 1)
+            ind[(r, s, g, k)] = w
+            ws.append(w)
+            ds, da, dg, dc = row[k]
             if objective != "memory" and dc:
                 terms.append((dc * US, w))
-            mem_a.append(((ds + da + dt) * MB, w))
-            mem_g.append(((ds + dg + dt) * MB, w))
+            mem_a.append(((ds + da) * MB, w))
+            mem_g.append(((ds + dg) * MB, w))
+        ind[(r, s, g, 0)] = xv - sum(ws) if ws else xv
+    top_t = solver.NumVar(0.0, solver.infinity(), "transient")
+    for g in zvar:
+        for kind in (0, 1):
+            expr = [(buck[k][kind] * MB, ind[(r, s, gg, k)]) for (r, s, gg), buck in tbucket.items() if gg == g and x[r][s] is not None
+                    for k in range(len(zopts)) if buck[k][kind] and (r, s, gg, k) in ind]
+            if expr:
+                solver.Add(top_t >= sum(c * v for c, v in expr))
+    for r, s, g, k, b in tparam:
+        if (r, s, g, k) in ind:
+            solver.Add(top_t >= b * MB * ind[(r, s, g, k)])
+    mem_a.append((1.0, top_t))
+    mem_g.append((1.0, top_t))
     # node terms and memory
     for r in decisions:
         for s, xv in enumerate(x[r]):
@@ -675,7 +707,7 @@ def solve(
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None and objective == "time":
             floor = solve(tg, mesh, cost, P_, None, pins, objective="memory")
-            need = floor.objective * US / MB
+            need = math.ceil(floor.objective * US / MB)
             raise InfeasibleError(
                 f"no plan fits the memory budget of {memory_budget / 2**30:.3f} GiB per device on mesh {mesh}: "
                 f"the smallest plan needs {need / 2**30:.3f} GiB ({need:.0f} bytes) per device. Raise memory_budget to at "

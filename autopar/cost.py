@@ -97,9 +97,14 @@ def grad_sync_axes(spec: Spec, mesh: Mesh) -> tuple[int, ...]:
 
 
 def grad_sync_bandwidth_time(spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:
-    """One parameter's share of its bucket's all-reduces: bandwidth only (a bucket pays the latency once)."""
+    """One parameter's share of its bucket's all-reduces: bandwidth only (a bucket pays the latency once), and the
+    bucket's two copies (flattened, cut out again) at memory bandwidth."""
     b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
-    return sum(wire_bytes("all_reduce", b, mesh.sizes[a]) / mesh.link(a).bandwidth for a in grad_sync_axes(spec, mesh))
+    axes = grad_sync_axes(spec, mesh)
+    if not axes:
+        return 0.0
+    hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
+    return sum(wire_bytes("all_reduce", b, mesh.sizes[a]) / mesh.link(a).bandwidth for a in axes) + 2 * b / hbm
 
 
 VIEW_OPS = {
@@ -151,9 +156,10 @@ def optimizer_bytes(dtype: torch.dtype) -> int:
     return 2 * isz if isz >= 4 else 12
 
 
-def peak_memory(state: float, grad: float, act: float, transient: float = 0.0) -> float:
-    """Per-device peak of a training step: activations peak at the start of backward, gradients at its end."""
-    return state + max(act, grad) + transient
+def peak_memory(state: float, grad: float, act: float, t_grad: float = 0.0, t_act: float = 0.0) -> float:
+    """Per-device peak of a training step: activations peak as backward starts, gradients as it ends; one-at-a-time
+    buffers join the peak they occur in (gradient buckets the second; a ZeRO-3 parameter gathered again, both)."""
+    return state + max(act + t_act, grad + t_grad)
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ class Plan:
     grad_buckets: list[GradBucket] = field(default_factory=list)
     zero_buckets: list[ZeroBucket] = field(default_factory=list)
     zero_stages: dict = field(default_factory=dict)  # parameter group -> [stage, [shard axes]]
+    group_memory: dict = field(default_factory=dict)  # parameter group -> [bytes held all step, gradient bytes, parameters]
     solver_status: str = "optimal"
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -139,11 +140,29 @@ class Plan:
     def summary(self) -> str:
         c = self.cost
         comm = ", ".join(f"{a}: {_fmt_bytes(b)}" for a, b in c.comm_bytes.items() if b) or "none"
+        mem = ""
+        if c.memory_breakdown:
+            b = c.memory_breakdown
+            mem = " (" + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in b.items() if v) + ")"
         return (
             f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (compute {c.compute_time * 1e3:.3f}, comm {c.comm_time * 1e3:.3f})"
-            f"  |  MFU {100 * c.mfu:.1f}%  |  memory/device {_fmt_bytes(c.memory_per_device)}  |  comm/device/step {comm}"
+            f"  |  MFU {100 * c.mfu:.1f}%  |  peak memory/device {_fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}"
             f"  |  inputs {self.input_spec}  |  solver {self.solver_status}"
         )
+
+    def groups_table(self) -> str:
+        """Each parameter group's ZeRO stage and its memory: held all step, and its gradients at the end of backward."""
+        from autopar.zero import ZeroOption
+
+        rows = []
+        copies: dict[str, int] = {}
+        for b, t in self.blocks:
+            copies[t or b] = copies.get(t or b, 0) + 1
+        for g, (held, grad, n) in self.group_memory.items():
+            opt = ZeroOption.from_json(self.zero_stages[g], self.mesh) if g in self.zero_stages else ZeroOption(0)
+            label = f"{g} x{copies[g]}" if copies.get(g, 1) > 1 else g
+            rows.append([label, opt.label(self.mesh), n, _fmt_bytes(held), _fmt_bytes(grad)])
+        return _tabulate.tabulate(rows, headers=["parameter group", "stage", "params", "held (params + AdamW)", "gradients"], tablefmt="simple")
 
     def table(self, *, views: bool = False) -> str:
         """Chosen Specs per block and op, with predicted time, memory and the collectives each op's inputs need.
@@ -175,12 +194,15 @@ class Plan:
                 shown_block = block
             what = str(n.strategy.output) if n.op in placeholder else str(n.strategy)
             rows.append([n.path, _short_op(n.op), what, f"{n.time * 1e3:.4f}", _fmt_bytes(n.memory), colstr(cols)])
-        for b in self.grad_buckets:
-            block = b.name[len("grads["):].split("]")[0]
+        for b in list(self.grad_buckets) + list(self.zero_buckets):
+            block = b.name.split("[", 1)[1].split("]")[0]
             if block in copies or block == "rest":
                 label = f"{b.name} x{copies[block]}" if copies.get(block, 1) > 1 else b.name
-                rows.append([label, "grad sync", f"{len(b.params)} params", "", "", colstr(by_node.get(b.name, []))])
+                what = "grad sync" if isinstance(b, GradBucket) else f"ZeRO-{b.stage}"
+                rows.append([label, what, f"{len(b.params)} params", "", "", colstr(by_node.get(b.name, []))])
         t = _tabulate.tabulate(rows, headers=["node", "op", "strategy / spec", "ms", "memory", "collectives (f/b)"], tablefmt="simple")
+        if self.group_memory:
+            t += "\n\n" + self.groups_table()
         phases = ""
         if self.timings:
             phases = "\nplanning: " + ", ".join(f"{k} {v:.2f}s" if k != "ilp variables" else f"{k} {v:.0f}" for k, v in self.timings.items())
@@ -255,6 +277,7 @@ class Plan:
             "grad_buckets": [[b.name, list(b.axes), list(b.params)] for b in self.grad_buckets],
             "zero_buckets": [[b.name, b.stage, list(b.shard_axes), list(b.reduce_axes), list(b.params)] for b in self.zero_buckets],
             "zero_stages": self.zero_stages,
+            "group_memory": self.group_memory,
         }
         return json.dumps(d, indent=1)
 
@@ -286,6 +309,7 @@ class Plan:
             grad_buckets=[GradBucket(b[0], tuple(b[1]), tuple(b[2])) for b in d.get("grad_buckets", [])],
             zero_buckets=[ZeroBucket(b[0], b[1], tuple(b[2]), tuple(b[3]), tuple(b[4])) for b in d.get("zero_buckets", [])],
             zero_stages=d.get("zero_stages", {}),
+            group_memory=d.get("group_memory", {}),
             cost=PlanCost(c["step_time"], c["mfu"], c["memory_per_device"], dict(c["comm_bytes"]), c["compute_time"], c["comm_time"],
                           c["model_flops"], dict(c.get("memory_breakdown", {}))),
             solver_status=d.get("solver_status", "optimal"),

@@ -70,7 +70,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     # ZeRO buckets (ZeRO-1/2: gathered at the start of forward, reduce-scattered in backward; ZeRO-3: per use)
     zgroups = zero_groups(tg, problem.order)
     state = grad = act = 0.0
-    transient = 0.0
+    transient = t_act = 0.0  # one-at-a-time buffers of the gradient peak, and of the activation peak
+    copy_time = 0.0  # the runtime's copies around gradient and parameter communication
+    group_memory: dict[str, list] = {}  # group -> [bytes held, gradient bytes, parameters]
     by_zero: dict[tuple, list[str]] = {}
     buckets: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}  # -> [(param, bytes to all-reduce)]
     zero_of: dict[str, ZeroOption] = {}
@@ -84,6 +86,11 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             opt = ZeroOption(0)
         zero_of[name] = opt
         zc = param_cost(opt, spec, meta, mesh)
+        copy_time += zc.copy
+        gm = group_memory.setdefault(g, [0.0, 0.0, 0])
+        gm[0] += zc.state
+        gm[1] += zc.grad
+        gm[2] += 1
         state += zc.state - problem.costs[name][choice.index[name]].state
         grad += zc.grad - problem.costs[name][choice.index[name]].grad
         act += zc.act - problem.costs[name][choice.index[name]].act
@@ -99,6 +106,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             buckets.setdefault((block, rest), []).append((name, local // n))
         if opt.stage == 3:
             transient = max(transient, 2 * local)
+            t_act = max(t_act, 2 * local)
     grad_buckets = []
     for (block, axes), members in buckets.items():
         bname = f"grads[{block or 'rest'}]({','.join(mesh.names[a] for a in axes)})"
@@ -168,14 +176,14 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         n = nodes_fx[name]
         nodes[name] = NodePlan(name, tg.path(name), _op_name(tg, n), problem.meta[name].shape, strategy[name], nc.time, nc.memory, rep, alts)
     # totals
-    compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order)
+    compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order) + copy_time
     comm = sum(c.seconds for c in collectives)
     step = compute + comm
     state += sum(problem.costs[n][choice.index[n]].state for n in problem.order)
     grad += sum(problem.costs[n][choice.index[n]].grad for n in problem.order)
     act += sum(problem.costs[n][choice.index[n]].act for n in problem.order)
-    memory = peak_memory(state, grad, act, transient)
-    breakdown = {"state": state, "gradients": grad, "activations": act, "transient": transient}
+    memory = peak_memory(state, grad, act, transient, t_act)
+    breakdown = {"state": state, "gradients": grad, "activations": act, "transient": max(transient, t_act)}
     comm_bytes = {a: 0.0 for a in mesh.names}
     for c in collectives:
         comm_bytes[c.axis] += wire_bytes(c.kind, c.bytes, mesh.sizes[mesh.names.index(c.axis)])
@@ -201,5 +209,6 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         cost=PlanCost(step, mfu, memory, comm_bytes, compute, comm, flops, breakdown),
         zero_buckets=zero_buckets,
         zero_stages={g: opt.to_json(mesh) for g, opt in choice.zero.items()},
+        group_memory=group_memory,
         solver_status=choice.status,
     )

@@ -40,6 +40,7 @@ optimality; the time limit is a safety net whose hit is reported in the plan (``
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import itertools
 import math
@@ -431,6 +432,30 @@ class Choice:
     zero: dict = field(default_factory=dict)  # parameter group -> ZeroOption
 
 
+@contextlib.contextmanager
+def _quiet():
+    """HiGHS prints some diagnostics straight to the process's stdout whatever its output flags say: send file
+    descriptor 1 to /dev/null while it solves."""
+    import os
+    import sys
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # no real stdout (captured): nothing to guard
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _new_solver():
     from ortools.linear_solver import pywraplp
 
@@ -529,7 +554,7 @@ def solve(
                 d[0] += c.state - base.state
                 d[1] += c.act - base.act
                 d[2] += c.grad - base.grad
-                d[3] += c.comm - base.comm
+                d[3] += (c.comm + c.copy) - (base.comm + base.copy)
 
     terms = []
     # user inputs of equal rank share one Spec
@@ -635,12 +660,13 @@ def solve(
     group_meta = {}
     for g, copies, gparams in zgroups.values():
         group_meta[g] = (copies, gparams)
+    all_copies = sum(c for c, _ in group_meta.values())
     for gi, (g, (copies, gparams)) in enumerate(group_meta.items()):
         ok = pinned.get(g)
         zvar[g] = [solver.BoolVar(f"z{gi}_{k}") if (ok is None or k in ok) else None for k in range(len(zopts))]
         solver.Add(sum(v for v in zvar[g] if v is not None) == 1)
         for k, zv in enumerate(zvar[g]):
-            dlat = copies * (group_latency(zopts[k], mesh, gparams, len(group_meta)) - group_latency(zopts[0], mesh, gparams, len(group_meta)))
+            dlat = copies * (group_latency(zopts[k], mesh, gparams, all_copies) - group_latency(zopts[0], mesh, gparams, all_copies))
             if zv is not None and dlat and objective != "memory":
                 terms.append((dlat * US, zv))
     mem_a, mem_g = [], []  # terms of the two peaks: state + activations, state + gradients
@@ -667,18 +693,22 @@ def solve(
             mem_a.append(((ds + da) * MB, w))
             mem_g.append(((ds + dg) * MB, w))
         ind[(r, s, g, 0)] = xv - sum(ws) if ws else xv
-    top_t = solver.NumVar(0.0, solver.infinity(), "transient")
+    # transients: gradient buckets live in backward, as the gradients grow (the second peak only); a ZeRO-3
+    # parameter gathered again in backward meets the activations too (both peaks)
+    top_g = solver.NumVar(0.0, solver.infinity(), "transient_g")
+    top_a = solver.NumVar(0.0, solver.infinity(), "transient_a")
     for g in zvar:
         for kind in (0, 1):
             expr = [(buck[k][kind] * MB, ind[(r, s, gg, k)]) for (r, s, gg), buck in tbucket.items() if gg == g and x[r][s] is not None
                     for k in range(len(zopts)) if buck[k][kind] and (r, s, gg, k) in ind]
             if expr:
-                solver.Add(top_t >= sum(c * v for c, v in expr))
+                solver.Add(top_g >= sum(c * v for c, v in expr))
     for r, s, g, k, b in tparam:
         if (r, s, g, k) in ind:
-            solver.Add(top_t >= b * MB * ind[(r, s, g, k)])
-    mem_a.append((1.0, top_t))
-    mem_g.append((1.0, top_t))
+            solver.Add(top_g >= b * MB * ind[(r, s, g, k)])
+            solver.Add(top_a >= b * MB * ind[(r, s, g, k)])
+    mem_a.append((1.0, top_a))
+    mem_g.append((1.0, top_g))
     # node terms and memory
     for r in decisions:
         for s, xv in enumerate(x[r]):
@@ -701,7 +731,8 @@ def solve(
         solver.Add(peak_g <= memory_budget * MB)
     solver.Minimize(sum(c * v for c, v in terms if c))
     solver.SetTimeLimit(int(time_limit_s * 1000))
-    status = solver.Solve()
+    with _quiet():
+        status = solver.Solve()
     P_.timings["solve" if objective == "time" else "solve_memory"] = time.perf_counter() - t0
     P_.timings["ilp_size"] = float(solver.NumVariables())
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):

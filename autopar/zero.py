@@ -93,6 +93,7 @@ class ZeroCost:
     grad: float  # bytes alive as backward ends (gradients, and the buffer they are reduce-scattered from)
     transient: float  # bytes alive for a moment (a bucket of full gradients, a parameter gathered again)
     comm: float  # seconds of gradient / parameter communication, bandwidth part
+    copy: float = 0.0  # seconds of the runtime's copies around it, at memory bandwidth
 
 
 def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int = 1, group_params: int = 1) -> ZeroCost:
@@ -112,22 +113,29 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     def bw(kind: str, nbytes: float, a: int) -> float:
         return wire_bytes(kind, nbytes, mesh.sizes[a]) / mesh.link(a).bandwidth
 
+    # the runtime's own copies, at memory bandwidth: a bucket is flattened and its gradients cut out again (stage
+    # 0); gathered buckets are cut into parameters, and reduce-scattered ones flattened (stages 1-2); a ZeRO-3
+    # parameter is written whole by each gather
+    hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
+    copies_bytes = {0: 2 * b, 1: 3 * b, 2: 3 * b, 3: 2 * b}[opt.stage] if synced or opt.stage else 0.0
     if opt.stage == 0:
-        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", b, a) for a in synced))
+        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", b, a) for a in synced), copies_bytes / hbm)
     n = shard_factor(opt, mesh)
     rest = tuple(a for a in synced if a not in opt.shard_axes)
     on_shard = sum(bw("all_reduce", b / n, a) for a in rest)
     gathers = 2 if opt.stage == 3 else 1
     comm = sum(gathers * bw("all_gather", b, a) + bw("reduce_scatter", b, a) for a in opt.shard_axes) + on_shard
+    copy = copies_bytes / hbm
     if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard (and its copy) at the end
-        return ZeroCost(b / n + e * o / n, b, 2 * b + 2 * b / n, 0.0, comm)
+        return ZeroCost(b / n + e * o / n, b, 2 * b + 2 * b / n, 0.0, comm, copy)
     if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
-        return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm)
-    return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm)
+        return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, copy)
+    return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, copy)
 
 
-def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_groups: int) -> float:
-    """Launch and latency seconds of one group copy's collectives per step (its bytes are in ``param_cost``)."""
+def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_copies: int) -> float:
+    """Launch and latency seconds of one group copy's collectives per step (its bytes are in ``param_cost``);
+    ``n_copies``: group copies in the whole model (stage 1's single bucket is shared by all of them)."""
     def lat(kind: str, a: int) -> float:
         return collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a))
 
@@ -137,7 +145,7 @@ def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_groups: int)
     rest = sum(lat("all_reduce", a) for a in data if a not in opt.shard_axes)
     pair = sum(lat("all_gather", a) + lat("reduce_scatter", a) for a in opt.shard_axes)
     if opt.stage == 1:  # one bucket for the whole model
-        return pair / max(n_groups, 1) + rest
+        return pair / max(n_copies, 1) + rest
     if opt.stage == 2:  # one bucket per group copy
         return pair + rest
     per_use = sum(2 * lat("all_gather", a) + lat("reduce_scatter", a) for a in opt.shard_axes)

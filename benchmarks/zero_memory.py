@@ -97,7 +97,7 @@ def main() -> None:
                      " ".join(f"{k}={v / mib:.1f}" for k, v in b.items())])
     print(f"MLP {CFG}, {psi / 1e6:.1f}M parameters (fp32), global batch {BATCH}, {n} gloo ranks (dp={n}); MiB per rank")
     print(tabulate.tabulate(rows, headers=["stage", "predicted peak", "measured peak", "pred/meas", "model state, ZeRO paper",
-                                           "model state held after a step, measured", "predicted peak = state + max(act, grads) + transient"]))
+                                           "model state held after a step, measured", "predicted: peak = state + max(activations, gradients + buffers)"]))
 
 
 if __name__ == "__main__":

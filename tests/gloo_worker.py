@@ -81,12 +81,18 @@ def main() -> None:
     pairs = redistributions({"dp": 2, "tp": world // 2} if world > 2 else {"dp": 2})
     if dist.get_rank() == 0:
         print(f"REDISTRIBUTE {pairs}", flush=True)
-    meshes = [{"dp": 2}, {"tp": 2}] if world == 2 else [{"tp": 4}, {"dp": 2, "tp": 2}]
+    meshes = [{"dp": 2}, {"tp": 2}] if world == 2 else [{"tp": 4}, {"dp": 2, "tp": 2}, {"dp": 4}, {"dp_rep": 2, "dp_shard": 2}]
     for axes in meshes:
         for name in ("gpt", "llama"):
             variants = [("auto", ())]
             if "tp" in axes:
                 variants.append(("megatron-sp", megatron_pins(name, axes, sequence_parallel=True)))
+            if "dp" in axes and "tp" in axes:
+                variants.append(("zero3+megatron", megatron_pins(name, axes) + [autopar.ZeroPin("*", 3)]))
+            if axes in ({"dp": 2}, {"dp": 4}):
+                variants = [(f"zero{k}", [autopar.ZeroPin("*", k)]) for k in (1, 2, 3)]
+            if "dp_shard" in axes:
+                variants = [("hsdp-zero3", [autopar.ZeroPin("*", 3, ("dp_shard",))])]
             for variant, pins in variants:
                 dl, dg, dp = case(name, axes, pins)
                 if dist.get_rank() == 0:

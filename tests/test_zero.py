@@ -1,0 +1,151 @@
+"""ZeRO-1/2/3 and HSDP: parity with single-device training, shards really held, the communication each stage
+launches, and the stage the solver picks as the memory budget shrinks (or the inter-node axis is slow)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import _compat, collectives
+from autopar.cost import wire_bytes
+from models.gpt import GPT, GPTConfig
+from models.llama import Llama, LlamaConfig
+from tests._util import fake_world, parity
+from tests.test_parity import megatron_pins
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return GPT(GPTConfig.tiny()) if name == "gpt" else Llama(LlamaConfig.tiny())
+
+
+def _inputs(batch=4):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (batch, 16), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+@pytest.mark.parametrize("axes", [{"dp": 2}, {"dp": 4}], ids=["dp2", "dp4"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_every_stage_trains_like_one_device(name, stage, axes):
+    r = parity(_model(name), _inputs(), axes, constraints=[autopar.ZeroPin("*", stage)])
+    assert {s for s, _ in r["plan"].zero_stages.values()} == {stage}
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_hsdp_shards_within_and_replicates_across(name, stage):
+    axes = {"dp_rep": 2, "dp_shard": 2}
+    r = parity(_model(name), _inputs(), axes, constraints=[autopar.ZeroPin("*", stage, ("dp_shard",))])
+    buckets = r["plan"].zero_buckets
+    assert buckets and all(b.shard_axes == ("dp_shard",) for b in buckets)
+    launched_axes = {c.axis for c in r["plan"].collectives()}
+    assert "dp_rep" in launched_axes  # the shards' gradients are all-reduced across the replicas
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_zero3_composes_with_tensor_parallel(name):
+    axes = {"dp": 2, "tp": 2}
+    pins = megatron_pins(name, axes) + [autopar.ZeroPin("*", 3)]
+    r = parity(_model(name), _inputs(), axes, constraints=pins)
+    assert {s for s, _ in r["plan"].zero_stages.values()} == {3}
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
+def _one_step(model, axes, stage, inputs):
+    mesh = autopar.Mesh(axes, hardware="h100-80gb")
+    with fake_world(mesh.size), _compat.local_tensor_mode(mesh.size):
+        pm = autopar.parallelize(model, mesh, inputs, constraints=[autopar.ZeroPin("*", stage)])
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)
+        with collectives.record() as log:
+            pm(*pm.local_inputs(*inputs)).backward()
+        opt.step()
+        held = {n: (p.numel(), p.grad.numel(), sum(t.numel() for t in opt.state[p].values() if torch.is_tensor(t) and t.dim() > 0))
+                for n, p in pm.named_parameters()}
+    return pm.plan, log, held
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_rank_holds_only_what_its_stage_says(stage):
+    model = _model("gpt")
+    full = {n: p.numel() for n, p in model.named_parameters()}
+    plan, log, held = _one_step(model, {"dp": 4}, stage, _inputs())
+    n = 1 if stage == 0 else 4
+    for name, (param, grad, adam) in held.items():
+        assert param == full[name] // n and grad == full[name] // n and adam == 2 * full[name] // n, (name, stage)
+    # and the program launched exactly the collectives its plan priced
+    priced = collections.Counter((c.kind, c.axis, c.bytes, c.phase) for c in plan.collectives())
+    assert collections.Counter((c.kind, c.axis, c.bytes, c.phase) for c in log) == priced
+
+
+class Linears(nn.Module):
+    """Only linear weights: every ZeRO-3 parameter is gathered for its use and again in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(3))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def test_zero12_move_the_gradient_bytes_of_plain_dp_and_zero3_one_and_a_half_times():
+    torch.manual_seed(0)
+    inputs = (torch.randn(16, 32), torch.randn(16, 32))
+    wire = {}
+    for stage in range(4):
+        torch.manual_seed(0)
+        _, log, _ = _one_step(Linears(), {"dp": 4}, stage, inputs)
+        kinds = collections.Counter(c.kind for c in log)
+        wire[stage] = sum(wire_bytes(c.kind, c.bytes, 4) for c in log)
+        if stage == 0:
+            assert set(kinds) == {"all_reduce"}
+        else:
+            assert set(kinds) == {"all_gather", "reduce_scatter"}  # gradients are reduce-scattered, not all-reduced
+    assert wire[1] == wire[0] and wire[2] == wire[0]
+    assert wire[3] == pytest.approx(1.5 * wire[0])
+
+
+REGIME = GPTConfig(n_layer=2, n_head=32, n_embd=4096, vocab_size=32000, block_size=1024)
+
+
+def _regime_plan(mesh, batch, **kw):
+    with torch.device("meta"):
+        model = GPT(REGIME).to(torch.bfloat16)
+    x = torch.empty(batch, 128, dtype=torch.long, device="meta")
+    return autopar.plan(model, mesh, (x, x), **kw)
+
+
+def test_the_cheapest_stage_that_fits_is_chosen_as_the_budget_shrinks():
+    mesh = autopar.Mesh({"dp": 8}, hardware="h100-80gb")
+    pinned = {k: _regime_plan(mesh, 8, constraints=[autopar.ZeroPin("*", k)]).cost for k in range(4)}
+    # memory falls and time rises stage by stage
+    for k in range(3):
+        assert pinned[k + 1].memory_per_device < pinned[k].memory_per_device
+        assert pinned[k + 1].step_time > pinned[k].step_time
+    assert {s for s, _ in _regime_plan(mesh, 8).zero_stages.values()} == {0}  # ample memory: plain data parallel
+    for k in range(4):
+        chosen = _regime_plan(mesh, 8, memory_budget=pinned[k].memory_per_device * 1.0001)
+        assert {s for s, _ in chosen.zero_stages.values()} == {k}, (k, chosen.zero_stages)
+    with pytest.raises(autopar.InfeasibleError) as e:
+        _regime_plan(mesh, 8, memory_budget=pinned[3].memory_per_device * 0.5)
+    assert e.value.smallest_budget <= pinned[3].memory_per_device * 1.0001
+
+
+def test_a_slow_inter_node_axis_makes_hsdp_win_over_full_mesh_zero3():
+    mesh = autopar.Mesh({"dp_rep": 4, "dp_shard": 8}, hardware="h100-80gb")  # dp_shard fills a node
+    assert mesh.spans_nodes("dp_rep") and not mesh.spans_nodes("dp_shard")
+    full = _regime_plan(mesh, 32, constraints=[autopar.ZeroPin("*", 3, ("dp_rep", "dp_shard"))]).cost
+    hsdp = _regime_plan(mesh, 32, constraints=[autopar.ZeroPin("*", 3, ("dp_shard",))]).cost
+    assert full.memory_per_device < hsdp.memory_per_device and hsdp.step_time < full.step_time / 2
+    chosen = _regime_plan(mesh, 32, memory_budget=hsdp.memory_per_device * 1.0001)
+    assert {(s, tuple(a)) for s, a in chosen.zero_stages.values()} == {(3, ("dp_shard",))}

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import itertools
 import math
 import operator
@@ -129,18 +130,19 @@ def _output_specs(meta: TensorMeta, sizes: tuple[int, ...]) -> list[Spec]:
     return [s for s in specs if s.divides(meta.shape, sizes)]
 
 
-def _follow(cands: list[Strategy], slot: int, want: Spec) -> int:
-    """The follower strategy whose input ``slot`` takes ``want``, gathering innermost axes first until one exists."""
-    tries = [want]
+def _follow(by_input: dict[Spec, int], want: Spec) -> int:
+    """The follower strategy whose main input takes ``want``, gathering innermost axes first until one exists.
+
+    ``by_input``: the follower's main-input Spec -> its first strategy taking it."""
+    hit = by_input.get(want)
+    if hit is not None:
+        return hit
     cur = want
     for a in reversed(range(len(want))):
         if not isinstance(cur[a], Replicate):
             cur = cur.replace(a, Replicate())
-            tries.append(cur)
-    for t in tries:
-        for i, s in enumerate(cands):
-            if s.inputs[slot] == t:
-                return i
+            if cur in by_input:
+                return by_input[cur]
     raise AssertionError("the replicated strategy always exists")
 
 
@@ -275,13 +277,20 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     ins_of = {v: {} for v in order}
     for u, v, i, m in edges:
         ins_of[v][i] = u
+    seen: dict[tuple, list[int]] = {}  # tied copies with tied roots derive alike: compute once
     for n in order:
         if kind[n] != FOLLOWER:
             continue
         src = ins_of[n][main_slot[n]]
         r = root[n]
-        problem.derived[n] = [_follow(cands[n], main_slot[n], problem.strategy(src, s).output if src != r else cands[r][s].output)
-                              for s in range(len(cands[r]))]
+        key = (tg.rep.get(n, n), tg.rep.get(src, src), tg.rep.get(r, r))
+        if key not in seen:
+            by_input: dict[Spec, int] = {}
+            for i, c in enumerate(cands[n]):
+                by_input.setdefault(c.inputs[main_slot[n]], i)
+            seen[key] = [_follow(by_input, problem.strategy(src, s).output if src != r else cands[r][s].output)
+                         for s in range(len(cands[r]))]
+        problem.derived[n] = seen[key]
     for p, (user, slot) in folded_use.items():
         r = root[p]
         specs = [c.output for c in cands[p]]
@@ -384,14 +393,9 @@ def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int, 
     return {n: (g, c, members[g] // c) for n, (g, c, _) in out.items()}
 
 
-_zcost_cache: dict = {}
-
-
+@functools.lru_cache(maxsize=65536)
 def _zcost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int, gparams: int) -> ZeroCost:
-    key = (opt, spec, meta, id(mesh), copies, gparams)
-    if key not in _zcost_cache:
-        _zcost_cache[key] = param_cost(opt, spec, meta, mesh, copies, gparams)
-    return _zcost_cache[key]
+    return param_cost(opt, spec, meta, mesh, copies, gparams)  # a pure function of hashable data: memoised
 
 
 def _zero_allowed(zgroups, zopts: list[ZeroOption], mesh: Mesh, pins) -> dict[str, set[int]]:

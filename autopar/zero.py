@@ -27,6 +27,7 @@ all-reduced on the shard (1/n of the bytes).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ def shard_factor(opt: ZeroOption, mesh: Mesh) -> int:
     return math.prod(mesh.sizes[a] for a in opt.shard_axes)
 
 
+@functools.lru_cache(maxsize=None)
 def eligible(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> bool:
     """A parameter can be sharded by ``opt`` when it is whole on the shard axes and its local size divides."""
     if opt.stage == 0:

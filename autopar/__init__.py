@@ -5,6 +5,8 @@ device mesh; ``autopar.parallelize(...)`` also rewrites it into this rank's prog
 """
 
 from autopar.api import parallelize, plan
+from autopar.compare import Comparison, compare
+from autopar.handwritten import handwritten
 from autopar.errors import AutoparError, InfeasibleError, MeshError, PlanMismatchError, ShardingError, TraceError
 from autopar.hardware import PRESETS, Hardware, Link
 from autopar.mesh import Mesh
@@ -14,7 +16,7 @@ from autopar.solver import Pin, ZeroPin
 from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 
 __all__ = [
-    "parallelize", "plan", "Mesh", "Plan", "ParallelModule", "Pin", "ZeroPin", "Spec", "Strategy", "Shard", "Replicate",
+    "parallelize", "plan", "compare", "Comparison", "handwritten", "Mesh", "Plan", "ParallelModule", "Pin", "ZeroPin", "Spec", "Strategy", "Shard", "Replicate",
     "Partial", "Hardware", "Link", "PRESETS", "AutoparError", "TraceError", "MeshError", "ShardingError",
     "InfeasibleError", "PlanMismatchError",
 ]

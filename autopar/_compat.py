@@ -152,3 +152,64 @@ def end_process(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def count_collectives():
+    """A context that records every collective launched in it, whoever launches it (autopar's functional
+    collectives, torch's c10d calls from DTensor / FSDP2): a list of (kind, bytes each device sends)."""
+    import contextlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.cost import wire_bytes
+
+    f, c = torch.ops._c10d_functional, torch.ops.c10d
+
+    def group_size(g) -> int:
+        if isinstance(g, str):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            return _resolve_process_group(g).size()
+        if not isinstance(g, dist.ProcessGroup):
+            g = dist.ProcessGroup.unbox(g)  # the dispatcher hands c10d ops a boxed ProcessGroup
+        return g.size()
+
+    def nbytes(ts) -> int:
+        ts = ts if isinstance(ts, (list, tuple)) else [ts]
+        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+    # op -> (kind, function(args) -> (buffer bytes, group size))
+    table = {
+        f.all_reduce.default: ("all_reduce", lambda a: (nbytes(a[0]), group_size(a[2]))),
+        f.all_reduce_.default: ("all_reduce", lambda a: (nbytes(a[0]), group_size(a[2]))),
+        f.all_gather_into_tensor.default: ("all_gather", lambda a: (nbytes(a[0]) * a[1], a[1])),
+        f.reduce_scatter_tensor.default: ("reduce_scatter", lambda a: (nbytes(a[0]), a[2])),
+        f.all_to_all_single.default: ("all_to_all", lambda a: (nbytes(a[0]), group_size(a[3]))),
+        c.allreduce_.default: ("all_reduce", lambda a: (nbytes(a[0]), group_size(a[1]))),
+        c.allgather_.default: ("all_gather", lambda a: (nbytes(a[0]), group_size(a[2]))),
+        c._allgather_base_.default: ("all_gather", lambda a: (nbytes(a[0]), group_size(a[2]))),
+        c.reduce_scatter_.default: ("reduce_scatter", lambda a: (nbytes(a[1]), group_size(a[2]))),
+        c._reduce_scatter_base_.default: ("reduce_scatter", lambda a: (nbytes(a[1]), group_size(a[2]))),
+        c.alltoall_base_.default: ("all_to_all", lambda a: (nbytes(a[1]), group_size(a[2]))),
+    }
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.log: list[tuple[str, float]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            hit = table.get(func)
+            if hit is not None:
+                kind, size = hit
+                b, n = size(args)
+                self.log.append((kind, wire_bytes(kind, b, n)))
+            return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def run():
+        mode = Counter()
+        with mode:
+            yield mode.log
+
+    return run()

@@ -5,6 +5,7 @@
   single-device training.
 - ``autopar plan MODEL --mesh dp=8,tp=8 --hardware h100-80gb [--batch B] [--seq S] [--memory-budget GiB]
   [--dtype bf16] [--json FILE] [--explain NAME]``: plan only (MODEL: a registry name or ``module:callable``).
+- ``autopar compare MODEL --mesh ... [--plans auto,megatron,fsdp]``: autopar's plan next to hand-written ones.
 - ``autopar demo [--nproc 4] [--steps 5]``: only the distributed half of the main job.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import socket
 import subprocess
@@ -20,6 +22,7 @@ import time
 
 import torch
 
+DEFAULT_SEQ = 2048  # tokens per sequence unless --seq says otherwise (capped at the model's context)
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -47,6 +50,33 @@ def _load_model(spec: str, dtype):
     raise SystemExit(f"autopar: unknown model {spec!r}; known: {', '.join(models.REGISTRY)} (or module:callable)")
 
 
+def _plan_verbose(model, mesh, inputs, budget):
+    """Plan with a line per phase (a big model takes seconds to trace and solve)."""
+    from autopar.planner import make_plan
+    from autopar.trace import trace
+
+    t = time.perf_counter()
+    print("  tracing ...", end="", flush=True)
+    tg = trace(model, inputs)
+    print(f" {len(tg.gm.graph.nodes)} nodes, {sum(b.tied_to is not None for b in tg.blocks)} tied blocks ({time.perf_counter() - t:.1f} s); solving ...",
+          end="", flush=True)
+    t = time.perf_counter()
+    plan = make_plan(tg, mesh, budget)
+    print(f" {int(plan.timings.get('ilp variables', 0))} ILP variables ({time.perf_counter() - t:.1f} s)", flush=True)
+    return plan, tg
+
+
+def _handwritten_for(mesh) -> list:
+    """The hand-written strategies that apply to this mesh's axes."""
+    data = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1]
+    tp = [a for a in range(mesh.ndim) if mesh.names[a] == "tp" and mesh.sizes[a] > 1]
+    if tp and data:  # Megatron-LM's distributed optimizer is ZeRO-1
+        return ["megatron", ("megatron", {"sequence_parallel": True, "zero": 1}), ("megatron", {"zero": 3})]
+    if tp:
+        return ["megatron", ("megatron", {"sequence_parallel": True})]
+    return ["ddp", "fsdp"] if data else []
+
+
 def cmd_plan(args) -> int:
     import autopar
 
@@ -54,9 +84,10 @@ def cmd_plan(args) -> int:
     t0 = time.perf_counter()
     model, inputs = _load_model(args.model, dtype)
     mesh = autopar.Mesh(_parse_mesh(args.mesh), hardware=args.hardware)
-    print(f"planning {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {args.dtype}) ...", flush=True)
+    print(f"planning {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {args.dtype})", flush=True)
     budget = args.memory_budget * 2**30 if args.memory_budget else None
-    plan = autopar.plan(model, mesh, inputs(args.batch, args.seq), memory_budget=budget)
+    batch = inputs(args.batch, args.seq)
+    plan, tg = _plan_verbose(model, mesh, batch, budget)
     print(plan.table())
     if args.explain:
         print()
@@ -65,7 +96,25 @@ def cmd_plan(args) -> int:
         with open(args.json, "w") as f:
             f.write(plan.to_json())
         print(f"plan written to {args.json}")
+    others = _handwritten_for(mesh) if not getattr(args, "no_compare", False) else []
+    if others:
+        print("\ncompared with hand-written strategies on the same mesh (predicted):")
+        print(autopar.compare(model, mesh, batch, plans=[plan] + others, memory_budget=budget, measure=False, traced=tg).table())
     print(f"planned in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    import autopar
+
+    model, inputs = _load_model(args.model, DTYPES[args.dtype])
+    mesh = autopar.Mesh(_parse_mesh(args.mesh), hardware=args.hardware)
+    plans = [p.strip() for p in args.plans.split(",")] if args.plans else ["auto"] + [p for p in _handwritten_for(mesh)]
+    budget = args.memory_budget * 2**30 if args.memory_budget else None
+    t0 = time.perf_counter()
+    print(f"comparing plans for {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {args.dtype}) ...", flush=True)
+    print(autopar.compare(model, mesh, inputs(args.batch, args.seq), plans=plans, memory_budget=budget).table())
+    print(f"compared in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -106,21 +155,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model")
     p.add_argument("--mesh", required=True, help="axes outermost first, e.g. dp=8,tp=8")
     p.add_argument("--hardware", default="h100-80gb")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per data-parallel rank)")
+    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {DEFAULT_SEQ}, or the model's context if shorter)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's memory)")
     p.add_argument("--json", default=None, help="write the plan as JSON to this file")
     p.add_argument("--explain", default=None, help="explain the choice for this parameter, module or node")
+    c = sub.add_parser("compare", help="autopar's plan next to hand-written strategies (predicted; measured under torchrun)")
+    c.add_argument("model")
+    c.add_argument("--mesh", required=True)
+    c.add_argument("--hardware", default="h100-80gb")
+    c.add_argument("--batch", type=int, default=None)
+    c.add_argument("--seq", type=int, default=None)
+    c.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    c.add_argument("--memory-budget", type=float, default=None)
+    c.add_argument("--plans", default=None, help="comma-separated: auto, ddp, fsdp, megatron, ... (default: those that apply)")
     d = sub.add_parser("demo", help="train a small GPT on local gloo ranks next to single-device training")
     d.add_argument("--nproc", type=int, default=4)
     d.add_argument("--steps", type=int, default=5)
     args = ap.parse_args(argv)
     from autopar.errors import AutoparError
 
+    if getattr(args, "batch", 0) is None:  # one sequence per data-parallel rank by default
+        axes = _parse_mesh(args.mesh)
+        args.batch = max(1, math.prod(v for k, v in axes.items() if k.startswith("dp")))
+    if args.cmd in ("plan", "compare") and args.seq is None:
+        args.seq = DEFAULT_SEQ
     try:
         if args.cmd == "plan":
             return cmd_plan(args)
+        if args.cmd == "compare":
+            return cmd_compare(args)
         if args.cmd == "demo":
             return cmd_demo(args)
         return cmd_main(args)

@@ -97,6 +97,7 @@ class Plan:
     zero_stages: dict = field(default_factory=dict)  # parameter group -> [stage, [shard axes]]
     group_memory: dict = field(default_factory=dict)  # parameter group -> [bytes held all step, gradient bytes, parameters]
     solver_status: str = "optimal"
+    label: str = "auto"  # "auto", or the hand-written strategy it realises (e.g. "megatron(sp)")
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
     # --- queries ----------------------------------------------------------------------------------------------
@@ -255,6 +256,7 @@ class Plan:
             "output_specs": [str(s) for s in self.output_specs],
             "blocks": [[b, t] for b, t in self.blocks],
             "solver_status": self.solver_status,
+            "label": self.label,
             "cost": {
                 "step_time": self.cost.step_time,
                 "mfu": self.cost.mfu,
@@ -313,6 +315,7 @@ class Plan:
             cost=PlanCost(c["step_time"], c["mfu"], c["memory_per_device"], dict(c["comm_bytes"]), c["compute_time"], c["comm_time"],
                           c["model_flops"], dict(c.get("memory_breakdown", {}))),
             solver_status=d.get("solver_status", "optimal"),
+            label=d.get("label", "auto"),
         )
 
 

@@ -483,6 +483,7 @@ def solve(
     pins: list[Pin],
     objective: str = "time",
     time_limit_s: float = 120.0,
+    relax: bool = False,
 ) -> Choice:
     from ortools.linear_solver import pywraplp
 
@@ -495,7 +496,8 @@ def solve(
     x: dict[str, list] = {}
     for vi, r in enumerate(decisions):
         ok = allowed.get(r)
-        x[r] = [solver.BoolVar(f"x{vi}_{si}") if (ok is None or si in ok) else None for si in range(len(P_.cands[r]))]
+        var = (lambda name: solver.NumVar(0.0, 1.0, name)) if relax else solver.BoolVar
+        x[r] = [var(f"x{vi}_{si}") if (ok is None or si in ok) else None for si in range(len(P_.cands[r]))]
         solver.Add(sum(v for v in x[r] if v is not None) == 1)
 
     def xsum(xs, specs, want):
@@ -572,7 +574,7 @@ def solve(
     # outputs
     zs = []
     for k, ((u, m), specs) in enumerate(zip(P_.outputs, P_.output_specs)):
-        z = [solver.BoolVar(f"z{k}_{j}") for j in range(len(specs))]
+        z = [(solver.NumVar(0.0, 1.0, f"o{k}_{j}") if relax else solver.BoolVar(f"o{k}_{j}")) for j in range(len(specs))]
         solver.Add(sum(z) == 1)
         zs.append(z)
         for a in range(mesh.ndim):
@@ -603,6 +605,8 @@ def solve(
     for k, (u, m) in enumerate(P_.outputs):
         note(u, (("output", k), 0), m)
     n_aux = 0
+    if objective == "memory":
+        groups = {}  # redistributions cost time, not memory: leave their variables out of a memory solve
     for (r, ur), g in groups.items():
         u = g["src"]
         outs = [P_.strategy(u, s).output for s in range(len(P_.cands[r]))]
@@ -667,7 +671,8 @@ def solve(
     all_copies = sum(c for c, _ in group_meta.values())
     for gi, (g, (copies, gparams)) in enumerate(group_meta.items()):
         ok = pinned.get(g)
-        zvar[g] = [solver.BoolVar(f"z{gi}_{k}") if (ok is None or k in ok) else None for k in range(len(zopts))]
+        zvar[g] = [(solver.NumVar(0.0, 1.0, f"g{gi}_{k}") if relax else solver.BoolVar(f"g{gi}_{k}")) if (ok is None or k in ok) else None
+                   for k in range(len(zopts))]
         solver.Add(sum(v for v in zvar[g] if v is not None) == 1)
         for k, zv in enumerate(zvar[g]):
             dlat = copies * (group_latency(zopts[k], mesh, gparams, all_copies) - group_latency(zopts[0], mesh, gparams, all_copies))
@@ -696,7 +701,17 @@ def solve(
                 terms.append((dc * US, w))
             mem_a.append(((ds + da) * MB, w))
             mem_g.append(((ds + dg) * MB, w))
+        if ws:
+            solver.Add(sum(ws) <= xv)  # the stage-0 share, x - sum(w), is not negative
         ind[(r, s, g, 0)] = xv - sum(ws) if ws else xv
+    # w couples a decision's strategy with its group's stage, a joint distribution: over the stages it sums to x (above),
+    # over the strategies to z (exact for binaries; it keeps the relaxation from counting a stage's savings twice)
+    coupled: dict[tuple[str, str, int], list] = {}
+    for (r, s, g, k), w in ind.items():
+        if k > 0:
+            coupled.setdefault((r, g, k), []).append(w)
+    for (r, g, k), ws in coupled.items():
+        solver.Add(sum(ws) == zvar[g][k])
     # transients: gradient buckets live in backward, as the gradients grow (the second peak only); a ZeRO-3
     # parameter gathered again in backward meets the activations too (both peaks)
     top_g = solver.NumVar(0.0, solver.infinity(), "transient_g")
@@ -735,13 +750,27 @@ def solve(
         solver.Add(peak_g <= memory_budget * MB)
     solver.Minimize(sum(c * v for c, v in terms if c))
     solver.SetTimeLimit(int(time_limit_s * 1000))
-    with _quiet():
-        status = solver.Solve()
+    floor_choice = None
+    if memory_budget is not None and objective == "time" and not relax:
+        # infeasibility first, cheaply: the relaxed problem's smallest peak bounds every plan's from below (proving
+        # infeasibility with the time MIP can take long)
+        lower = solve(tg, mesh, cost, P_, None, pins, objective="memory", relax=True).objective * US / MB
+        if lower > 0.5 * memory_budget:  # not far off (the relaxation is loose): the smallest plan (quick to solve) decides
+            floor_choice = solve(tg, mesh, cost, P_, None, pins, objective="memory")
+            lower = floor_choice.objective * US / MB
+        if lower > memory_budget * (1 + 1e-9):
+            status = pywraplp.Solver.INFEASIBLE
+        else:
+            with _quiet():
+                status = solver.Solve()
+    else:
+        with _quiet():
+            status = solver.Solve()
     P_.timings["solve" if objective == "time" else "solve_memory"] = time.perf_counter() - t0
     P_.timings["ilp_size"] = float(solver.NumVariables())
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None and objective == "time":
-            floor = solve(tg, mesh, cost, P_, None, pins, objective="memory")
+            floor = floor_choice or solve(tg, mesh, cost, P_, None, pins, objective="memory")
             need = math.ceil(floor.objective * US / MB)
             raise InfeasibleError(
                 f"no plan fits the memory budget of {memory_budget / 2**30:.3f} GiB per device on mesh {mesh}: "

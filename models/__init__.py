@@ -48,7 +48,8 @@ def build(name: str, device: str = "meta", dtype: torch.dtype | None = None):
         if cls is MLP:
             x = torch.empty(batch, cfg.dim, device=device, dtype=dtype or torch.float32)
             return (x, x.clone())
-        seq = seq or (cfg.block_size if cls is GPT else cfg.max_seq_len)
+        context = cfg.block_size if cls is GPT else cfg.max_seq_len
+        seq = min(seq, context) if seq else context
         if device == "meta":
             ids = torch.empty(batch, seq, dtype=torch.long, device=device)
         else:

@@ -1,0 +1,194 @@
+"""Compare: autopar's plan next to hand-written strategies on the same model, mesh and batch.
+
+In: a model, a Mesh, one example global batch, and the plans to compare: ``"auto"``, a hand-written strategy name
+(``"megatron"``, ``"fsdp"``, ``"ddp"``, ``"explicit"``...), a ``(name, {knobs})`` pair, a Plan, or ``"torch:<strategy>"``
+(the same strategy written with torch's own API: ``parallelize_module`` / ``fully_shard``; measured only).
+Out: a ``Comparison`` whose ``table()`` shows per plan the predicted step time, MFU, peak memory per device,
+communication bytes per axis and the collectives per step. Under torch.distributed with one process per device
+(torchrun) it also trains each plan for a few AdamW steps and adds the measured step time (median after
+warm-up), the collectives launched and bytes moved, the measured peak memory, and the largest loss and gradient
+difference from single-device training of the same batches. Nothing is modified: every plan trains its own copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import tabulate as _tabulate
+import torch
+
+from autopar.errors import AutoparError
+from autopar.mesh import Mesh
+from autopar.plan import Plan, _fmt_bytes
+
+
+@dataclass
+class Row:
+    name: str
+    plan: Plan | None = None
+    error: str | None = None
+    measured: dict = field(default_factory=dict)
+
+
+@dataclass
+class Comparison:
+    mesh: Mesh
+    rows: list[Row]
+
+    def row(self, name: str) -> Row:
+        return next(r for r in self.rows if r.name == name)
+
+    def table(self) -> str:
+        axes = self.mesh.names
+        measured = any(r.measured for r in self.rows)
+        head = ["plan", "pred. step ms", "pred. MFU", "pred. peak mem/device"] + [f"comm {a}/step" for a in axes] + ["collectives/step"]
+        if measured:
+            head += ["meas. step ms (median)", "vs auto", "meas. collectives", "meas. bytes moved", "meas. peak mem", "max |loss diff|", "max |grad diff|"]
+        auto = next((r for r in self.rows if r.name == "auto" and r.measured), None)
+        rows, notes = [], []
+        for r in self.rows:
+            if r.error:
+                rows.append([r.name, "n/a"] + [""] * (len(head) - 2))
+                notes.append(f"  {r.name}: {r.error}")
+                continue
+            if r.plan is not None:
+                c = r.plan.cost
+                line = [r.name, f"{c.step_time * 1e3:.3f}", f"{100 * c.mfu:.1f}%", _fmt_bytes(c.memory_per_device)]
+                line += [_fmt_bytes(c.comm_bytes.get(a, 0)) for a in axes] + [len(r.plan.collectives())]
+            else:
+                line = [r.name, "-", "-", "-"] + ["-" for _ in axes] + ["-"]
+            if measured:
+                m = r.measured
+                if m:
+                    ratio = f"{m['step_time'] / auto.measured['step_time']:.2f}x" if auto else ""
+                    line += [f"{m['step_time'] * 1e3:.2f}", ratio, m["collectives"], _fmt_bytes(m["bytes"]), _fmt_bytes(m["peak_memory"]),
+                             f"{m['loss_diff']:.1e}", f"{m['grad_diff']:.1e}"]
+                else:
+                    line += [""] * 7
+            rows.append(line)
+        text = f"mesh {self.mesh}\n" + _tabulate.tabulate(rows, headers=head, tablefmt="simple")
+        return text + ("\nnot applicable:\n" + "\n".join(notes) if notes else "")
+
+
+def _make_plan(entry, model, mesh, inputs, memory_budget, traced) -> tuple[str, Plan]:
+    from autopar.handwritten import handwritten
+    from autopar.planner import make_plan
+
+    if isinstance(entry, Plan):
+        return entry.label, entry
+    if entry == "auto":
+        return "auto", make_plan(traced, mesh, memory_budget)
+    name, knobs = (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
+    p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, **knobs)
+    return p.label, p
+
+
+def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, memory_budget: float | None = None,
+            steps: int = 10, warmup: int = 3, measure: bool | None = None, lr: float = 1e-4, traced=None) -> Comparison:
+    """Plan (and, under torchrun, run) each entry of ``plans``; see the module docstring. ``traced``: the model's
+    TracedGraph if the caller has it (the model is traced once for all the plans either way)."""
+    import torch.distributed as dist
+
+    from autopar import _compat
+    from autopar.api import _as_mesh
+    from autopar.trace import trace
+
+    mesh = _as_mesh(mesh)
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if traced is None:
+        with _compat.no_local_tensor_mode():
+            traced = trace(model, inputs)
+    if measure is None:
+        measure = dist.is_initialized() and dist.get_world_size() == mesh.size
+    rows: list[Row] = []
+    for entry in plans:
+        if isinstance(entry, str) and entry.startswith("torch:"):
+            rows.append(Row(entry))
+            continue
+        try:
+            name, p = _make_plan(entry, model, mesh, inputs, memory_budget, traced)
+            rows.append(Row(name, p))
+        except AutoparError as e:
+            rows.append(Row(entry if isinstance(entry, str) else str(entry), error=str(e).splitlines()[0]))
+    if measure:
+        for r in rows:
+            if r.error:
+                continue
+            try:
+                r.measured = _measure(r, model, mesh, inputs, steps, warmup, lr)
+            except (AutoparError, ValueError) as e:  # a torch strategy that does not apply to this mesh or model
+                r.error = str(e).splitlines()[0]
+    return Comparison(mesh, rows)
+
+
+def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int, lr: float) -> dict:
+    """Train ``row``'s plan for warmup + steps AdamW steps on the same batch as a single-device copy."""
+    import torch.distributed as dist
+
+    from autopar import _compat, collectives
+    from autopar.api import parallelize
+
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    if row.plan is not None:
+        pm = parallelize(model, mesh, inputs, plan=row.plan)
+        local = pm.local_inputs(*inputs)
+        grads_of = pm.full_grads
+    else:
+        from autopar import peers
+
+        strategy = row.name.split(":", 1)[1]
+        dm = mesh.to_device_mesh()
+        pm = peers.torch_peer(model, dm, strategy, sequence_parallel=strategy.endswith("+sp"))
+        local = tuple(peers.peer_local_inputs(dm, *inputs))
+        grads_of = lambda: {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()  # noqa: E731
+                            for k, p in pm.named_parameters() if p.grad is not None}
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    times, loss_diff, grad_diff = [], 0.0, 0.0
+    tracker = _compat.mem_tracker()
+    tracker.track_external(pm, opt)
+    with _compat.count_collectives() as counted, tracker:
+        for i in range(warmup + steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = pm(*local)
+            loss.backward()
+            opt.step()
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+            if i < warmup:
+                counted.clear()
+            opt.zero_grad()
+            tracker.reset_mod_stats()
+    # correctness, outside the timed loop: one more step next to the single-device copy
+    for _ in range(warmup + steps):
+        ref_opt.zero_grad()
+        ref_loss = reference(*inputs)
+        ref_loss.backward()
+        ref_opt.step()
+    ref_opt.zero_grad()
+    ref_loss = reference(*inputs)
+    ref_loss.backward()
+    loss = pm(*local)
+    loss.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    mean = mean.item() / dist.get_world_size()
+    loss_diff = abs(mean - ref_loss.item())
+    full = grads_of()
+    for k, p in reference.named_parameters():
+        if k in full:
+            grad_diff = max(grad_diff, float((full[k] - p.grad).abs().max()))
+    peak = _compat.mem_tracker_peak(tracker)["total"]
+    n = max(steps, 1)
+    return {
+        "step_time": statistics.median(times[warmup:]),
+        "collectives": len(counted) // n,
+        "bytes": sum(b for _, b in counted) / n,
+        "peak_memory": peak,
+        "loss_diff": loss_diff,
+        "grad_diff": grad_diff,
+    }

@@ -1,0 +1,177 @@
+"""Hand-written strategies, expressed as Plans in the format the solver emits.
+
+In: a model, a Mesh, one example global batch, a strategy name and the knobs published configurations use:
+``microbatch_size``, ``schedule`` (gpipe / 1f1b / interleaved), ``virtual_stages``, ``sequence_parallel``,
+``recompute`` (none / selective / full), ``zero`` (0-3), and for ``explicit`` the degrees ``tp``, ``pp``, ``dp``,
+``microbatches``. Degrees are read from the mesh axes (``dp...`` data axes, ``tp``).
+Out: a Plan. The strategy fixes what its authors fix (every weight's layout, the ZeRO stage, the residual
+stream's layout under sequence parallelism); the solver completes the rest (embeddings, loss, views) under the
+same cost model, so the comparison with ``autopar.plan`` measures the choices that differ.
+
+Strategies:
+- ``ddp``: every weight whole, gradients all-reduced over the data axes (``zero`` 0 by default).
+- ``fsdp``: ZeRO-3 over the data axes (``zero`` may lower the stage).
+- ``megatron``: column-parallel then row-parallel projections on ``tp`` (GPT: c_attn/c_fc then c_proj; Llama,
+  Mixtral: wq/wk/wv, w1/w3 then wo, w2; Mixtral's experts split along their hidden dim), with
+  ``sequence_parallel`` the residual stream split by sequence; data parallel (``zero``) on the data axes.
+- ``megatron-3d``, ``explicit`` with ``pp > 1``: pipeline parallelism, not realised yet: rejected.
+What cannot be realised yet (pipelining, activation recomputation, gradient accumulation over microbatches) is
+rejected with an error that says so, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autopar.errors import AutoparError, ShardingError
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+from autopar.solver import Pin, ZeroPin
+
+STRATEGIES = ("ddp", "fsdp", "megatron", "megatron-3d", "explicit")
+
+# (glob over parameter FQNs, placement on the tp axis) of each family's projections
+_MEGATRON = {
+    "gpt": [
+        ("*.attn.c_attn.weight", "S(0)"), ("*.attn.c_attn.bias", "S(0)"), ("*.attn.c_proj.weight", "S(1)"),
+        ("*.mlp.c_fc.weight", "S(0)"), ("*.mlp.c_fc.bias", "S(0)"), ("*.mlp.c_proj.weight", "S(1)"),
+    ],
+    "llama": [
+        ("*.attention.w[qkv].weight", "S(0)"), ("*.attention.wo.weight", "S(1)"),
+        ("*.feed_forward.w[13].weight", "S(0)"), ("*.feed_forward.w2.weight", "S(1)"),
+    ],
+    "mixtral": [
+        ("*.attention.w[qkv].weight", "S(0)"), ("*.attention.wo.weight", "S(1)"),
+        ("*.moe.w[13]", "S(1)"), ("*.moe.w2", "S(2)"),
+    ],
+}
+
+
+class NotRealised(AutoparError):
+    """A strategy or knob autopar cannot run yet."""
+
+
+def _family(fqns: list[str]) -> str | None:
+    if any(f.endswith("attn.c_attn.weight") for f in fqns):
+        return "gpt"
+    if any(f.endswith(".moe.w1") for f in fqns):
+        return "mixtral"
+    if any(f.endswith("attention.wq.weight") for f in fqns):
+        return "llama"
+    return None
+
+
+def _reject_unrealised(strategy: str, pp, schedule, virtual_stages, microbatches, recompute) -> None:
+    if strategy == "megatron-3d" or (pp or 1) > 1:
+        raise NotRealised(
+            f"{strategy}: pipeline parallelism (pp={pp or 'from the mesh'}) is not realised yet (it lands with the "
+            "pipeline issue); use megatron (tp + dp) or a mesh without pp"
+        )
+    for name, val in (("schedule", schedule), ("virtual_stages", virtual_stages), ("microbatches", microbatches)):
+        if val not in (None, 1) and not (name == "schedule" and val is None):
+            raise NotRealised(f"{strategy}: {name}={val!r} needs pipeline parallelism, which is not realised yet; leave it unset")
+    if recompute not in (None, "none"):
+        raise NotRealised(
+            f"{strategy}: recompute={recompute!r} (activation checkpointing) is not realised yet; use recompute='none'"
+        )
+
+
+def handwritten(
+    model,
+    mesh: Mesh,
+    example_inputs,
+    strategy: str,
+    *,
+    microbatch_size: int | None = None,
+    schedule: str | None = None,
+    virtual_stages: int | None = None,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    zero: int | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    dp: int | None = None,
+    microbatches: int | None = None,
+    memory_budget: float | None = None,
+    traced=None,
+) -> Plan:
+    """The Plan of a hand-written strategy (see the module docstring); raises for what is not realised yet.
+
+    ``traced``: the model's TracedGraph when the caller has one already (tracing a large model takes seconds)."""
+    from autopar.api import _as_mesh
+    from autopar.planner import make_plan
+    from autopar import _compat
+    from autopar.trace import trace
+
+    mesh = _as_mesh(mesh)
+    strategy = strategy.lower()
+    if strategy not in STRATEGIES:
+        raise AutoparError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    _reject_unrealised(strategy, pp, schedule, virtual_stages, microbatches, recompute)
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise AutoparError(f"zero={zero!r}: ZeRO stages are 0, 1, 2, 3")
+    data = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1]
+    tp_axes = [a for a in range(mesh.ndim) if mesh.names[a] == "tp" and mesh.sizes[a] > 1]
+    other = [a for a in range(mesh.ndim) if mesh.sizes[a] > 1 and a not in data and a not in tp_axes]
+    if other:
+        names = ", ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in other)
+        raise NotRealised(f"{strategy}: mesh axes {names} have no role in this strategy (it uses dp... and tp axes)")
+    if strategy == "explicit":
+        want = {"tp": tp or 1, "dp": dp or 1}
+        have = {"tp": math.prod(mesh.sizes[a] for a in tp_axes), "dp": math.prod(mesh.sizes[a] for a in data)}
+        if want != have:
+            raise ShardingError(f"explicit tp={want['tp']} dp={want['dp']} needs a mesh with those degrees; mesh {mesh} has tp={have['tp']} dp={have['dp']}")
+        strategy = "megatron" if want["tp"] > 1 else ("fsdp" if zero == 3 else "ddp")
+    batch = next((t.shape[0] for t in (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)) if hasattr(t, "shape")), None)
+    if microbatch_size is not None and batch is not None:
+        local = batch // max(1, math.prod(mesh.sizes[a] for a in data))
+        if microbatch_size != local:
+            raise NotRealised(
+                f"{strategy}: microbatch_size={microbatch_size} with a per-rank batch of {local} needs gradient accumulation "
+                "over microbatches, which is not realised yet; pass the global batch that gives one microbatch per rank"
+            )
+    rep_all = "R" * mesh.ndim
+    pins: list = []
+    if strategy in ("ddp", "fsdp"):
+        if tp_axes:
+            raise ShardingError(f"{strategy} replicates or shards whole weights over data axes; mesh {mesh} has a tp axis (use megatron)")
+        if not data:
+            raise ShardingError(f"{strategy} needs a data axis (named dp...) larger than 1; mesh {mesh} has none")
+        stage = zero if zero is not None else (3 if strategy == "fsdp" else 0)
+        pins = [ZeroPin("*", stage)]
+    tg = traced
+    if tg is None:
+        with _compat.no_local_tensor_mode():
+            tg = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
+    fqns = sorted(tg.fqns.values())
+    if strategy in ("ddp", "fsdp"):
+        pins += [Pin(f, rep_all) for n, f in tg.fqns.items() if tg.kinds.get(n) == "param"]
+    elif strategy == "megatron":
+        if not tp_axes:
+            raise ShardingError(f"megatron needs a tp axis larger than 1; mesh {mesh} has none")
+        family = _family(fqns)
+        if family is None:
+            raise AutoparError(
+                "megatron has no tensor-parallel layout for this model (no GPT-, Llama- or Mixtral-style projections "
+                "found); pin its weights yourself with autopar.plan(..., constraints=[autopar.Pin(fqn, spec)])"
+            )
+        t = tp_axes[0]
+
+        def on_tp(p: str) -> str:
+            return "".join(p if a == t else "R" for a in range(mesh.ndim))
+
+        for glob, placement in _MEGATRON[family]:
+            pins.append(Pin(glob, on_tp(placement)))
+        if sequence_parallel:
+            for b in tg.blocks:  # the residual adds of each block run split by sequence (dim 1) on tp
+                pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
+        if data:
+            pins.append(ZeroPin("*", zero if zero is not None else 0))
+    plan = make_plan(tg, mesh, memory_budget, pins)
+    knobs = []
+    if sequence_parallel:
+        knobs.append("sp")
+    if zero is not None:
+        knobs.append(f"zero={zero}")
+    plan.label = strategy + (f"({','.join(knobs)})" if knobs else "")
+    return plan

@@ -273,7 +273,10 @@ def _megatron_gpt(model: nn.Module, mesh: DeviceMesh, tp: int, sp: bool) -> None
             "wpe": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Replicate()),
         }
+    tied = model.lm_head.weight is model.wte.weight
     parallelize_module(model, mesh, root)
+    if tied:  # both styles split the shared weight by vocabulary (Shard(0)): tie the DTensors again, as torchtitan does
+        model.lm_head.weight = model.wte.weight
 
 
 def _megatron_llama(model: nn.Module, mesh: DeviceMesh, tp: int, sp: bool) -> None:

@@ -192,11 +192,16 @@ class ParallelModule(nn.Module):
         return next(iter(vals.values())).clone() if len(vals) > 1 else full.clone()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) parameters and persistent buffers under the model's own FQNs, gathered over the mesh."""
+        """Full (unsharded) parameters and persistent buffers under the model's own FQNs (a tied parameter under each
+        of its names, as the model's state_dict has it), gathered over the mesh."""
         state = dict(self.named_parameters())
         keys = self.state_dict().keys()
         state.update({k: v for k, v in self.named_buffers() if k in keys})
-        return {fqn: self._gather_full(fqn, t) for fqn, t in state.items()}
+        out = {fqn: self._gather_full(fqn, t) for fqn, t in state.items()}
+        for alias, fqn in self._tg.aliases.items():
+            if fqn in out:
+                out[alias] = out[fqn]
+        return out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full gradients of the parameters that have one, under the model's own FQNs (for checks against one device)."""

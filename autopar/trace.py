@@ -58,6 +58,7 @@ class TracedGraph:
     blocks: list[Block]
     rep: dict[str, str]  # node name -> its representative node (itself unless in a tied block)
     trainable: set[str] = field(default_factory=set)  # placeholder names of parameters that require grad
+    aliases: dict[str, str] = field(default_factory=dict)  # FQN of a tied parameter's other name -> the FQN kept
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted constant name -> value
     hash: str = ""
 
@@ -332,6 +333,22 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> TracedGraph:
                 "effects on buffers (e.g. BatchNorm running statistics): use a norm without running state, or eval-mode buffers"
             )
     gm = ep.graph_module
+    # a parameter shared by several modules (tied embeddings) is one parameter: one placeholder, several uses
+    aliases: dict[str, str] = {}
+    first: dict[int, fx.Node] = {}
+    for n in list(gm.graph.nodes):
+        if n.op != "placeholder" or kinds.get(n.name) not in (PARAM, BUFFER):
+            continue
+        fqn = fqns[n.name]
+        obj = model.get_parameter(fqn) if kinds[n.name] == PARAM else model.get_buffer(fqn)
+        if id(obj) in first:
+            keep = first[id(obj)]
+            n.replace_all_uses_with(keep)
+            gm.graph.erase_node(n)
+            aliases[fqn] = fqns[keep.name]
+            del kinds[n.name], fqns[n.name]
+        else:
+            first[id(obj)] = n
     for n in gm.graph.nodes:
         if n.op == "placeholder" and kinds.get(n.name) == INPUT and not isinstance(n.meta.get("val"), torch.Tensor):
             raise TraceError(f"input {n.name!r} is not a tensor; pass non-tensor settings to the model's constructor instead")
@@ -352,6 +369,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> TracedGraph:
         blocks=blocks,
         rep=rep,
         trainable={n for n, k in kinds.items() if k == PARAM and model.get_parameter(fqns[n]).requires_grad},
+        aliases=aliases,
         constants=dict(ep.constants),
         hash=_graph_hash(gm),
     )

@@ -47,14 +47,27 @@ class GPTConfig:
         return GPTConfig(n_layer=48, n_head=25, n_embd=1600)
 
     @staticmethod
+    def gpt3(size: str) -> "GPTConfig":
+        """The GPT-3 paper's sizes (Table 2.1): context 2048, vocabulary padded to 51200 as Megatron pads it."""
+        layers, width, heads = GPT3_SIZES[size]
+        return GPTConfig(vocab_size=51200, block_size=2048, n_layer=layers, n_head=heads, n_embd=width)
+
+    @staticmethod
     def gpt3_175b() -> "GPTConfig":
-        return GPTConfig(vocab_size=51200, block_size=2048, n_layer=96, n_head=96, n_embd=12288)
+        return GPTConfig.gpt3("175b")
 
     def flops_per_token(self, seq: int | None = None) -> float:
         """Training FLOPs per token (forward + backward = 3x forward), with attention scores (PaLM appendix B)."""
         t = seq or self.block_size
-        n_params = 12 * self.n_layer * self.n_embd**2 + self.vocab_size * self.n_embd
+        n_params = 12 * self.n_layer * self.n_embd**2 + self.vocab_size * self.n_embd  # the tied head's matmul counts
         return 6 * n_params + 12 * self.n_layer * self.n_embd * t
+
+
+# GPT-3 sizes: (layers, width, heads); heads of 128 dims from XL up, as the paper's d_head column gives
+GPT3_SIZES = {
+    "125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1.3b": (24, 2048, 16),
+    "2.7b": (32, 2560, 32), "6.7b": (32, 4096, 32), "13b": (40, 5120, 40), "175b": (96, 12288, 96),
+}
 
 
 class CausalSelfAttention(nn.Module):
@@ -107,6 +120,7 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as GPT-2 and GPT-3 tie them (one parameter, two uses)
         if self.wte.weight.device.type != "meta":
             self.apply(self._init_weights)
 

@@ -75,9 +75,25 @@ def redistributions(axes: dict) -> int:
     return n
 
 
+def compared() -> None:
+    """autopar.compare, measured: autopar's rows launch what they predict; torch's rows train alike."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    x = torch.randint(0, 64, (8, 16))
+    c = autopar.compare(model, autopar.Mesh({"tp": 4}), (x, torch.roll(x, -1, 1)), plans=["auto", "megatron", "torch:megatron"], steps=2, warmup=1)
+    if dist.get_rank() == 0:
+        for r in c.rows:
+            m = r.measured
+            predicted = (len(r.plan.collectives()), sum(r.plan.cost.comm_bytes.values())) if r.plan else ("-", "-")
+            print(f"COMPARE {r.name} {m['collectives']} {m['bytes']:.0f} {predicted[0]} {predicted[1] if r.plan else '-'} "
+                  f"{m['loss_diff']:.3e} {m['grad_diff']:.3e}", flush=True)
+
+
 def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world = dist.get_world_size()
+    if world == 4:
+        compared()
     pairs = redistributions({"dp": 2, "tp": world // 2} if world > 2 else {"dp": 2})
     if dist.get_rank() == 0:
         print(f"REDISTRIBUTE {pairs}", flush=True)

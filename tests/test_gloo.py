@@ -30,6 +30,13 @@ def test_real_gloo_processes_match_single_device(nproc, expected):
     # every redistribution between R / S(d) layouts, through real all-gathers, all-to-alls and chunks
     assert f"REDISTRIBUTE {16 * 16 if nproc == 4 else 16}" in lines
     rows = [line.split()[1:] for line in lines if line.startswith("PARITY")]
+    if nproc == 4:  # autopar.compare measured in real processes
+        compared = {line.split()[1]: line.split()[2:] for line in lines if line.startswith("COMPARE")}
+        assert set(compared) == {"auto", "megatron", "torch:megatron"}, lines
+        for name, (n, nbytes, n_pred, bytes_pred, dl, dg) in compared.items():
+            assert max(float(dl), float(dg)) <= 1e-5, (name, dl, dg)
+            if not name.startswith("torch:"):  # what autopar launches is what it priced
+                assert int(n) == int(n_pred) and float(nbytes) == pytest.approx(float(bytes_pred)), (name, n, n_pred, nbytes, bytes_pred)
     assert len(rows) == expected, rows
     for name, mesh, variant, dl, dg, dp in rows:
         assert max(float(dl), float(dg), float(dp)) <= 1e-5, (name, mesh, variant, dl, dg, dp)

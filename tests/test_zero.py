@@ -134,8 +134,10 @@ def test_the_cheapest_stage_that_fits_is_chosen_as_the_budget_shrinks():
         assert pinned[k + 1].step_time > pinned[k].step_time
     assert {s for s, _ in _regime_plan(mesh, 8).zero_stages.values()} == {0}  # ample memory: plain data parallel
     for k in range(4):
+        # the blocks hold most of the parameters: their group takes stage k; a smaller group may stop earlier
         chosen = _regime_plan(mesh, 8, memory_budget=pinned[k].memory_per_device * 1.0001)
-        assert {s for s, _ in chosen.zero_stages.values()} == {k}, (k, chosen.zero_stages)
+        assert chosen.zero_stages["h.0"][0] == k and all(s <= k for s, _ in chosen.zero_stages.values()), (k, chosen.zero_stages)
+        assert chosen.cost.step_time <= pinned[k].step_time * (1 + 1e-9)  # never slower than all groups at stage k
     with pytest.raises(autopar.InfeasibleError) as e:
         _regime_plan(mesh, 8, memory_budget=pinned[3].memory_per_device * 0.5)
     assert e.value.smallest_budget <= pinned[3].memory_per_device * 1.0001

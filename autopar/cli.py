@@ -70,8 +70,8 @@ def _handwritten_for(mesh) -> list:
     """The hand-written strategies that apply to this mesh's axes."""
     data = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1]
     tp = [a for a in range(mesh.ndim) if mesh.names[a] == "tp" and mesh.sizes[a] > 1]
-    if tp and data:  # Megatron-LM's distributed optimizer is ZeRO-1
-        return ["megatron", ("megatron", {"sequence_parallel": True, "zero": 1}), ("megatron", {"zero": 3})]
+    if tp and data:  # Megatron-LM's distributed optimizer is ZeRO-1; fsdp here is torchtitan's FSDP + TP
+        return ["megatron", ("megatron", {"sequence_parallel": True, "zero": 1}), "fsdp"]
     if tp:
         return ["megatron", ("megatron", {"sequence_parallel": True})]
     return ["ddp", "fsdp"] if data else []

@@ -11,6 +11,7 @@ same cost model, so the comparison with ``autopar.plan`` measures the choices th
 Strategies:
 - ``ddp``: every weight whole, gradients all-reduced over the data axes (``zero`` 0 by default).
 - ``fsdp``: ZeRO-3 over the data axes (``zero`` may lower the stage).
+  On a mesh with a ``tp`` axis both compose with Megatron on ``tp`` (torchtitan's 2-D: "ddp+tp", "fsdp+tp").
 - ``megatron``: column-parallel then row-parallel projections on ``tp`` (GPT: c_attn/c_fc then c_proj; Llama,
   Mixtral: wq/wk/wv, w1/w3 then wo, w2; Mixtral's experts split along their hidden dim), with
   ``sequence_parallel`` the residual stream split by sequence; data parallel (``zero``) on the data axes.
@@ -132,9 +133,13 @@ def handwritten(
             )
     rep_all = "R" * mesh.ndim
     pins: list = []
+    label = strategy
+    if strategy in ("ddp", "fsdp") and not data:
+        raise ShardingError(f"{strategy} needs a data axis (named dp...) larger than 1; mesh {mesh} has none")
+    if strategy in ("ddp", "fsdp") and tp_axes:  # torchtitan's 2-D composition: Megatron on tp, DDP / FSDP on dp
+        zero = zero if zero is not None else (3 if strategy == "fsdp" else 0)
+        label, strategy = f"{strategy}+tp", "megatron"
     if strategy in ("ddp", "fsdp"):
-        if tp_axes:
-            raise ShardingError(f"{strategy} replicates or shards whole weights over data axes; mesh {mesh} has a tp axis (use megatron)")
         if not data:
             raise ShardingError(f"{strategy} needs a data axis (named dp...) larger than 1; mesh {mesh} has none")
         stage = zero if zero is not None else (3 if strategy == "fsdp" else 0)
@@ -171,7 +176,7 @@ def handwritten(
     knobs = []
     if sequence_parallel:
         knobs.append("sp")
-    if zero is not None:
+    if zero is not None and label == strategy:
         knobs.append(f"zero={zero}")
-    plan.label = strategy + (f"({','.join(knobs)})" if knobs else "")
+    plan.label = label + (f"({','.join(knobs)})" if knobs else "")
     return plan

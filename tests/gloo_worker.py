@@ -106,7 +106,7 @@ def main() -> None:
             if "dp" in axes and "tp" in axes:
                 variants.append(("zero3+megatron", megatron_pins(name, axes) + [autopar.ZeroPin("*", 3)]))
             if axes in ({"dp": 2}, {"dp": 4}):
-                variants = [(f"zero{k}", [autopar.ZeroPin("*", k)]) for k in (1, 2, 3)]
+                variants = [(f"zero{k}", [autopar.ZeroPin("*", k)]) for k in (0, 1, 2, 3)]
             if "dp_shard" in axes:
                 variants = [("hsdp-zero3", [autopar.ZeroPin("*", 3, ("dp_shard",))])]
             for variant, pins in variants:

@@ -65,9 +65,15 @@ def test_what_cannot_be_realised_yet_is_rejected_not_ignored(bad, match):
         autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "tp": 2}), _batch(), **bad)
 
 
+def test_fsdp_with_a_tp_axis_is_torchtitans_2d():
+    plan = autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "tp": 2}), _batch(), "fsdp")
+    assert plan.label == "fsdp+tp" and {s for s, _ in plan.zero_stages.values()} == {3}
+    assert str(plan.spec_of("h.0.attn.c_attn.weight")) == "RS(0)"
+
+
 def test_strategies_that_do_not_fit_the_mesh_say_why():
-    with pytest.raises(autopar.ShardingError, match="tp axis"):
-        autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "tp": 2}), _batch(), "fsdp")
+    with pytest.raises(autopar.ShardingError, match="data axis"):
+        autopar.handwritten(_gpt(), autopar.Mesh({"tp": 2}), _batch(), "fsdp")
     with pytest.raises(autopar.ShardingError, match="explicit tp=4"):
         autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "tp": 2}), _batch(), "explicit", tp=4, dp=1)
     with pytest.raises(autopar.AutoparError, match="no tensor-parallel layout"):
@@ -79,7 +85,7 @@ def test_compare_tables_auto_next_to_hand_written_plans():
                         plans=["auto", "megatron", ("megatron", {"sequence_parallel": True}), "fsdp"])
     names = [r.name for r in c.rows]
     assert names == ["auto", "megatron", "megatron(sp)", "fsdp"]
-    assert c.row("fsdp").error and "tp axis" in c.row("fsdp").error
+    assert c.row("fsdp").error and "data axis" in c.row("fsdp").error
     # the automatic plan is never predicted slower than a hand-written one it could have chosen
     assert c.row("auto").plan.cost.step_time <= c.row("megatron").plan.cost.step_time * (1 + 1e-6)
     t = c.table()

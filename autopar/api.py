@@ -7,13 +7,14 @@ Out: a Plan, or a ParallelModule ready to train on this rank. The user's model i
 
 from __future__ import annotations
 
-
+import torch
 
 import passes
 from autopar import _compat
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
 from autopar.mesh import Mesh
 from autopar.plan import Plan
+from autopar.pipeline import PipelinePin, plan_pipeline, slice_batch
 from autopar.planner import make_plan
 from autopar.runtime import ParallelModule
 from autopar.solver import Pin, ZeroPin
@@ -46,11 +47,29 @@ def _as_mesh(mesh) -> Mesh:
 
 
 def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, constraints=()) -> Plan:
-    """Plan only: no process group, no real weights needed (a meta-device model plans the same), any mesh size."""
+    """Plan only: no process group, no real weights needed (a meta-device model plans the same), any mesh size.
+
+    On a mesh with a ``pp`` axis the plan also cuts the model into pipeline stages and picks the microbatch count
+    and schedule (``constraints`` may hold one ``autopar.PipelinePin`` to fix any of them)."""
     mesh = _as_mesh(mesh)
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    pins, pipe = _split_pins(constraints)
     with _compat.no_local_tensor_mode():
-        tg = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
-        return make_plan(tg, mesh, memory_budget, _pins(constraints))
+        if mesh.pipe_axis() is not None:
+            return plan_pipeline(model, args, mesh, memory_budget, pins, pipe)
+        if pipe is not None:
+            raise AutoparError(f"a PipelinePin needs a mesh with a pp axis larger than 1; mesh {mesh} has none")
+        tg = trace(model, args)
+        return make_plan(tg, mesh, memory_budget, pins)
+
+
+def _split_pins(constraints) -> tuple[list, PipelinePin | None]:
+    items = list(constraints.items()) if isinstance(constraints, dict) else list(constraints or ())
+    pipes = [c for c in items if isinstance(c, PipelinePin)]
+    if len(pipes) > 1:
+        raise AutoparError("give at most one autopar.PipelinePin")
+    rest = [c for c in items if not isinstance(c, PipelinePin)]
+    return _pins(dict(rest) if isinstance(constraints, dict) else rest), (pipes[0] if pipes else None)
 
 
 def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory_budget: float | None = None, constraints=()) -> ParallelModule:
@@ -60,10 +79,22 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AutoparError("parallelize needs the model's real weights (it is on the meta device); build it on cpu, or use autopar.plan to plan only")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    pins, pipe = _split_pins(constraints)
     with _compat.no_local_tensor_mode():
-        tg = trace(model, args)
+        if plan is None and mesh.pipe_axis() is not None:
+            plan = plan_pipeline(model, args, mesh, memory_budget, pins, pipe)
+        elif plan is None and pipe is not None:
+            raise AutoparError(f"a PipelinePin needs a mesh with a pp axis larger than 1; mesh {mesh} has none")
+        if plan is not None and plan.pipeline is not None:  # the plan describes one microbatch's graph
+            pp = plan.pipeline
+            rows = args[0].shape[0] if isinstance(args[0], torch.Tensor) and args[0].ndim else None
+            if rows != pp.batch:
+                raise PlanMismatchError(f"the plan was made for a global batch of {pp.batch} rows, these inputs have {rows}; re-plan")
+            tg = trace(model, slice_batch(args, pp.batch // pp.microbatches))
+        else:
+            tg = trace(model, args)
         if plan is None:
-            the_plan = make_plan(tg, mesh, memory_budget, _pins(constraints))
+            the_plan = make_plan(tg, mesh, memory_budget, pins)
         else:
             if plan.graph_hash != tg.hash:
                 raise PlanMismatchError(

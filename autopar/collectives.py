@@ -200,6 +200,21 @@ class _GradSync(torch.autograd.Function):
         return (None, None) + tuple(out)
 
 
+def all_reduce_flat_(tensors: list[torch.Tensor], axes: tuple[str, ...], groups: tuple[str, ...]) -> None:
+    """Sum ``tensors`` (gradients) over each group as one flat buffer, in place; outside autograd (a pipeline's
+    gradient buckets, reduced after the schedule's last backward)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    for axis, group in zip(axes, groups):
+        _note("all_reduce", axis, flat, "backward")
+        flat = _compat.all_reduce_sum_(flat, group)
+    pos = 0
+    for t in tensors:
+        t.copy_(flat[pos : pos + t.numel()].view_as(t))
+        pos += t.numel()
+
+
 class _OutputScale(torch.autograd.Function):
     """Forward: times ``fwd``; backward: times ``bwd``. Turns the in-graph loss into the value a user expects."""
 

@@ -33,6 +33,7 @@ class Mesh:
         self.axes: tuple[tuple[str, int], ...] = tuple(axes.items())
         self.hardware: Hardware = get_hardware(hardware)
         self._device_mesh = None  # attached by from_device_mesh / to_device_mesh; never part of equality
+        self._spans: dict[str, bool] | None = None  # set by without(): the axes' node spans in the full mesh
 
     # --- plain data -------------------------------------------------------------------------------------------
     @property
@@ -63,6 +64,8 @@ class Mesh:
 
     def spans_nodes(self, axis: "str | int") -> bool:
         a = self.axis_index(axis)
+        if self._spans is not None:
+            return self._spans[self.names[a]]
         return self.stride(a) * self.sizes[a] > self.hardware.devices_per_node
 
     def link(self, axis: "str | int") -> Link:
@@ -70,14 +73,35 @@ class Mesh:
 
     def role(self, axis: "str | int") -> str | None:
         """What the axis name promises: "data" for dp* axes (each rank gets its share of the batch there and holds
-        whole weights), "model" for tp / cp / sp / ep / pp / mp axes (every rank of the axis sees the same batch),
+        whole weights), "model" for tp / cp / sp / ep / mp axes (every rank of the axis sees the same batch),
+        "pipe" for pp / pipe (each rank runs a different stage of the layers; tensors are never split on it),
         None for other names (the solver chooses)."""
         name = self.names[self.axis_index(axis)]
         if name.startswith("dp") or name in ("fsdp", "ddp", "hsdp"):
             return "data"
-        if name in ("tp", "cp", "sp", "ep", "pp", "mp"):
+        if name in ("pp", "pipe"):
+            return "pipe"
+        if name in ("tp", "cp", "sp", "ep", "mp"):
             return "model"
         return None
+
+    def pipe_axis(self) -> int | None:
+        """The pipeline axis (role "pipe", size > 1), or None; more than one is an error."""
+        axes = [a for a in range(self.ndim) if self.role(a) == "pipe" and self.sizes[a] > 1]
+        if len(axes) > 1:
+            raise MeshError(f"mesh {self} has {len(axes)} pipeline axes ({', '.join(self.names[a] for a in axes)}); use one pp axis")
+        return axes[0] if axes else None
+
+    def without(self, axis: "str | int") -> "Mesh":
+        """The mesh of the other axes, on the same hardware; each keeps the link it has in this mesh (an axis outside
+        the removed one still spans nodes when it does here)."""
+        a = self.axis_index(axis)
+        if self.ndim == 1:
+            return Mesh({"_": 1}, self.hardware)
+        inner = Mesh({n: s for i, (n, s) in enumerate(self.axes) if i != a}, self.hardware)
+        # an axis outside the removed one keeps its real stride, so it spans nodes exactly when it does here
+        inner._spans = {n: self.spans_nodes(n) for i, n in enumerate(self.names) if i != a}
+        return inner
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         return tuple((rank // self.stride(a)) % s for a, s in enumerate(self.sizes))

@@ -82,6 +82,78 @@ class PlanCost:
     memory_breakdown: dict = field(default_factory=dict)  # state / gradients / activations / transient bytes
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: a run of consecutive units (the embedding, blocks, the head) on one rank of the pp axis."""
+
+    index: int
+    rank: int  # coordinate on the pp axis that runs it
+    units: tuple[str, ...]
+    forward: float  # seconds per microbatch (compute and the stage's own collectives)
+    backward: float
+    send_bytes: int  # bytes of activations sent to the next stage per microbatch (the gradient comes back alike)
+    state: float  # bytes held all step: parameters, gradients, AdamW state
+    activations: float  # bytes kept for backward per microbatch in flight
+
+    @property
+    def label(self) -> str:
+        u = self.units
+        return u[0] if len(u) == 1 else f"{u[0]} .. {u[-1]} ({len(u)})"
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How the pp axis is used: stage cuts, microbatches, schedule, and the predicted timeline's figures."""
+
+    axis: str
+    schedule: str  # gpipe / 1f1b / interleaved
+    microbatches: int
+    virtual: int  # stages per rank (interleaved), else 1
+    stages: tuple[StagePlan, ...]
+    stage_of: dict  # node name of the planned (microbatch) graph -> stage, for nodes that depend on the inputs
+    step_time: float  # seconds of the schedule, first forward to last backward (simulated)
+    bubble: float  # fraction of rank-time idle in the schedule
+    sync_time: float  # seconds of the gradient all-reduces after the schedule (the slowest rank)
+    rank_memory: tuple[float, ...]  # peak bytes per pp rank
+    in_flight: tuple[int, ...]  # per pp rank, stage-microbatches whose activations are kept at once
+    batch: int  # rows of the global batch; each microbatch has batch // microbatches
+    p2p: tuple[float, ...] = ()  # per stage, seconds to send its output to the next stage (and the gradient back)
+
+    @property
+    def label(self) -> str:
+        v = f", v={self.virtual}" if self.virtual > 1 else ""
+        return f"{self.schedule}(m={self.microbatches}{v})"
+
+    def timeline(self):
+        from autopar import schedule
+
+        p = max(s.rank for s in self.stages) + 1
+        return schedule.simulate(self.schedule, p, self.microbatches, self.virtual, [s.forward for s in self.stages],
+                                 [s.backward for s in self.stages], [_p2p(self, s) for s in self.stages])
+
+    def to_json(self) -> dict:
+        return {
+            "axis": self.axis, "schedule": self.schedule, "microbatches": self.microbatches, "virtual": self.virtual,
+            "stages": [[s.index, s.rank, list(s.units), s.forward, s.backward, s.send_bytes, s.state, s.activations] for s in self.stages],
+            "stage_of": self.stage_of, "step_time": self.step_time, "bubble": self.bubble, "sync_time": self.sync_time,
+            "rank_memory": list(self.rank_memory), "in_flight": list(self.in_flight), "batch": self.batch,
+            "p2p": list(self.p2p),
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> "PipelinePlan":
+        return PipelinePlan(
+            d["axis"], d["schedule"], d["microbatches"], d["virtual"],
+            tuple(StagePlan(s[0], s[1], tuple(s[2]), s[3], s[4], s[5], s[6], s[7]) for s in d["stages"]),
+            dict(d["stage_of"]), d["step_time"], d["bubble"], d["sync_time"], tuple(d["rank_memory"]), tuple(d["in_flight"]),
+            d["batch"], tuple(d.get("p2p", ())),
+        )
+
+
+def _p2p(pp: "PipelinePlan", s: StagePlan) -> float:
+    return pp.p2p[s.index] if s.index < len(pp.p2p) else 0.0
+
+
 @dataclass
 class Plan:
     mesh: Mesh
@@ -98,6 +170,7 @@ class Plan:
     group_memory: dict = field(default_factory=dict)  # parameter group -> [bytes held all step, gradient bytes, parameters]
     solver_status: str = "optimal"
     label: str = "auto"  # "auto", or the hand-written strategy it realises (e.g. "megatron(sp)")
+    pipeline: PipelinePlan | None = None  # stages and schedule on the pp axis; nodes then describe one microbatch
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
     # --- queries ----------------------------------------------------------------------------------------------
@@ -125,6 +198,8 @@ class Plan:
         spec, sizes = self.output_specs[k], self.mesh.sizes
         reduce, fwd, bwd = [], 1.0, 1.0
         for a, p in enumerate(spec.placements):
+            if self.pipeline is not None and self.mesh.names[a] == self.pipeline.axis:
+                continue  # each pp rank runs different layers: no gradient is summed over pp
             if isinstance(p, Partial) and a in self.split_axes:
                 fwd *= sizes[a]
             else:

@@ -65,9 +65,12 @@ class ParallelModule(nn.Module):
         self._order: list[tuple[str, str]] = []  # (kind, FQN or constant name), in graph placeholder order
         self._zero_axes = {p: tuple(mesh.names.index(a) for a in b.shard_axes) for b in plan.zero_buckets for p in b.params}
         self._constants: dict[str, torch.Tensor] = {}
+        self._pipe = _PipelineRun(self, plan, gm, mesh) if plan.pipeline is not None else None
+        held = self._pipe.held if self._pipe is not None else None
         persistent = {n for n, _ in model.named_buffers()} - _non_persistent(model)
+        self._persistent = persistent
         for name, kind in tg.kinds.items():
-            if kind == INPUT:
+            if kind == INPUT or (held is not None and name not in held):
                 continue
             fqn = tg.fqns[name]
             spec = plan.nodes[name].strategy.output
@@ -82,6 +85,8 @@ class ParallelModule(nn.Module):
                 self._constants[fqn] = distribute(tg.constants[fqn].detach(), spec, mesh)
             self._order.append((kind, fqn))
         self._check_same_plan_everywhere()
+        if self._pipe is not None:
+            self._pipe.build()
 
     # --- construction helpers ---------------------------------------------------------------------------------
     def _place(self, fqn: str, t: torch.Tensor, kind: str, persistent: bool = True) -> None:
@@ -161,14 +166,19 @@ class ParallelModule(nn.Module):
                 f"ParallelModule was planned for inputs structured as {self._tg.in_spec}, got {spec}; "
                 "call it with the same arguments as example_inputs (this rank's share: pmodel.local_inputs(...))"
             )
+        m = self._plan.pipeline.microbatches if self._pipe is not None else 1
         for k, (t, s, name) in enumerate(zip(flat, self._input_specs(), self._tg.user_inputs)):
             val = self._tg.nodes[name].meta["val"]
             want = s.local_shape(tuple(val.shape), self._mesh.sizes)
+            if m > 1 and want:
+                want = (want[0] * m,) + tuple(want[1:])
             if tuple(t.shape) != want:
                 raise AutoparError(
                     f"input {k} ({name}) has shape {list(t.shape)}, but this rank's share of the planned global batch "
                     f"{list(val.shape)} under {s} is {list(want)}; pass pmodel.local_inputs(*global_batch), or re-plan for this batch size"
                 )
+        if self._pipe is not None:
+            return self._pipe.step(flat)
         params = [self._local(k, f) for k, f in self._order]
         outs = self._gm.forward(*params, *flat)  # not through __call__: module hooks of trackers would hold every gradient of its inputs
         return pytree.tree_unflatten(list(outs), self._tg.out_spec)
@@ -194,10 +204,13 @@ class ParallelModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters and persistent buffers under the model's own FQNs (a tied parameter under each
         of its names, as the model's state_dict has it), gathered over the mesh."""
-        state = dict(self.named_parameters())
-        keys = self.state_dict().keys()
-        state.update({k: v for k, v in self.named_buffers() if k in keys})
-        out = {fqn: self._gather_full(fqn, t) for fqn, t in state.items()}
+        if self._pipe is not None and not self._pipe.sequential:
+            out = self._pipe.gather("state")
+        else:
+            state = dict(self.named_parameters())
+            keys = self.state_dict().keys()
+            state.update({k: v for k, v in self.named_buffers() if k in keys})
+            out = {fqn: self._gather_full(fqn, t) for fqn, t in state.items()}
         for alias, fqn in self._tg.aliases.items():
             if fqn in out:
                 out[alias] = out[fqn]
@@ -205,6 +218,8 @@ class ParallelModule(nn.Module):
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full gradients of the parameters that have one, under the model's own FQNs (for checks against one device)."""
+        if self._pipe is not None and not self._pipe.sequential:
+            return self._pipe.gather("grads")
         return {fqn: self._gather_full(fqn, p.grad) for fqn, p in self.named_parameters() if p.grad is not None}
 
 
@@ -214,3 +229,178 @@ def _non_persistent(model: nn.Module) -> set[str]:
         for b in getattr(m, "_non_persistent_buffers_set", ()):
             out.add(f"{mname}.{b}" if mname else b)
     return out
+
+
+class _PipelineLoss(torch.autograd.Function):
+    """The loss a pipeline step hands back: its value, and a backward that finishes the step (the schedule has
+    already run every microbatch's backward; what is left is the gradient all-reduce after the last one)."""
+
+    @staticmethod
+    def forward(ctx, loss, anchor, finish):
+        ctx.finish = finish
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.finish()
+        return None, None, None
+
+
+class _StageModule(nn.Module):
+    """One stage's graph as torch.distributed.pipelining wants it: ``forward(*activations)``; the parameters it
+    reads are the ParallelModule's, fetched at each call (the stage graph takes them as its first arguments)."""
+
+    def __init__(self, graph_module: fx.GraphModule, fetch):
+        super().__init__()
+        self.graph_module = graph_module
+        object.__setattr__(self, "_fetch", fetch)
+
+    def forward(self, *args):
+        return self.graph_module.forward(*self._fetch(), *args)
+
+
+class _PipelineRun:
+    """Runs a pipeline plan on this rank (``plan.pipeline``; ``gm`` from passes/split_stages.py).
+
+    Under torch.distributed with a real process group: this rank's stages (s with s % p == its pp coordinate)
+    become ``torch.distributed.pipelining.PipelineStage``s driven by the plan's schedule class (ScheduleGPipe,
+    Schedule1F1B, ScheduleInterleaved1F1B), with static shapes from the split. Each microbatch's loss is the
+    loss of its rows, so the step's loss is their mean: the loss function divides by m (and grads are not rescaled
+    again). After the schedule: the loss is broadcast from the last stage over pp, and ``loss.backward()`` sums
+    the gradients over the plan's buckets (dp / tp axes) and, for parameters held on several pp ranks (tied
+    embeddings), over those ranks.
+    Under LocalTensorMode (or one process): every rank holds every stage, and the microbatches run one after the
+    other through the stages in order: the same arithmetic, checkable in one process.
+    """
+
+    SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+
+    def __init__(self, owner: "ParallelModule", plan: Plan, gm: fx.GraphModule, mesh: Mesh):
+        self.owner = owner
+        self.plan, self.gm, self.mesh = plan, gm, mesh
+        pp = plan.pipeline
+        self.m = pp.microbatches
+        self.axis = mesh.names.index(pp.axis)
+        self.p = mesh.sizes[self.axis]
+        self.ios = gm.stage_io
+        self.sequential = not dist.is_initialized() or _compat.in_local_tensor_mode() or dist.get_world_size() == 1
+        S = len(self.ios)
+        if self.sequential:
+            self.mine = list(range(S))
+        else:
+            me = mesh.coordinate(dist.get_rank())[self.axis]
+            self.mine = [s for s in range(S) if s % self.p == me]
+        self.held = {n for s in self.mine for n in self.ios[s].params}
+        # placeholders read by stages on more than one pp rank (tied embeddings): pp ranks per parameter
+        self.ranks_of: dict[str, tuple[int, ...]] = {}
+        for s, io in enumerate(self.ios):
+            for n in io.params:
+                self.ranks_of[n] = tuple(sorted(set(self.ranks_of.get(n, ())) | {s % self.p}))
+
+    def _rank_at(self, pp_coord: int) -> int:
+        coord = list(self.mesh.coordinate(dist.get_rank()))
+        coord[self.axis] = pp_coord
+        return sum(c * self.mesh.stride(a) for a, c in enumerate(coord))
+
+    def build(self) -> None:
+        if self.sequential:
+            return
+        from torch.distributed import pipelining
+
+        owner, tg = self.owner, self.owner._tg
+        dm = self.mesh.to_device_mesh()
+        device = torch.device("cpu") if dm.device_type == "cpu" else torch.device(dm.device_type, torch.accelerator.current_device_index())
+        self.device = device
+        self.pp_group = dm.get_group(self.mesh.names[self.axis])
+        S = len(self.ios)
+        self.stages = []
+        for s in self.mine:
+            io = self.ios[s]
+            keys = [(tg.kinds[n], tg.fqns[n]) for n in io.params]
+            mod = _StageModule(getattr(self.gm, f"stage_{s}"), lambda keys=keys: [owner._local(k, f) for k, f in keys])
+
+            def example(metas):
+                return tuple(torch.zeros(shape, dtype=dt, device=device).requires_grad_(rg) for shape, dt, rg in metas)
+
+            self.stages.append(pipelining.PipelineStage(mod, s, S, device, input_args=example(io.input_metas),
+                                                        output_args=example(io.output_metas), group=self.pp_group))
+        m = self.m
+        cls = getattr(pipelining, self.SCHEDULES[self.plan.pipeline.schedule])
+        loss_fn = lambda out, _target: out / m  # noqa: E731  (a microbatch's loss is its rows' mean)
+        stage_arg = self.stages if self.plan.pipeline.schedule == "interleaved" else self.stages[0]
+        self.schedule = cls(stage_arg, m, loss_fn=loss_fn, scale_grads=False)
+        self.last_rank = self._rank_at((S - 1) % self.p)
+        # groups over the pp ranks that share a parameter: every rank creates every group, in the same order
+        self.tied_groups: dict[str, str] = {}
+        sets = sorted({r for r in self.ranks_of.values() if len(r) > 1})
+        others = [c for c in range(self.mesh.size) if self.mesh.coordinate(c)[self.axis] == 0]
+        for rs in sets:
+            for base in others:
+                ranks = [base + r * self.mesh.stride(self.axis) for r in rs]
+                g = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    for n, r in self.ranks_of.items():
+                        if r == rs and n in self.held:
+                            self.tied_groups[n] = g.group_name
+
+    def step(self, flat: list):
+        owner, m = self.owner, self.m
+        if self.sequential:
+            chunks = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim > 0 else [t] * m for t in flat]
+            total = None
+            for k in range(m):
+                params = [owner._local(kind, f) for kind, f in owner._order]
+                loss = self.gm.forward(*params, *[c[k] for c in chunks])[0] / m
+                loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()
+        else:
+            losses: list = []
+            dummy = torch.zeros(m, device=self.device)  # the loss is in the last stage's graph; targets ride along
+            if 0 in self.mine:
+                self.schedule.step(*flat, target=dummy, losses=losses, return_outputs=False)
+            else:
+                self.schedule.step(target=dummy, losses=losses, return_outputs=False)
+            total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
+            dist.broadcast(total, src=self.last_rank, group=self.pp_group)
+        anchor = torch.zeros((), requires_grad=True)
+        loss = _PipelineLoss.apply(total, anchor, self.finish)
+        return pytree.tree_unflatten([loss], owner._tg.out_spec)
+
+    def finish(self) -> None:
+        """The gradient all-reduces after the schedule: the plan's buckets over their axes, then tied parameters
+        over the pp ranks that hold them."""
+        owner, tg = self.owner, self.owner._tg
+        dm = self.mesh.to_device_mesh()
+        grads = {n: owner._local(tg.kinds[n], tg.fqns[n]).grad for n in self.held if tg.kinds[n] == PARAM}
+        for b in self.plan.grad_buckets:
+            live = [grads[n] for n in b.params if grads.get(n) is not None]
+            collectives.all_reduce_flat_(live, b.axes, tuple(dm.get_group(a).group_name for a in b.axes))
+        if not self.sequential:
+            for n, group in sorted(self.tied_groups.items()):
+                if grads.get(n) is not None:
+                    collectives.all_reduce_flat_([grads[n]], (self.mesh.names[self.axis],), (group,))
+
+    def gather(self, which: str) -> dict[str, torch.Tensor]:
+        """Full tensors of every parameter (``which="grads"``: their gradients) or persistent buffer, on every rank:
+        gathered over the other axes on the pp rank that holds it first, then broadcast over pp."""
+        owner, tg = self.owner, self.owner._tg
+        out = {}
+        for name, kind in tg.kinds.items():
+            if kind == INPUT or name not in self.ranks_of or kind == CONSTANT:
+                continue
+            if which == "grads" and kind != PARAM:
+                continue
+            fqn = tg.fqns[name]
+            src = self.ranks_of[name][0]
+            val = tg.nodes[name].meta["val"]
+            if kind == BUFFER and fqn not in owner._persistent:
+                continue
+            if name in self.held:
+                t = owner._local(kind, fqn)
+                t = t.grad if which == "grads" else t
+                full = owner._gather_full(fqn, t if t is not None else torch.zeros_like(owner._local(kind, fqn)))
+            else:
+                full = torch.empty(tuple(val.shape), dtype=val.dtype, device=self.device)
+            dist.broadcast(full, src=self._rank_at(src), group=self.pp_group)
+            out[fqn] = full
+        return out

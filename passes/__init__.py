@@ -11,7 +11,7 @@ import copy
 
 import torch.fx as fx
 
-from passes import check_local, grad_sync, insert_collectives, localize_shapes, output_adapter, zero
+from passes import check_local, grad_sync, insert_collectives, localize_shapes, output_adapter, split_stages, zero
 
 PASSES = [
     insert_collectives.run,  # redistributions between producers and consumers, as the plan priced them
@@ -20,6 +20,7 @@ PASSES = [
     localize_shapes.run,  # shape arguments rewritten from global to local
     output_adapter.run,  # outputs handed to the user as a rank's share; gradients seeded to match
     check_local.run,  # every local shape matches the plan (fails loudly, before any collective runs)
+    split_stages.run,  # with a pipeline: the program cut into its stages, each a GraphModule
 ]
 
 

@@ -34,6 +34,12 @@ def _meta_like(shape, dtype):
 
 
 def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
+    local_values(gm, plan, mesh)
+    return gm
+
+
+def local_values(gm: fx.GraphModule, plan, mesh) -> dict[str, object]:
+    """Every node's local value on meta tensors (checked against the plan where it knows the node)."""
     env: dict[str, object] = {}
     sharded = {p: b for b in plan.zero_buckets for p in b.params}
     for node in gm.graph.nodes:
@@ -79,4 +85,4 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
                     f"internal: {plan.nodes[node.name].path} has local shape {got} but its spec "
                     f"{spec_of(node, plan)} implies {want}; please report this plan"
                 )
-    return gm
+    return env

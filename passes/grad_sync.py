@@ -5,6 +5,8 @@ bucket and axis).
 Ensures: the parameters of each bucket are read through one ``grad_sync`` node, placed just before the bucket's
 first use (identity forward; backward all-reduces the bucket's gradients as one buffer over exactly its axes,
 as soon as they are all computed and before they reach ``.grad``, so gradient accumulation stays right).
+With a pipeline (``plan.pipeline``) nothing: the graph runs once per microbatch, and the runtime reduces the same
+buckets once, after the schedule's last backward.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from passes._util import runtime_axes
 
 
 def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
+    if plan.pipeline is not None:
+        return gm
     g = gm.graph
     names, _sizes, _strides, groups = runtime_axes(mesh)
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}

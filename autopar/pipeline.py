@@ -1,0 +1,565 @@
+"""Pipeline planning: the pp axis's stage cuts, microbatch count and schedule, with each stage's intra-op plan.
+
+In: a model and one example global batch, a Mesh with a pipeline axis (``pp``, role "pipe"), a memory budget
+(bytes per device), pins, and optionally a ``PipelinePin`` fixing the schedule, microbatches, virtual stages or cuts.
+Out: a Plan whose nodes are the intra-op plan of one microbatch's graph (Specs over the whole mesh, ``R`` on pp)
+and whose ``pipeline`` (``PipelinePlan``) holds the stages, the schedule and their predicted figures.
+
+Two levels, as Alpa splits inter- and intra-operator parallelism:
+
+1. Microbatch counts ``m``: divisors of the per-replica batch (global batch / data axes), at most six of them.
+2. For each ``m``, one microbatch (``batch / m`` rows) is traced and the intra-op ILP (``solver``) is solved on the
+   mesh without pp, priced for the average stage of a 1F1B pipeline: the state of all layers shared by ``p``
+   ranks (budget ``p x budget``) beside one microbatch in flight per layer on each rank (activations x ``p``), and
+   the gradient all-reduce, once per step, weighted ``1 / (m + p - 1)`` against the per-microbatch terms. ZeRO is
+   stage 0 on a pipeline (a stage's gradients are reduced once, after the last microbatch).
+3. The graph is cut into units: everything before the first repeated block (the embedding), each block, and
+   everything after (head and loss). Per unit: forward and backward seconds per microbatch (its ops and the
+   redistributions into them, as the ILP priced them), activation bytes per microbatch, parameter state; per
+   boundary: the bytes that cross it.
+4. For each schedule (GPipe, 1F1B, interleaved 1F1B with ``v`` stages per rank where the blocks divide), the cuts
+   minimise the slowest stage subject to every rank's memory (state + in-flight microbatches x activations <=
+   budget): bisection on the slowest stage's time, with a greedy packing as the feasibility test (exact for
+   contiguous cuts, since a shorter run of units never needs more time or memory). The schedule is then
+   simulated (``autopar.schedule``): the step is the simulated timeline plus the gradient all-reduce after it.
+5. The fastest (m, schedule, cuts) that fits wins; ties go to fewer microbatches, then the schedule order.
+
+Deterministic: candidates are enumerated in a fixed order and compared with strict inequalities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from autopar import schedule as sched
+from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, wire_bytes
+from autopar.errors import AutoparError, InfeasibleError, ShardingError
+from autopar.mesh import Mesh
+from autopar.plan import Collective, NodePlan, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
+from autopar.solver import Pin, ZeroPin, build_problem, solve
+from autopar.spec import Replicate, Spec, Strategy
+from autopar.trace import INPUT, PARAM, TracedGraph, trace
+
+MAX_MICROBATCH_CANDIDATES = 6
+
+
+@dataclass(frozen=True)
+class PipelinePin:
+    """Fix what a pipeline plan may choose: ``schedule`` (gpipe / 1f1b / interleaved), ``microbatches``,
+    ``virtual`` stages per rank, and ``cuts``: "equal" (blocks split evenly, the embedding with the first stage and
+    the head with the last, as Megatron does) or a tuple of blocks per stage."""
+
+    schedule: str | None = None
+    microbatches: int | None = None
+    virtual: int | None = None
+    cuts: "str | tuple[int, ...] | None" = None
+
+
+# --- specs between the inner mesh (no pp) and the whole mesh ----------------------------------------------------
+def lift_spec(spec: Spec, inner_mesh: Mesh, axis: int) -> Spec:
+    """``inner_mesh``: the mesh without the pipeline axis (``Mesh.without``), whose Specs these are."""
+    inner = [] if inner_mesh.names == ("_",) else list(spec.placements)
+    inner.insert(axis, Replicate())
+    return Spec(tuple(inner))
+
+
+def lift_strategy(st: Strategy, inner_mesh: Mesh, axis: int) -> Strategy:
+    return Strategy(tuple(lift_spec(s, inner_mesh, axis) for s in st.inputs), lift_spec(st.output, inner_mesh, axis))
+
+
+def _inner_pins(pins: list, mesh: Mesh, axis: int) -> list:
+    out = []
+    for pin in pins:
+        if isinstance(pin, ZeroPin):
+            if pin.stage != 0:
+                raise AutoparError(
+                    f"ZeroPin({pin.group!r}, {pin.stage}): ZeRO-{pin.stage} with pipeline parallelism is not realised yet "
+                    "(a pipeline syncs each stage's gradients once, after the last microbatch); use stage 0 or a mesh without pp"
+                )
+            continue
+        spec = Spec.parse(pin.spec)
+        if len(spec.placements) == mesh.ndim:
+            if not isinstance(spec.placements[axis], Replicate):
+                raise ShardingError(f"pin {pin.target} -> {pin.spec}: tensors are never split on the pipeline axis {mesh.names[axis]}; use R there")
+            rest = tuple(q for a, q in enumerate(spec.placements) if a != axis) or (Replicate(),)
+            out.append(Pin(pin.target, str(Spec(rest))))
+        else:
+            out.append(pin)
+    return out
+
+
+# --- units ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Units:
+    labels: list[str]  # "embed", block FQNs, "head"
+    unit_of: dict[str, int]  # node -> unit, for nodes that depend on the inputs (and the input placeholders)
+    static: set[str]  # nodes that depend on no input: parameters, buffers, and what is computed from them alone
+    users_units: dict[str, set[int]]  # static node -> units of the input-dependent nodes that read it
+    n_blocks: int
+
+
+def graph_units(tg: TracedGraph) -> Units:
+    nodes = list(tg.gm.graph.nodes)
+    static: set[str] = set()
+    for n in nodes:
+        if n.op == "placeholder":
+            if tg.kinds.get(n.name) != INPUT:
+                static.add(n.name)
+        elif n.op == "call_function" and all(a.name in static for a in n.all_input_nodes):
+            static.add(n.name)
+    block_index: dict[str, int] = {}
+    for i, b in enumerate(tg.blocks):
+        for name in b.nodes:
+            block_index[name] = i + 1
+    L = len(tg.blocks)
+    if L == 0:
+        raise AutoparError(
+            "pipeline parallelism cuts the model between its repeated blocks (an nn.ModuleList of layers), and this "
+            "model has none; use a mesh without pp, or build the layers as a ModuleList"
+        )
+    last_block_pos = max(i for i, n in enumerate(nodes) if n.name in block_index)
+    unit_of: dict[str, int] = {}
+    cur = 0
+    for i, n in enumerate(nodes):
+        if n.name in static or n.op == "output":
+            continue
+        if n.op == "placeholder":
+            unit_of[n.name] = 0
+            continue
+        if n.name in block_index:
+            u = block_index[n.name]
+        elif i > last_block_pos:
+            u = L + 1
+        else:
+            u = cur  # between blocks: with the block before (the embedding before the first)
+        u = max([u] + [unit_of[a.name] for a in n.all_input_nodes if a.name in unit_of])  # never before its inputs
+        unit_of[n.name] = u
+        cur = max(cur, u) if u <= L else cur
+    users_units: dict[str, set[int]] = {s: set() for s in static}
+    for n in reversed(nodes):
+        if n.name in static:
+            continue
+        for a in n.all_input_nodes:
+            if a.name in static:
+                users_units[a.name].add(unit_of.get(n.name, L + 1) if n.op != "output" else L + 1)
+    for n in reversed(nodes):  # static nodes read only by static nodes: the units of their readers
+        if n.name in static:
+            for a in n.all_input_nodes:
+                if a.name in static:
+                    users_units[a.name] |= users_units[n.name]
+    labels = ["embed"] + [b.fqn for b in tg.blocks] + ["head"]
+    return Units(labels, unit_of, static, users_units, L)
+
+
+@dataclass
+class UnitCosts:
+    fwd: list[float]  # seconds per microbatch
+    bwd: list[float]
+    act: list[float]  # bytes kept for backward per microbatch
+    params: dict[str, tuple[set[int], float, float, tuple[int, ...], int]]  # param -> (units, state+grad bytes, local bytes, sync axes, elements)
+    cross: list[int]  # bytes crossing the boundary before unit i (forward), i = 0..U
+    cross_grad: list[bool]  # whether a gradient comes back across it
+    static_time: dict[int, float]
+
+
+def unit_costs(tg: TracedGraph, problem, choice, cost: CostModel, units: Units, inner: Mesh) -> UnitCosts:
+    U = len(units.labels)
+    fwd, bwd, act = [0.0] * U, [0.0] * U, [0.0] * U
+    strategy = choice.strategy
+
+    def unit(n: str) -> int:
+        if n in units.unit_of:
+            return units.unit_of[n]
+        uu = units.users_units.get(n)
+        return min(uu) if uu else U - 1
+
+    for n in problem.order:
+        nc = problem.costs[n][choice.index[n]]
+        u = unit(n)
+        rg = problem.requires_grad.get(n, False)
+        if tg.kinds.get(n) == PARAM:
+            continue
+        f = nc.compute / 3 if rg else nc.compute
+        fwd[u] += f
+        bwd[u] += nc.compute - f
+        act[u] += nc.act + (nc.state if tg.kinds.get(n) == INPUT else 0.0)
+    emitted = set()
+    for u_, v, i, m in problem.edges:
+        src, dst = strategy[u_].output, strategy[v].inputs[i]
+        if src == dst or (u_, str(dst)) in emitted:
+            continue
+        emitted.add((u_, str(dst)))
+        rg = problem.requires_grad.get(u_, False)
+        t = cost.edge_time(m, src, dst, rg)
+        f = t / 2 if rg else t
+        fwd[unit(v)] += f
+        bwd[unit(v)] += t - f
+    params = {}
+    for n in problem.order:
+        if tg.kinds.get(n) != PARAM:
+            continue
+        nc = problem.costs[n][choice.index[n]]
+        spec, meta = strategy[n].output, problem.meta[n]
+        local = math.prod(spec.local_shape(meta.shape, inner.sizes)) * itemsize(meta.dtype)
+        uu = set(units.users_units.get(n, set())) or {0}
+        params[n] = (uu, nc.state + nc.grad, float(local), grad_sync_axes(spec, inner), math.prod(meta.shape))
+    # bytes crossing each boundary: a value produced in unit a and read in unit b crosses boundaries a+1 .. b
+    diff = [0] * (U + 1)
+    grad = [False] * (U + 1)
+    last_use: dict[str, int] = {}
+    for n in tg.gm.graph.nodes:
+        if n.name in units.static:
+            continue
+        for a in n.all_input_nodes:
+            if a.name in units.unit_of:
+                b = units.unit_of.get(n.name, U - 1) if n.op != "output" else U - 1
+                last_use[a.name] = max(last_use.get(a.name, 0), b)
+    for name, b in last_use.items():
+        a = units.unit_of[name]
+        if b <= a:
+            continue
+        val = tg.nodes[name].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        src = name if name in strategy else problem.source.get(name, name)
+        spec = strategy[src].output if src in strategy else None
+        shape = spec.local_shape(tuple(val.shape), inner.sizes) if spec is not None else tuple(val.shape)
+        nbytes = math.prod(shape) * itemsize(val.dtype)
+        diff[a + 1] += nbytes
+        diff[b + 1] -= nbytes
+        if problem.requires_grad.get(src, False):
+            for c in range(a + 1, b + 1):
+                grad[c] = True
+    cross, run = [], 0
+    for i in range(U + 1):
+        run += diff[i]
+        cross.append(run)
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {})
+
+
+# --- stages --------------------------------------------------------------------------------------------------------
+@dataclass
+class Evaluated:
+    starts: tuple[int, ...]
+    stages: tuple[StagePlan, ...]
+    p2p: tuple[float, ...]
+    timeline: sched.Timeline
+    sync: float
+    rank_memory: tuple[float, ...]
+    in_flight: tuple[int, ...]
+
+    @property
+    def total(self) -> float:
+        return self.timeline.step + self.sync
+
+
+def _p2p_seconds(nbytes: int, link) -> float:
+    return 0.0 if nbytes == 0 else link.launch + link.latency + nbytes / link.bandwidth
+
+
+def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str, p: int, m: int, v: int, mesh: Mesh, axis: int, inner: Mesh) -> Evaluated:
+    U = len(units.labels)
+    S = len(starts)
+    ends = list(starts[1:]) + [U]
+    link = mesh.link(axis)
+    stages, p2p = [], []
+    flights = sched.in_flight(schedule, p, m, v)
+    rank_state = [0.0] * p
+    rank_act = [0.0] * p
+    sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
+    ranks_of: dict[str, set[int]] = {}
+    for s, (i, j) in enumerate(zip(starts, ends)):
+        r = s % p
+        f, b = sum(uc.fwd[i:j]), sum(uc.bwd[i:j])
+        a = sum(uc.act[i:j])
+        state = 0.0
+        for name, (uu, sg, local, axes, _n) in uc.params.items():
+            if any(i <= u < j for u in uu):
+                state += sg
+                ranks_of.setdefault(name, set()).add(r)
+                for ax in axes:
+                    sync_bytes[r][ax] = sync_bytes[r].get(ax, 0.0) + local
+        send = uc.cross[j] if j < U else 0
+        t = _p2p_seconds(send, link)
+        p2p.append(t)
+        stages.append(StagePlan(s, r, tuple(units.labels[i:j]), f, b, int(send), state, a))
+        rank_state[r] += state
+        rank_act[r] += a / v
+    memory = tuple(rank_state[r] + flights[r] * rank_act[r] for r in range(p))
+    # the gradient all-reduces after the schedule: one bucket per axis per rank; parameters held on several pp
+    # ranks (tied embeddings) are summed across them too
+    sync = [sum(collective_time("all_reduce", b, inner.sizes[ax], inner.link(ax)) for ax, b in sync_bytes[r].items()) for r in range(p)]
+    for name, rs in ranks_of.items():
+        if len(rs) > 1:
+            for r in rs:
+                sync[r] += collective_time("all_reduce", uc.params[name][2], len(rs), link)
+    tl = sched.simulate(schedule, p, m, v, [st.forward for st in stages], [st.backward for st in stages], p2p)
+    return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights))
+
+
+def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: int, budget: float) -> tuple[int, ...] | None:
+    """Starts of S stages minimising the slowest stage's seconds under each stage's memory bound (see module)."""
+    U = len(units.labels)
+    if U < S:
+        return None
+    t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
+    # per unit parameter state (a parameter read by several units counted in each: conservative)
+    st = [0.0] * U
+    for uu, sg, *_ in uc.params.values():
+        for u in uu:
+            st[u] += sg
+
+    def pack(limit: float) -> tuple[int, ...] | None:
+        starts, i = [], 0
+        for k in range(S):
+            r = k % p
+            cap = budget / v
+            j, tt, mm_state, mm_act = i, 0.0, 0.0, 0.0
+            last = U - (S - k - 1)  # leave a unit for every later stage
+            while j < last:
+                nt, ns, na = tt + t[j], mm_state + st[j], mm_act + uc.act[j]
+                if j > i and (nt > limit or ns + flights[r] * na / v > cap):
+                    break
+                if j == i and ns + flights[r] * na / v > cap:
+                    return None
+                tt, mm_state, mm_act = nt, ns, na
+                j += 1
+            if k == S - 1 and j < U:
+                return None
+            starts.append(i)
+            i = j
+        return tuple(starts)
+
+    lo, hi = max(t), sum(t)
+    best = pack(hi)
+    if best is None:
+        return None
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = pack(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+        if hi - lo <= 1e-6 * hi:
+            break
+    return best
+
+
+def equal_starts(units: Units, S: int, blocks_per_stage: "tuple[int, ...] | None" = None) -> tuple[int, ...]:
+    """Megatron's cut: blocks split evenly (or as given), the embedding with the first stage, the head with the last."""
+    L = units.n_blocks
+    if blocks_per_stage is None:
+        if L % S:
+            raise ShardingError(f"equal cuts need the {L} blocks to divide among {S} stages; pass cuts=(blocks per stage, ...) or let autopar cut")
+        blocks_per_stage = (L // S,) * S
+    if len(blocks_per_stage) != S or sum(blocks_per_stage) != L or min(blocks_per_stage) < 0:
+        raise ShardingError(f"cuts {blocks_per_stage} must give {S} stages whose blocks sum to {L}")
+    starts, b = [0], 0
+    for k in range(S - 1):
+        b += blocks_per_stage[k]
+        starts.append(1 + b)
+    if any(y <= x for x, y in zip(starts, starts[1:])) and blocks_per_stage[0] == 0:
+        raise ShardingError(f"cuts {blocks_per_stage}: every stage but the first and last needs a block")
+    return tuple(starts)
+
+
+# --- search --------------------------------------------------------------------------------------------------------
+def _batch_rows(args: tuple) -> int:
+    rows = {t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.ndim > 0}
+    if len(rows) != 1:
+        raise AutoparError(f"pipeline parallelism splits the inputs into microbatches along dim 0; the inputs have dim-0 sizes {sorted(rows)}")
+    return rows.pop()
+
+
+def microbatch_candidates(per_replica: int, p: int) -> list[int]:
+    divs = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
+    pick = [d for d in divs if d & (d - 1) == 0 or d % p == 0]
+    if len(pick) > MAX_MICROBATCH_CANDIDATES:
+        n = len(pick)
+        pick = sorted({pick[round(i * (n - 1) / (MAX_MICROBATCH_CANDIDATES - 1))] for i in range(MAX_MICROBATCH_CANDIDATES)})
+    return pick
+
+
+def _schedules(pin: PipelinePin, p: int, m: int, L: int, U: int) -> tuple[list[tuple[str, int]], list[str]]:
+    """The (schedule, virtual stages) that can run with m microbatches, and why the others cannot."""
+    out, why = [], []
+    names = [pin.schedule] if pin.schedule else list(sched.SCHEDULES)
+    for name in names:
+        if name not in sched.SCHEDULES:
+            raise AutoparError(f"unknown pipeline schedule {name!r}; known: {', '.join(sched.SCHEDULES)}")
+        if name == "interleaved":
+            vs = [pin.virtual] if pin.virtual else [v for v in range(2, L + 1) if L % (p * v) == 0]
+            if not vs:
+                why.append(f"interleaved needs the {L} blocks to divide into p x v stages with v >= 2 (p={p})")
+        else:
+            vs = [1]
+        for v in vs:
+            bad = sched.check(name, p, m, v)
+            if bad is None and p * v > U:
+                bad = f"{name} needs {p * v} stages but the model has {U} units (embedding, {L} blocks, head)"
+            if bad is None:
+                out.append((name, v))
+            else:
+                why.append(bad)
+    return out, why
+
+
+def slice_batch(args: tuple, rows: int) -> tuple:
+    return tuple(a[:rows] if isinstance(a, torch.Tensor) and a.ndim > 0 else a for a in args)
+
+
+def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, pins: list, pin: PipelinePin | None = None, label: str = "auto") -> Plan:
+    from autopar.planner import price
+
+    t_start = time.perf_counter()
+    pin = pin or PipelinePin()
+    axis = mesh.pipe_axis()
+    assert axis is not None
+    p = mesh.sizes[axis]
+    inner = mesh.without(axis)
+    budget = mesh.hardware.memory if memory_budget is None else float(memory_budget)
+    inner_pins = _inner_pins(pins, mesh, axis) + [ZeroPin("*", 0)]
+    B = _batch_rows(args)
+    data = math.prod(inner.sizes[a] for a in range(inner.ndim) if inner.role(a) == "data")
+    if B % data:
+        raise ShardingError(f"the global batch of {B} rows does not split over the data axes (x{data}); use a multiple of {data}")
+    per_replica = B // data
+    if pin.microbatches is not None:
+        if per_replica % pin.microbatches:
+            raise ShardingError(f"microbatches={pin.microbatches} does not divide the per-replica batch of {per_replica} rows (global {B} / data axes {data})")
+        ms = [pin.microbatches]
+    else:
+        ms = microbatch_candidates(per_replica, p)
+    best = None  # (total, m, order, ev, plan pieces)
+    tried: list[str] = []
+    smallest = math.inf
+    timings = {"trace": 0.0, "solve": 0.0, "cuts": 0.0}
+    for m in ms:
+        t0 = time.perf_counter()
+        tg = trace(model, slice_batch(args, B // m))
+        units = graph_units(tg)
+        timings["trace"] += time.perf_counter() - t0
+        U, L = len(units.labels), units.n_blocks
+        options, why = _schedules(pin, p, m, L, U)
+        if not options:
+            tried.append(f"m={m}: no schedule runs ({'; '.join(why)})")
+            continue
+        t0 = time.perf_counter()
+        cost = CostModel(inner)
+        problem = build_problem(tg, inner, cost)
+        raw = problem.costs
+        w = 1.0 / (m + p - 1)
+        problem.costs = {
+            n: [dataclasses.replace(c, act=c.act * p, comm=c.comm * w) if tg.kinds.get(n) != INPUT else c for c in cs]
+            for n, cs in raw.items()
+        }
+        try:
+            choice = solve(tg, inner, cost, problem, budget * p, inner_pins)
+        except InfeasibleError as e:
+            problem.costs = raw
+            tried.append(f"m={m}: the stages' own plans do not fit ({e})")
+            if e.smallest_budget:
+                smallest = min(smallest, e.smallest_budget / p)
+            timings["solve"] += time.perf_counter() - t0
+            continue
+        problem.costs = raw
+        timings["solve"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        uc = unit_costs(tg, problem, choice, cost, units, inner)
+        for order, (name, v) in enumerate(options):
+            S = p * v
+            flights = sched.in_flight(name, p, m, v)
+            if pin.cuts is None:
+                starts = balance(uc, units, S, p, flights, v, budget)
+                if starts is None:
+                    ev = evaluate(uc, units, equal_starts(units, S) if L % S == 0 else tuple(range(S)), name, p, m, v, mesh, axis, inner)
+                    smallest = min(smallest, max(ev.rank_memory))
+                    tried.append(f"m={m} {name}{'' if v == 1 else f' v={v}'}: no cuts fit {_fmt_bytes(budget)} per device")
+                    continue
+            else:
+                starts = equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))
+            ev = evaluate(uc, units, starts, name, p, m, v, mesh, axis, inner)
+            if max(ev.rank_memory) > budget * (1 + 1e-9):
+                smallest = min(smallest, max(ev.rank_memory))
+                tried.append(f"m={m} {name}: needs {_fmt_bytes(max(ev.rank_memory))} per device")
+                continue
+            key = (ev.total, m, order)
+            if best is None or key < best[0]:
+                best = (key, m, name, v, ev, tg, problem, choice, cost, units)
+        timings["cuts"] += time.perf_counter() - t0
+    if best is None:
+        why = "; ".join(tried[:6])
+        raise InfeasibleError(
+            f"no pipeline plan on {mesh} fits {_fmt_bytes(budget)} per device ({why})"
+            + (f"; the smallest found needs {_fmt_bytes(smallest)}" if smallest < math.inf else "")
+            + "; raise the budget, add tp or pp, or use more microbatches",
+            smallest if smallest < math.inf else None,
+        )
+    _, m, name, v, ev, tg, problem, choice, cost, units = best
+    t0 = time.perf_counter()
+    inner_plan = price(tg, inner, problem, choice, cost)
+    plan = _assemble(inner_plan, tg, mesh, axis, inner, units, ev, name, m, v, B, label)
+    plan.timings = {"trace": timings["trace"], "solve": timings["solve"], "cuts+schedule": timings["cuts"],
+                    "price": time.perf_counter() - t0, "microbatch counts tried": float(len(ms))}
+    plan.timings["plan total"] = time.perf_counter() - t_start
+    return plan
+
+
+def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: Mesh, units: Units, ev: Evaluated,
+              name: str, m: int, v: int, B: int, label: str) -> Plan:
+    starts = ev.starts
+    U = len(units.labels)
+
+    def stage_of_unit(u: int) -> int:
+        s = 0
+        for k, st in enumerate(starts):
+            if u >= st:
+                s = k
+        return s
+
+    stage_of = {n: stage_of_unit(u) for n, u in units.unit_of.items()}
+    p = mesh.sizes[axis]
+    pplan = PipelinePlan(mesh.names[axis], name, m, v, ev.stages, stage_of, ev.timeline.step, ev.timeline.bubble, ev.sync,
+                         ev.rank_memory, ev.in_flight, B, ev.p2p)
+    nodes = {k: dataclasses.replace(n, strategy=lift_strategy(n.strategy, inner, axis),
+                                    alternatives=tuple((str(lift_strategy(Strategy.parse(s), inner, axis)) if "->" in s else str(lift_spec(Spec.parse(s), inner, axis)), t, mm)
+                                                       for s, t, mm in n.alternatives))
+             for k, n in inner_plan.nodes.items()}
+    link = mesh.link(axis)
+    cols = list(inner_plan.collective_list)
+    for st in ev.stages[:-1]:
+        if st.send_bytes:
+            cols.append(Collective("send", mesh.names[axis], st.send_bytes, "forward", f"stage {st.index} -> {st.index + 1}", _p2p_seconds(st.send_bytes, link)))
+            cols.append(Collective("send", mesh.names[axis], st.send_bytes, "backward", f"stage {st.index + 1} -> {st.index}", _p2p_seconds(st.send_bytes, link)))
+    per_rank = [0.0] * p
+    for st in ev.stages[:-1]:
+        per_rank[st.rank] += st.send_bytes * m  # forward activations out; the next stage sends gradients back alike
+    c = inner_plan.cost
+    step = ev.total
+    comm_bytes = {n: 0.0 for n in mesh.names}
+    for col in inner_plan.collective_list:  # per microbatch, but the gradient buckets once per step
+        if col.axis in comm_bytes:
+            n = inner.sizes[inner.names.index(col.axis)]
+            comm_bytes[col.axis] += wire_bytes(col.kind, col.bytes, n) * (1 if col.where.startswith("grads[") else m)
+    comm_bytes[mesh.names[axis]] = max(per_rank)
+    flops = c.model_flops * m
+    mfu = 0.0
+    if c.mfu > 0 and step > 0:  # the inner plan's MFU gives the device's peak FLOP/s
+        peak_device = c.model_flops / (c.mfu * c.step_time * inner.size)
+        mfu = flops / (peak_device * mesh.size * step)
+    busy = sum(s.forward + s.backward for s in ev.stages) * m / p
+    held = [sum(s.state for s in ev.stages if s.rank == r) for r in range(p)]
+    breakdown = {"state": max(held), "activations in flight": max(ev.rank_memory[r] - held[r] for r in range(p))}
+    cost = PlanCost(step, mfu, max(ev.rank_memory), comm_bytes, busy, step - busy, flops, breakdown)
+    return Plan(
+        mesh=mesh, graph_hash=tg.hash, nodes=nodes, input_spec=lift_spec(inner_plan.input_spec, inner, axis),
+        output_specs=[lift_spec(s, inner, axis) for s in inner_plan.output_specs], blocks=inner_plan.blocks,
+        collective_list=cols, cost=cost, grad_buckets=inner_plan.grad_buckets, zero_buckets=[], zero_stages={},
+        group_memory={}, solver_status=inner_plan.solver_status, label=label, pipeline=pplan,
+    )

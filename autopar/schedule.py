@@ -1,0 +1,197 @@
+"""Pipeline schedules: the order each rank runs its forward and backward steps in, and their simulated timeline.
+
+In: the schedule name (``gpipe``, ``1f1b``, ``interleaved``), the number of ranks on the pipeline axis ``p``,
+microbatches ``m``, stages per rank ``v`` (1 unless interleaved), and per stage its forward and backward seconds
+per microbatch and the seconds of the point-to-point transfer to the next stage.
+Out: ``actions(...)``: per rank, the list of (F or B, stage, microbatch) in the order torch.distributed.pipelining
+runs them (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B with ``m % p == 0``); ``simulate(...)``: the start
+and end of every action when each waits for its rank and for its data (the previous stage's forward, the next
+stage's backward, plus the transfer), hence the step time and the bubble; ``in_flight(...)``: the most
+microbatches whose activations a rank keeps at once; ``text_timeline`` and ``png_timeline`` draw it.
+
+Stage ``s`` runs on rank ``s % p`` (interleaved: rank r holds stages r, r + p, ...), as torch places them.
+With equal stages and free transfers the simulated bubble fraction is the textbook one: (p - 1) / (m + p - 1) for
+GPipe and 1F1B, (p - 1) / (v m + p - 1) for interleaved 1F1B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" or "B"
+    stage: int
+    microbatch: int
+
+
+def _warmup(schedule: str, rank: int, p: int, m: int, v: int) -> int:
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, p - rank - 1)
+    # interleaved (torch's _get_warmup_ops with p microbatches per round)
+    return min((v - 1) * p + 2 * (p - 1 - rank), m * v)
+
+
+def check(schedule: str, p: int, m: int, v: int) -> str | None:
+    """Why (schedule, p, m, v) cannot run under torch.distributed.pipelining, or None if it can."""
+    if schedule not in SCHEDULES:
+        return f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}"
+    if m < 1:
+        return "needs at least one microbatch"
+    if schedule != "interleaved" and v != 1:
+        return f"{schedule} runs one stage per rank (virtual stages {v})"
+    if schedule == "1f1b" and m < p:
+        return f"1f1b needs at least as many microbatches as ranks (m={m} < p={p})"
+    if schedule == "interleaved" and (v < 2 or m % p):
+        return f"interleaved needs 2+ stages per rank and microbatches a multiple of the ranks (v={v}, m={m}, p={p})"
+    return None
+
+
+def actions(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Per rank, its actions in run order."""
+    out = []
+    for r in range(p):
+        n = m * v
+        fwd, bwd = [], []
+        for k in range(n):
+            if schedule == "interleaved":
+                chunk, mb = (k // p) % v, (k // (p * v)) * p + k % p
+                fwd.append(Action("F", chunk * p + r, mb))
+                bchunk = v - 1 - (k // p) % v
+                bwd.append(Action("B", bchunk * p + r, mb))
+            else:
+                fwd.append(Action("F", r, k))
+                bwd.append(Action("B", r, k))
+        w = _warmup(schedule, r, p, m, v)
+        seq = fwd[:w]
+        fi, bi = w, 0
+        while fi < n:  # steady state: one forward, one backward
+            seq.append(fwd[fi])
+            fi += 1
+            seq.append(bwd[bi])
+            bi += 1
+        seq += bwd[bi:]
+        out.append(seq)
+    return out
+
+
+def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
+    """Per rank, the most forwards whose backward has not run yet (each keeps one stage-microbatch of activations)."""
+    res = []
+    for seq in actions(schedule, p, m, v):
+        live = peak = 0
+        for a in seq:
+            live += 1 if a.kind == "F" else -1
+            peak = max(peak, live)
+        res.append(peak)
+    return res
+
+
+@dataclass(frozen=True)
+class Timeline:
+    step: float  # seconds from the first forward to the last backward
+    busy: tuple[float, ...]  # per rank, seconds computing
+    spans: tuple[tuple[tuple[Action, float, float], ...], ...]  # per rank: (action, start, end)
+
+    @property
+    def bubble(self) -> float:
+        """Fraction of rank-time idle: 1 - mean busy / step."""
+        if self.step <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.step)
+
+
+def simulate(schedule: str, p: int, m: int, v: int, fwd: list[float], bwd: list[float], send: list[float] | None = None) -> Timeline:
+    """Run the schedule's actions in order on each rank: an action starts when its rank is free and its input has
+    arrived (forward: the previous stage's forward of the microbatch + the transfer; backward: this stage's forward
+    and the next stage's backward + the transfer). ``send[s]``: seconds to move stage s's output to stage s + 1
+    (the gradient goes back at the same cost)."""
+    n_stages = p * v
+    send = send or [0.0] * n_stages
+    seqs = actions(schedule, p, m, v)
+    done: dict[tuple[str, int, int], float] = {}
+    pos = [0] * p
+    free = [0.0] * p
+    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    busy = [0.0] * p
+    remaining = sum(len(s) for s in seqs)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(seqs[r]):
+                a = seqs[r][pos[r]]
+                if a.kind == "F":  # the previous stage's forward of this microbatch, then its transfer
+                    deps = [] if a.stage == 0 else [(("F", a.stage - 1, a.microbatch), send[a.stage - 1])]
+                else:  # this stage's own forward, and the next stage's backward, then its transfer back
+                    deps = [(("F", a.stage, a.microbatch), 0.0)]
+                    if a.stage < n_stages - 1:
+                        deps.append((("B", a.stage + 1, a.microbatch), send[a.stage]))
+                if any(d not in done for d, _ in deps):
+                    break
+                ready = max([done[d] + lag for d, lag in deps], default=0.0)
+                start = max(free[r], ready)
+                dur = fwd[a.stage] if a.kind == "F" else bwd[a.stage]
+                end = start + dur
+                done[(a.kind, a.stage, a.microbatch)] = end
+                spans[r].append((a, start, end))
+                busy[r] += dur
+                free[r] = end
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise AssertionError(f"{schedule} p={p} m={m} v={v}: the action orders deadlock")
+    step = max(free) if free else 0.0
+    return Timeline(step, tuple(busy), tuple(tuple(s) for s in spans))
+
+
+def text_timeline(tl: Timeline, width: int = 100, rank_names: list[str] | None = None) -> str:
+    """One row per rank over ``width`` columns spanning the step: a forward of microbatch k as the k-th capital
+    letter (A, B, ...), its backward as the lower-case letter, idle as '.'."""
+    if tl.step <= 0:
+        return ""
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    rows = []
+    for r, spans in enumerate(tl.spans):
+        line = ["."] * width
+        for a, s, e in spans:
+            c0 = int(s / tl.step * width)
+            c1 = max(c0 + 1, int(round(e / tl.step * width)))
+            ch = letters[a.microbatch % 26]
+            for c in range(c0, min(c1, width)):
+                line[c] = ch if a.kind == "F" else ch.lower()
+        name = rank_names[r] if rank_names else f"rank {r}"
+        rows.append(f"{name:>8} |{''.join(line)}|")
+    return "\n".join(rows)
+
+
+def png_timeline(tl: Timeline, path: str, title: str = "") -> bool:
+    """Draw the timeline as a PNG (forward blue, backward orange, one row per rank); False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    p = len(tl.spans)
+    fig, ax = plt.subplots(figsize=(12, 0.5 + 0.5 * p))
+    for r, spans in enumerate(tl.spans):
+        for a, s, e in spans:
+            ax.barh(r, (e - s) * 1e3, left=s * 1e3, color="#4C72B0" if a.kind == "F" else "#DD8452", edgecolor="white", height=0.8)
+            if (e - s) / tl.step > 0.02:
+                ax.text((s + e) / 2 * 1e3, r, str(a.microbatch), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(p))
+    ax.set_yticklabels([f"rank {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(title or f"pipeline timeline (bubble {100 * tl.bubble:.1f}%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -1,0 +1,76 @@
+"""Run by tests/test_pipeline.py under torch's launcher: pipeline parallel training in real gloo processes
+(torch.distributed.pipelining stages and schedules) against single-device training.
+
+Prints one line per case: ``PIPE <model> <mesh> <schedule> <stages> <loss diff> <grad diff> <param diff>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from models.gpt import GPT, GPTConfig
+from models.llama import Llama, LlamaConfig
+
+
+def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | None) -> tuple[str, float, float, float]:
+    torch.manual_seed(0)
+    if name == "gpt":
+        model = GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=layers))
+    else:
+        model = Llama(dataclasses.replace(LlamaConfig.tiny(), n_layer=layers))
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (8, 16), generator=g)
+    y = torch.roll(x, -1, 1)
+    pin = autopar.PipelinePin(schedule=schedule, microbatches=microbatches)
+    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=[pin])
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
+    dl = dg = 0.0
+    for _ in range(3):
+        loss = pm(*pm.local_inputs(x, y))
+        loss.backward()
+        rl = ref(x, y)
+        rl.backward()
+        grads = pm.full_grads()
+        dg = max(dg, max(float((grads[k] - p.grad).abs().max()) for k, p in ref.named_parameters()))
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    full = pm.full_state_dict()
+    dp = max(float((full[k] - p.detach()).abs().max()) for k, p in ref.named_parameters())
+    stages = "|".join(str(len(s.units)) for s in pm.plan.pipeline.stages)
+    return pm.plan.pipeline.label + ":" + stages, dl, dg, dp
+
+
+def main() -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    world = dist.get_world_size()
+    if world == 2:
+        meshes = [({"pp": 2}, 4)]
+    else:
+        meshes = [({"pp": 4}, 8), ({"pp": 2, "tp": 2}, 4), ({"dp": 2, "pp": 2}, 4)]
+    for axes, layers in meshes:
+        for name in ("gpt", "llama"):
+            for schedule in ("gpipe", "1f1b", "interleaved"):
+                label, dl, dg, dp = case(name, axes, schedule, layers, 4)
+                if dist.get_rank() == 0:
+                    mesh = "x".join(f"{k}{v}" for k, v in axes.items())
+                    print(f"PIPE {name} {mesh} {schedule} {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
+
+
+if __name__ == "__main__":
+    from autopar import _compat
+
+    main()
+    _compat.end_process(0)

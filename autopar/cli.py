@@ -70,6 +70,9 @@ def _handwritten_for(mesh) -> list:
     """The hand-written strategies that apply to this mesh's axes."""
     data = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1]
     tp = [a for a in range(mesh.ndim) if mesh.names[a] == "tp" and mesh.sizes[a] > 1]
+    if mesh.pipe_axis() is not None:  # Megatron-LM's 3-D: 1F1B, and interleaved with 2 stages per rank
+        out = ["megatron-3d", ("megatron-3d", {"virtual_stages": 2})]
+        return out + ([("megatron-3d", {"sequence_parallel": True})] if tp else [])
     if tp and data:  # Megatron-LM's distributed optimizer is ZeRO-1; fsdp here is torchtitan's FSDP + TP
         return ["megatron", ("megatron", {"sequence_parallel": True, "zero": 1}), "fsdp"]
     if tp:
@@ -87,7 +90,11 @@ def cmd_plan(args) -> int:
     print(f"planning {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {args.dtype})", flush=True)
     budget = args.memory_budget * 2**30 if args.memory_budget else None
     batch = inputs(args.batch, args.seq)
-    plan, tg = _plan_verbose(model, mesh, batch, budget)
+    if mesh.pipe_axis() is not None:
+        print("  tracing one microbatch per candidate count, solving each stage plan, cutting stages ...", flush=True)
+        plan, tg = autopar.plan(model, mesh, batch, memory_budget=budget), None
+    else:
+        plan, tg = _plan_verbose(model, mesh, batch, budget)
     print(plan.table())
     if args.explain:
         print()
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model")
     p.add_argument("--mesh", required=True, help="axes outermost first, e.g. dp=8,tp=8")
     p.add_argument("--hardware", default="h100-80gb")
-    p.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per data-parallel rank)")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per data-parallel rank; with pp, 8 x pp per rank)")
     p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {DEFAULT_SEQ}, or the model's context if shorter)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's memory)")
@@ -176,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from autopar.errors import AutoparError
 
-    if getattr(args, "batch", 0) is None:  # one sequence per data-parallel rank by default
+    if getattr(args, "batch", 0) is None:  # one sequence per data-parallel rank by default; 8 per pipeline stage with pp
         axes = _parse_mesh(args.mesh)
-        args.batch = max(1, math.prod(v for k, v in axes.items() if k.startswith("dp")))
+        pp = axes.get("pp", 1)  # a pipeline needs microbatches to fill its stages
+        args.batch = max(1, math.prod(v for k, v in axes.items() if k.startswith("dp"))) * (8 * pp if pp > 1 else 1)
     if args.cmd in ("plan", "compare") and args.seq is None:
         args.seq = DEFAULT_SEQ
     try:

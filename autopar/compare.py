@@ -80,6 +80,10 @@ def _make_plan(entry, model, mesh, inputs, memory_budget, traced) -> tuple[str, 
     if isinstance(entry, Plan):
         return entry.label, entry
     if entry == "auto":
+        if mesh.pipe_axis() is not None:
+            from autopar.pipeline import plan_pipeline
+
+            return "auto", plan_pipeline(model, inputs, mesh, memory_budget, [])
         return "auto", make_plan(traced, mesh, memory_budget)
     name, knobs = (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
     p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, **knobs)
@@ -98,7 +102,7 @@ def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, 
 
     mesh = _as_mesh(mesh)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    if traced is None:
+    if traced is None and mesh.pipe_axis() is None:  # a pipeline plans one microbatch: each plan traces its own
         with _compat.no_local_tensor_mode():
             traced = trace(model, inputs)
     if measure is None:

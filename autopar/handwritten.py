@@ -15,9 +15,11 @@ Strategies:
 - ``megatron``: column-parallel then row-parallel projections on ``tp`` (GPT: c_attn/c_fc then c_proj; Llama,
   Mixtral: wq/wk/wv, w1/w3 then wo, w2; Mixtral's experts split along their hidden dim), with
   ``sequence_parallel`` the residual stream split by sequence; data parallel (``zero``) on the data axes.
-- ``megatron-3d``, ``explicit`` with ``pp > 1``: pipeline parallelism, not realised yet: rejected.
-What cannot be realised yet (pipelining, activation recomputation, gradient accumulation over microbatches) is
-rejected with an error that says so, never silently ignored.
+- ``megatron-3d`` (and ``explicit`` on a mesh with pp): Megatron on tp, data parallel on dp, and a pipeline on pp
+  with Megatron's cut (blocks split evenly, the embedding with the first stage, the head with the last), 1F1B (or
+  interleaved with ``virtual_stages``), microbatches of ``microbatch_size`` rows per replica (default 1).
+What cannot be realised yet (activation recomputation, ZeRO with a pipeline, gradient accumulation without one)
+is rejected with an error that says so, never silently ignored.
 """
 
 from __future__ import annotations
@@ -62,19 +64,62 @@ def _family(fqns: list[str]) -> str | None:
     return None
 
 
-def _reject_unrealised(strategy: str, pp, schedule, virtual_stages, microbatches, recompute) -> None:
-    if strategy == "megatron-3d" or (pp or 1) > 1:
-        raise NotRealised(
-            f"{strategy}: pipeline parallelism (pp={pp or 'from the mesh'}) is not realised yet (it lands with the "
-            "pipeline issue); use megatron (tp + dp) or a mesh without pp"
-        )
-    for name, val in (("schedule", schedule), ("virtual_stages", virtual_stages), ("microbatches", microbatches)):
-        if val not in (None, 1) and not (name == "schedule" and val is None):
-            raise NotRealised(f"{strategy}: {name}={val!r} needs pipeline parallelism, which is not realised yet; leave it unset")
+def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, microbatches, recompute, zero) -> None:
+    pipe = mesh.pipe_axis()
+    if pp not in (None, 1) and (pipe is None or mesh.sizes[pipe] != pp):
+        raise ShardingError(f"{strategy}: pp={pp} needs a mesh with a pp axis of that size; mesh {mesh} has {'none' if pipe is None else mesh.sizes[pipe]}")
+    if strategy == "megatron-3d" and pipe is None:
+        raise ShardingError(f"megatron-3d needs a mesh with a pp axis larger than 1 (e.g. dp=2,pp=2,tp=2); mesh {mesh} has none. Use megatron for tp + dp")
+    if pipe is None:
+        for name, val in (("schedule", schedule), ("virtual_stages", virtual_stages), ("microbatches", microbatches)):
+            if val not in (None, 1):
+                raise ShardingError(f"{strategy}: {name}={val!r} is a pipeline knob; the mesh {mesh} has no pp axis")
+    elif zero not in (None, 0):
+        raise NotRealised(f"{strategy}: zero={zero} with pipeline parallelism is not realised yet (stages sync their gradients once per step, ZeRO-0); use zero=0")
     if recompute not in (None, "none"):
         raise NotRealised(
             f"{strategy}: recompute={recompute!r} (activation checkpointing) is not realised yet; use recompute='none'"
         )
+
+
+def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, batch, microbatch_size, microbatches, schedule,
+                 virtual_stages, sequence_parallel, memory_budget) -> Plan:
+    """Megatron-LM's 3-D parallelism: Megatron layouts on tp, data parallel on dp, and on pp the blocks split evenly
+    (embedding with the first stage, head with the last), 1F1B by default (interleaved with ``virtual_stages``),
+    microbatches of ``microbatch_size`` rows per replica (default 1, Megatron's default) or ``microbatches``."""
+    from autopar.pipeline import PipelinePin, plan_pipeline
+    from autopar.trace import trace
+    from autopar import _compat
+
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    replicas = math.prod(mesh.sizes[a] for a in data) if data else 1
+    per_replica = (batch or 1) // replicas
+    if microbatches is None:
+        size = microbatch_size or 1
+        if per_replica % size:
+            raise ShardingError(f"megatron-3d: microbatch_size={size} does not divide the per-replica batch of {per_replica} rows")
+        microbatches = per_replica // size
+    if schedule is None:
+        schedule = "interleaved" if virtual_stages not in (None, 1) else "1f1b"
+    pins: list = []
+    knobs = [f"{schedule}", f"m={microbatches}"] + ([f"v={virtual_stages}"] if virtual_stages not in (None, 1) else [])
+    if tp_axes:
+        with _compat.no_local_tensor_mode():
+            tg = trace(model, args)
+        family = _family(sorted(tg.fqns.values()))
+        if family is None:
+            raise AutoparError("megatron-3d has no tensor-parallel layout for this model (no GPT-, Llama- or Mixtral-style projections found)")
+        t = tp_axes[0]
+        on_tp = lambda p: "".join(p if a == t else "R" for a in range(mesh.ndim))  # noqa: E731
+        pins = [Pin(glob, on_tp(placement)) for glob, placement in _MEGATRON[family]]
+        if sequence_parallel:
+            for b in tg.blocks:
+                pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
+            knobs.append("sp")
+    pin = PipelinePin(schedule=schedule, microbatches=microbatches, virtual=virtual_stages if virtual_stages not in (None, 1) else None, cuts="equal")
+    plan = plan_pipeline(model, args, mesh, memory_budget, pins, pin)
+    plan.label = f"megatron-3d({','.join(knobs)})"
+    return plan
 
 
 def handwritten(
@@ -108,22 +153,30 @@ def handwritten(
     strategy = strategy.lower()
     if strategy not in STRATEGIES:
         raise AutoparError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
-    _reject_unrealised(strategy, pp, schedule, virtual_stages, microbatches, recompute)
+    _reject_unrealised(strategy, mesh, pp, schedule, virtual_stages, microbatches, recompute, zero)
+    pipe = mesh.pipe_axis()
     if zero is not None and zero not in (0, 1, 2, 3):
         raise AutoparError(f"zero={zero!r}: ZeRO stages are 0, 1, 2, 3")
     data = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1]
     tp_axes = [a for a in range(mesh.ndim) if mesh.names[a] == "tp" and mesh.sizes[a] > 1]
-    other = [a for a in range(mesh.ndim) if mesh.sizes[a] > 1 and a not in data and a not in tp_axes]
+    other = [a for a in range(mesh.ndim) if mesh.sizes[a] > 1 and a not in data and a not in tp_axes and a != pipe]
     if other:
         names = ", ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in other)
-        raise NotRealised(f"{strategy}: mesh axes {names} have no role in this strategy (it uses dp... and tp axes)")
+        raise NotRealised(f"{strategy}: mesh axes {names} have no role in this strategy (it uses dp..., tp and pp axes)")
     if strategy == "explicit":
-        want = {"tp": tp or 1, "dp": dp or 1}
-        have = {"tp": math.prod(mesh.sizes[a] for a in tp_axes), "dp": math.prod(mesh.sizes[a] for a in data)}
+        want = {"tp": tp or 1, "dp": dp or 1, "pp": pp or 1}
+        have = {"tp": math.prod(mesh.sizes[a] for a in tp_axes), "dp": math.prod(mesh.sizes[a] for a in data),
+                "pp": mesh.sizes[pipe] if pipe is not None else 1}
         if want != have:
-            raise ShardingError(f"explicit tp={want['tp']} dp={want['dp']} needs a mesh with those degrees; mesh {mesh} has tp={have['tp']} dp={have['dp']}")
-        strategy = "megatron" if want["tp"] > 1 else ("fsdp" if zero == 3 else "ddp")
+            raise ShardingError(f"explicit tp={want['tp']} dp={want['dp']} pp={want['pp']} needs a mesh with those degrees; mesh {mesh} has "
+                                f"tp={have['tp']} dp={have['dp']} pp={have['pp']}")
+        strategy = "megatron-3d" if pipe is not None else "megatron" if want["tp"] > 1 else ("fsdp" if zero == 3 else "ddp")
     batch = next((t.shape[0] for t in (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)) if hasattr(t, "shape")), None)
+    if strategy in ("ddp", "fsdp") and pipe is not None:
+        raise NotRealised(f"{strategy} on a mesh with pp: use megatron-3d (pipeline + tp + dp), or a mesh without pp")
+    if pipe is not None:
+        return _megatron_3d(model, mesh, example_inputs, pipe, data, tp_axes, batch, microbatch_size, microbatches, schedule,
+                            virtual_stages, sequence_parallel, memory_budget)
     if microbatch_size is not None and batch is not None:
         local = batch // max(1, math.prod(mesh.sizes[a] for a in data))
         if microbatch_size != local:

@@ -220,6 +220,14 @@ class Plan:
         if c.memory_breakdown:
             b = c.memory_breakdown
             mem = " (" + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in b.items() if v) + ")"
+        if self.pipeline is not None:
+            pp = self.pipeline
+            return (
+                f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (pipeline {pp.label}: schedule {pp.step_time * 1e3:.3f}, "
+                f"bubble {100 * pp.bubble:.1f}%, gradient sync {pp.sync_time * 1e3:.3f})  |  MFU {100 * c.mfu:.1f}%  |  "
+                f"peak memory/device {_fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}  |  inputs {self.input_spec}"
+                f"  |  solver {self.solver_status}"
+            )
         return (
             f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (compute {c.compute_time * 1e3:.3f}, comm {c.comm_time * 1e3:.3f})"
             f"  |  MFU {100 * c.mfu:.1f}%  |  peak memory/device {_fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}"
@@ -239,6 +247,35 @@ class Plan:
             label = f"{g} x{copies[g]}" if copies.get(g, 1) > 1 else g
             rows.append([label, opt.label(self.mesh), n, _fmt_bytes(held), _fmt_bytes(grad)])
         return _tabulate.tabulate(rows, headers=["parameter group", "stage", "params", "held (params + AdamW)", "gradients"], tablefmt="simple")
+
+    def stages_table(self, width: int = 96) -> str:
+        """The pipeline: stages (units, predicted seconds per microbatch, transfer, memory), then each pp rank's
+        timeline of the schedule."""
+        pp = self.pipeline
+        if pp is None:
+            return ""
+        from autopar import schedule
+
+        rows = []
+        for st in pp.stages:
+            rows.append([st.index, st.rank, st.label, f"{st.forward * 1e3:.3f}", f"{st.backward * 1e3:.3f}", _fmt_bytes(st.send_bytes) if st.send_bytes else "-",
+                         _fmt_bytes(st.state), _fmt_bytes(st.activations), f"{_fmt_bytes(pp.rank_memory[st.rank])} ({pp.in_flight[st.rank]} in flight)"])
+        rows_per = pp.batch // pp.microbatches
+        head = (f"pipeline on {pp.axis}={max(s.rank for s in pp.stages) + 1}: {pp.schedule}, {pp.microbatches} microbatches of {rows_per} rows, "
+                f"{len(pp.stages)} stages{'' if pp.virtual == 1 else f' ({pp.virtual} per rank)'}; bubble {100 * pp.bubble:.1f}%, "
+                f"schedule {pp.step_time * 1e3:.3f} ms + gradient sync {pp.sync_time * 1e3:.3f} ms")
+        t = _tabulate.tabulate(rows, headers=["stage", "rank", "units", "fwd ms/mb", "bwd ms/mb", "sends/mb", "state", "act/mb", "rank peak"], tablefmt="simple")
+        tl = pp.timeline()
+        return (head + "\n" + t + "\n\ntimeline (capital letter: forward of a microbatch, lower case: its backward, '.': idle):\n"
+                + schedule.text_timeline(tl, width))
+
+    def timeline_png(self, path: str) -> bool:
+        """Draw the pipeline's per-rank timeline to ``path`` (PNG); False if matplotlib is not installed."""
+        from autopar import schedule
+
+        if self.pipeline is None:
+            raise AutoparError("this plan has no pipeline (no pp axis)")
+        return schedule.png_timeline(self.pipeline.timeline(), path, f"{self.label}: {self.pipeline.label}, bubble {100 * self.pipeline.bubble:.1f}%")
 
     def table(self, *, views: bool = False) -> str:
         """Chosen Specs per block and op, with predicted time, memory and the collectives each op's inputs need.
@@ -277,11 +314,13 @@ class Plan:
                 what = "grad sync" if isinstance(b, GradBucket) else f"ZeRO-{b.stage}"
                 rows.append([label, what, f"{len(b.params)} params", "", "", colstr(by_node.get(b.name, []))])
         t = _tabulate.tabulate(rows, headers=["node", "op", "strategy / spec", "ms", "memory", "collectives (f/b)"], tablefmt="simple")
+        if self.pipeline is not None:
+            t = "per microbatch (each stage runs its part of this graph):\n" + t + "\n\n" + self.stages_table()
         if self.group_memory:
             t += "\n\n" + self.groups_table()
         phases = ""
         if self.timings:
-            phases = "\nplanning: " + ", ".join(f"{k} {v:.2f}s" if k != "ilp variables" else f"{k} {v:.0f}" for k, v in self.timings.items())
+            phases = "\nplanning: " + ", ".join(f"{k} {v:.0f}" if k in _COUNTS else f"{k} {v:.2f}s" for k, v in self.timings.items())
         return self.summary() + "\n" + t + phases
 
     def explain(self, name: str) -> str:
@@ -355,6 +394,7 @@ class Plan:
             "zero_buckets": [[b.name, b.stage, list(b.shard_axes), list(b.reduce_axes), list(b.params)] for b in self.zero_buckets],
             "zero_stages": self.zero_stages,
             "group_memory": self.group_memory,
+            "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
         }
         return json.dumps(d, indent=1)
 
@@ -391,7 +431,11 @@ class Plan:
                           c["model_flops"], dict(c.get("memory_breakdown", {}))),
             solver_status=d.get("solver_status", "optimal"),
             label=d.get("label", "auto"),
+            pipeline=PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") else None,
         )
+
+
+_COUNTS = ("ilp variables", "microbatch counts tried")  # timings entries that count, not seconds
 
 
 def _short_op(op: str) -> str:

@@ -90,9 +90,12 @@ def cmd_plan(args) -> int:
     print(f"planning {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {args.dtype})", flush=True)
     budget = args.memory_budget * 2**30 if args.memory_budget else None
     batch = inputs(args.batch, args.seq)
+    traces: dict = {}
     if mesh.pipe_axis() is not None:
-        print("  tracing one microbatch per candidate count, solving each stage plan, cutting stages ...", flush=True)
-        plan, tg = autopar.plan(model, mesh, batch, memory_budget=budget), None
+        from autopar.pipeline import plan_pipeline
+
+        print("  tracing one microbatch per candidate count, solving each stage's plan, cutting stages ...", flush=True)
+        plan, tg = plan_pipeline(model, batch, mesh, budget, [], traces=traces), None
     else:
         plan, tg = _plan_verbose(model, mesh, batch, budget)
     print(plan.table())
@@ -106,7 +109,7 @@ def cmd_plan(args) -> int:
     others = _handwritten_for(mesh) if not getattr(args, "no_compare", False) else []
     if others:
         print("\ncompared with hand-written strategies on the same mesh (predicted):")
-        print(autopar.compare(model, mesh, batch, plans=[plan] + others, memory_budget=budget, measure=False, traced=tg).table())
+        print(autopar.compare(model, mesh, batch, plans=[plan] + others, memory_budget=budget, measure=False, traced=tg, traces=traces).table())
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -73,7 +73,7 @@ class Comparison:
         return text + ("\nnot applicable:\n" + "\n".join(notes) if notes else "")
 
 
-def _make_plan(entry, model, mesh, inputs, memory_budget, traced) -> tuple[str, Plan]:
+def _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces: dict) -> tuple[str, Plan]:
     from autopar.handwritten import handwritten
     from autopar.planner import make_plan
 
@@ -83,17 +83,19 @@ def _make_plan(entry, model, mesh, inputs, memory_budget, traced) -> tuple[str, 
         if mesh.pipe_axis() is not None:
             from autopar.pipeline import plan_pipeline
 
-            return "auto", plan_pipeline(model, inputs, mesh, memory_budget, [])
+            return "auto", plan_pipeline(model, inputs, mesh, memory_budget, [], traces=traces)
         return "auto", make_plan(traced, mesh, memory_budget)
     name, knobs = (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
-    p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, **knobs)
+    p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, traces=traces, **knobs)
     return p.label, p
 
 
 def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, memory_budget: float | None = None,
-            steps: int = 10, warmup: int = 3, measure: bool | None = None, lr: float = 1e-4, traced=None) -> Comparison:
+            steps: int = 10, warmup: int = 3, measure: bool | None = None, lr: float = 1e-4, traced=None,
+            traces: dict | None = None) -> Comparison:
     """Plan (and, under torchrun, run) each entry of ``plans``; see the module docstring. ``traced``: the model's
-    TracedGraph if the caller has it (the model is traced once for all the plans either way)."""
+    TracedGraph if the caller has it (the model is traced once for all the plans either way); ``traces``: with a
+    pipeline, the microbatch traces the caller has (rows -> TracedGraph)."""
     import torch.distributed as dist
 
     from autopar import _compat
@@ -108,12 +110,13 @@ def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, 
     if measure is None:
         measure = dist.is_initialized() and dist.get_world_size() == mesh.size
     rows: list[Row] = []
+    traces = {} if traces is None else traces  # microbatch traces shared by the pipeline plans
     for entry in plans:
         if isinstance(entry, str) and entry.startswith("torch:"):
             rows.append(Row(entry))
             continue
         try:
-            name, p = _make_plan(entry, model, mesh, inputs, memory_budget, traced)
+            name, p = _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces)
             rows.append(Row(name, p))
         except AutoparError as e:
             rows.append(Row(entry if isinstance(entry, str) else str(entry), error=str(e).splitlines()[0]))

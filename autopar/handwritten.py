@@ -83,12 +83,11 @@ def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, 
 
 
 def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, batch, microbatch_size, microbatches, schedule,
-                 virtual_stages, sequence_parallel, memory_budget) -> Plan:
+                 virtual_stages, sequence_parallel, memory_budget, traces) -> Plan:
     """Megatron-LM's 3-D parallelism: Megatron layouts on tp, data parallel on dp, and on pp the blocks split evenly
     (embedding with the first stage, head with the last), 1F1B by default (interleaved with ``virtual_stages``),
     microbatches of ``microbatch_size`` rows per replica (default 1, Megatron's default) or ``microbatches``."""
-    from autopar.pipeline import PipelinePin, plan_pipeline
-    from autopar.trace import trace
+    from autopar.pipeline import PipelinePin, plan_pipeline, trace_rows
     from autopar import _compat
 
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -105,7 +104,7 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
     knobs = [f"{schedule}", f"m={microbatches}"] + ([f"v={virtual_stages}"] if virtual_stages not in (None, 1) else [])
     if tp_axes:
         with _compat.no_local_tensor_mode():
-            tg = trace(model, args)
+            tg = trace_rows(model, args, (batch or 1) // microbatches, traces)
         family = _family(sorted(tg.fqns.values()))
         if family is None:
             raise AutoparError("megatron-3d has no tensor-parallel layout for this model (no GPT-, Llama- or Mixtral-style projections found)")
@@ -117,7 +116,7 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
                 pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
             knobs.append("sp")
     pin = PipelinePin(schedule=schedule, microbatches=microbatches, virtual=virtual_stages if virtual_stages not in (None, 1) else None, cuts="equal")
-    plan = plan_pipeline(model, args, mesh, memory_budget, pins, pin)
+    plan = plan_pipeline(model, args, mesh, memory_budget, pins, pin, traces=traces)
     plan.label = f"megatron-3d({','.join(knobs)})"
     return plan
 
@@ -140,10 +139,12 @@ def handwritten(
     microbatches: int | None = None,
     memory_budget: float | None = None,
     traced=None,
+    traces: dict | None = None,
 ) -> Plan:
     """The Plan of a hand-written strategy (see the module docstring); raises for what is not realised yet.
 
-    ``traced``: the model's TracedGraph when the caller has one already (tracing a large model takes seconds)."""
+    ``traced``: the model's TracedGraph when the caller has one already (tracing a large model takes seconds);
+    ``traces``: with a pipeline, a cache of microbatch traces (rows -> TracedGraph) shared by several plans."""
     from autopar.api import _as_mesh
     from autopar.planner import make_plan
     from autopar import _compat
@@ -176,7 +177,7 @@ def handwritten(
         raise NotRealised(f"{strategy} on a mesh with pp: use megatron-3d (pipeline + tp + dp), or a mesh without pp")
     if pipe is not None:
         return _megatron_3d(model, mesh, example_inputs, pipe, data, tp_axes, batch, microbatch_size, microbatches, schedule,
-                            virtual_stages, sequence_parallel, memory_budget)
+                            virtual_stages, sequence_parallel, memory_budget, traces)
     if microbatch_size is not None and batch is not None:
         local = batch // max(1, math.prod(mesh.sizes[a] for a in data))
         if microbatch_size != local:

@@ -351,6 +351,55 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
     return best
 
 
+def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, v: int, flights: list[int]) -> list[float]:
+    mem_state, mem_act = [0.0] * p, [0.0] * p
+    ends = list(starts[1:]) + [U]
+    for k, (i, j) in enumerate(zip(starts, ends)):
+        mem_state[k % p] += sum(st[i:j])
+        mem_act[k % p] += sum(uc.act[i:j]) / v
+    return [mem_state[r] + flights[r] * mem_act[r] for r in range(p)]
+
+
+def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:
+    """Move single cuts by one unit while the schedule's analytic step improves and every rank still fits:
+    ``(m - 1) max_s t_s + sum_s t_s`` (one stage per rank), ``m max_r T_r + (p - 1) max_s t_s`` (interleaved, T_r the
+    rank's stages together). Balancing the slowest stage is the whole story for one stage per rank; with several per
+    rank it is their sum per rank that the steady state runs."""
+    U = len(units.labels)
+    t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
+    st = [0.0] * U
+    for uu, sg, *_ in uc.params.values():
+        for u in uu:
+            st[u] += sg
+
+    def objective(cuts: tuple[int, ...]) -> float:
+        ends = list(cuts[1:]) + [U]
+        ts = [sum(t[i:j]) for i, j in zip(cuts, ends)]
+        if v == 1:
+            return (m - 1) * max(ts) + sum(ts)
+        per_rank = [sum(ts[k] for k in range(r, len(ts), p)) for r in range(p)]
+        return m * max(per_rank) + (p - 1) * max(ts)
+
+    cur, best = tuple(starts), objective(tuple(starts))
+    for _ in range(4 * U):
+        improved = False
+        for k in range(1, len(cur)):
+            for d in (-1, 1):
+                c = list(cur)
+                c[k] += d
+                lo = c[k - 1] + 1
+                hi = (c[k + 1] - 1) if k + 1 < len(c) else U - 1
+                if not lo <= c[k] <= hi:
+                    continue
+                cand = tuple(c)
+                val = objective(cand)
+                if val < best * (1 - 1e-12) and max(_rank_memory(uc, st, cand, U, p, v, flights)) <= budget:
+                    cur, best, improved = cand, val, True
+        if not improved:
+            break
+    return cur
+
+
 def equal_starts(units: Units, S: int, blocks_per_stage: "tuple[int, ...] | None" = None) -> tuple[int, ...]:
     """Megatron's cut: blocks split evenly (or as given), the embedding with the first stage, the head with the last."""
     L = units.n_blocks
@@ -414,7 +463,19 @@ def slice_batch(args: tuple, rows: int) -> tuple:
     return tuple(a[:rows] if isinstance(a, torch.Tensor) and a.ndim > 0 else a for a in args)
 
 
-def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, pins: list, pin: PipelinePin | None = None, label: str = "auto") -> Plan:
+def trace_rows(model, args: tuple, rows: int, traces: dict | None = None) -> TracedGraph:
+    """The model traced on the first ``rows`` rows of the batch; ``traces`` (rows -> TracedGraph) caches them across
+    the plans of one comparison (tracing a 96-layer model takes seconds)."""
+    if traces is not None and rows in traces:
+        return traces[rows]
+    tg = trace(model, slice_batch(args, rows))
+    if traces is not None:
+        traces[rows] = tg
+    return tg
+
+
+def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, pins: list, pin: PipelinePin | None = None,
+                  label: str = "auto", traces: dict | None = None) -> Plan:
     from autopar.planner import price
 
     t_start = time.perf_counter()
@@ -442,7 +503,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
     timings = {"trace": 0.0, "solve": 0.0, "cuts": 0.0}
     for m in ms:
         t0 = time.perf_counter()
-        tg = trace(model, slice_batch(args, B // m))
+        tg = trace_rows(model, args, B // m, traces)
         units = graph_units(tg)
         timings["trace"] += time.perf_counter() - t0
         U, L = len(units.labels), units.n_blocks
@@ -455,8 +516,10 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         problem = build_problem(tg, inner, cost)
         raw = problem.costs
         w = 1.0 / (m + p - 1)
+        in_block = {n for n, f in tg.fqns.items() if any(f.startswith(b.fqn + ".") for b in tg.blocks)}
+        # a block's gradient sync is shared by the p ranks; the embedding's or head's lands on one rank whole
         problem.costs = {
-            n: [dataclasses.replace(c, act=c.act * p, comm=c.comm * w) if tg.kinds.get(n) != INPUT else c for c in cs]
+            n: [dataclasses.replace(c, act=c.act * p, comm=c.comm * w * (1 if n in in_block else p)) if tg.kinds.get(n) != INPUT else c for c in cs]
             for n, cs in raw.items()
         }
         try:
@@ -476,22 +539,26 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             S = p * v
             flights = sched.in_flight(name, p, m, v)
             if pin.cuts is None:
+                cands = []
                 starts = balance(uc, units, S, p, flights, v, budget)
-                if starts is None:
-                    ev = evaluate(uc, units, equal_starts(units, S) if L % S == 0 else tuple(range(S)), name, p, m, v, mesh, axis, inner)
-                    smallest = min(smallest, max(ev.rank_memory))
-                    tried.append(f"m={m} {name}{'' if v == 1 else f' v={v}'}: no cuts fit {_fmt_bytes(budget)} per device")
-                    continue
+                if starts is not None:
+                    cands.append(refine(uc, units, starts, p, m, v, flights, budget))
+                if L % S == 0:  # Megatron's even cut is always a candidate: the search never does worse
+                    cands.append(equal_starts(units, S))
             else:
-                starts = equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))
-            ev = evaluate(uc, units, starts, name, p, m, v, mesh, axis, inner)
-            if max(ev.rank_memory) > budget * (1 + 1e-9):
-                smallest = min(smallest, max(ev.rank_memory))
-                tried.append(f"m={m} {name}: needs {_fmt_bytes(max(ev.rank_memory))} per device")
-                continue
-            key = (ev.total, m, order)
-            if best is None or key < best[0]:
-                best = (key, m, name, v, ev, tg, problem, choice, cost, units)
+                cands = [equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))]
+            fits = False
+            for starts in dict.fromkeys(cands):
+                ev = evaluate(uc, units, starts, name, p, m, v, mesh, axis, inner)
+                if max(ev.rank_memory) > budget * (1 + 1e-9):
+                    smallest = min(smallest, max(ev.rank_memory))
+                    continue
+                fits = True
+                key = (ev.total, m, order)
+                if best is None or key < best[0]:
+                    best = (key, m, name, v, ev, tg, problem, choice, cost, units)
+            if not fits:
+                tried.append(f"m={m} {name}{'' if v == 1 else f' v={v}'}: no cuts fit {_fmt_bytes(budget)} per device")
         timings["cuts"] += time.perf_counter() - t0
     if best is None:
         why = "; ".join(tried[:6])

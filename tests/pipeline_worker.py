@@ -50,7 +50,7 @@ def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | 
     full = pm.full_state_dict()
     dp = max(float((full[k] - p.detach()).abs().max()) for k, p in ref.named_parameters())
     stages = "|".join(str(len(s.units)) for s in pm.plan.pipeline.stages)
-    return pm.plan.pipeline.label + ":" + stages, dl, dg, dp
+    return pm.plan.pipeline.label.replace(" ", "") + ":" + stages, dl, dg, dp
 
 
 def main() -> None:

@@ -1,0 +1,190 @@
+"""Pipeline parallelism: the planner's cuts, microbatches and schedule; the split program; parity in one process
+(LocalTensorMode) and in real gloo processes (torch.distributed.pipelining)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import autopar
+from autopar import PipelinePin
+from models import build
+from models.gpt import GPT, GPTConfig
+from models.llama import Llama, LlamaConfig
+from tests._util import fake_world, parity
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 2**30
+
+
+def _gpt(layers: int = 4, **kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=layers, **kw))
+
+
+def _batch(rows: int = 8):
+    x = torch.randint(0, 64, (rows, 16), generator=torch.Generator().manual_seed(1))
+    return x, torch.roll(x, -1, 1)
+
+
+# --- planning ------------------------------------------------------------------------------------------------------
+def test_microbatches_shrink_the_step_until_activation_memory_binds():
+    model, inputs = build("gpt2-small")
+    mesh = autopar.Mesh({"pp": 4}, hardware="h100-80gb")
+    # GPipe keeps every microbatch in flight: at a fixed microbatch size, more microbatches amortise the bubble
+    # (time per sample falls) while activation memory grows, until it no longer fits
+    per_sample, memory = [], []
+    for m in (1, 2, 4, 8, 16):
+        plan = autopar.plan(model, mesh, inputs(2 * m, 1024), constraints=[PipelinePin("gpipe", m, cuts="equal")])
+        per_sample.append(plan.cost.step_time / (2 * m))
+        memory.append(plan.cost.memory_per_device)
+    assert all(b < a for a, b in zip(per_sample, per_sample[1:])), per_sample
+    assert all(b > a for a, b in zip(memory, memory[1:])), memory
+    budget = (memory[3] + memory[4]) / 2
+    with pytest.raises(autopar.InfeasibleError, match="fits"):
+        autopar.plan(model, mesh, inputs(32, 1024), memory_budget=budget, constraints=[PipelinePin("gpipe", 16, cuts="equal")])
+    assert autopar.plan(model, mesh, inputs(16, 1024), memory_budget=budget, constraints=[PipelinePin("gpipe", 8, cuts="equal")])
+    # a fixed global batch under 1F1B: more, smaller microbatches shrink the bubble and the activations in flight
+    steps, mems = {}, {}
+    for m in (4, 8, 16, 32):
+        plan = autopar.plan(model, mesh, inputs(32, 1024), constraints=[PipelinePin("1f1b", m)])
+        steps[m], mems[m] = plan.cost.step_time, plan.cost.memory_per_device
+        assert plan.pipeline.bubble == pytest.approx(plan.pipeline.timeline().bubble)
+    assert steps[4] > steps[8] > steps[16] > steps[32] and mems[4] > mems[8] > mems[16] > mems[32]
+    # left free, the planner's choice is no slower than any of these
+    free = autopar.plan(model, mesh, inputs(32, 1024))
+    assert free.cost.step_time <= min(steps.values()) * (1 + 1e-9)
+    assert free.pipeline.microbatches in (1, 2, 4, 8, 16, 32) and free.pipeline.schedule in ("gpipe", "1f1b", "interleaved")
+
+
+def test_cuts_balance_a_heavy_head_by_time_not_by_blocks():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=50304, block_size=512, n_layer=8, n_head=4, n_embd=256))
+    x = torch.empty(16, 512, dtype=torch.long, device="meta")
+    mesh = autopar.Mesh({"pp": 4}, hardware="h100-80gb")
+    auto = autopar.plan(model, mesh, (x, x), constraints=[PipelinePin("1f1b", 8)])
+    equal = autopar.plan(model, mesh, (x, x), constraints=[PipelinePin("1f1b", 8, cuts="equal")])
+    slowest = lambda p: max(s.forward + s.backward for s in p.pipeline.stages)  # noqa: E731
+    assert [len(s.units) for s in equal.pipeline.stages] == [3, 2, 2, 3]  # embedding + 2 blocks ... 2 blocks + head
+    assert len(auto.pipeline.stages[-1].units) < 3  # the head's stage takes fewer blocks
+    assert slowest(auto) < slowest(equal) and auto.cost.step_time < equal.cost.step_time
+
+
+def test_plan_prints_stages_and_timeline_and_round_trips():
+    model = _gpt(8)
+    plan = autopar.plan(model, autopar.Mesh({"dp": 2, "pp": 4}), _batch(16), constraints=[PipelinePin("interleaved", 4, 2)])
+    pp = plan.pipeline
+    assert pp.label == "interleaved(m=4, v=2)" and len(pp.stages) == 8 and [s.rank for s in pp.stages] == [0, 1, 2, 3] * 2
+    units = [u for s in pp.stages for u in s.units]
+    assert units == ["embed"] + [f"h.{i}" for i in range(8)] + ["head"]  # every unit once, in order
+    text = plan.table()
+    assert "pipeline on pp=4: interleaved, 4 microbatches" in text and "rank 3 |" in text and "bubble" in text
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again.to_json() == plan.to_json() and again.pipeline == pp
+    for n in plan.nodes.values():  # nothing is split on the pipeline axis
+        assert str(n.strategy.output.placements[1]) == "R"
+
+
+def test_megatron_3d_is_the_even_cut_with_1f1b():
+    model = _gpt(4)
+    mesh = autopar.Mesh({"dp": 2, "pp": 2})
+    plan = autopar.handwritten(model, mesh, _batch(8), "megatron-3d")
+    assert plan.label == "megatron-3d(1f1b,m=4)" and [len(s.units) for s in plan.pipeline.stages] == [3, 3]
+    inter = autopar.handwritten(model, mesh, _batch(8), "megatron-3d", virtual_stages=2, microbatch_size=2)
+    assert inter.pipeline.label == "interleaved(m=2, v=2)" and [len(s.units) for s in inter.pipeline.stages] == [2, 1, 1, 2]
+    with pytest.raises(autopar.ShardingError, match="pp axis"):
+        autopar.handwritten(model, autopar.Mesh({"dp": 2, "tp": 2}), _batch(8), "megatron-3d")
+    with pytest.raises(autopar.AutoparError, match="not realised"):
+        autopar.handwritten(model, mesh, _batch(8), "megatron-3d", zero=1)
+
+
+def test_planning_gpt3_175b_on_1024_devices():
+    model, inputs = build("gpt3-175b", dtype=torch.bfloat16)
+    mesh = autopar.Mesh({"dp": 8, "pp": 16, "tp": 8}, hardware="a100-80gb")
+    plan = autopar.plan(model, mesh, inputs(1024, 2048), constraints=[PipelinePin(microbatches=128)])
+    pp = plan.pipeline
+    units = [u for s in pp.stages for u in s.units]
+    assert units == ["embed"] + [f"h.{i}" for i in range(96)] + ["head"]
+    assert len(pp.stages) % 16 == 0 and max(pp.rank_memory) <= 80 * GiB and plan.cost.mfu > 0.3
+    assert "pipeline on pp=16" in plan.table()
+
+
+def test_pipeline_errors_are_clear():
+    model = _gpt(4)
+    mesh = autopar.Mesh({"pp": 2})
+    with pytest.raises(autopar.ShardingError, match="does not divide"):
+        autopar.plan(model, mesh, _batch(8), constraints=[PipelinePin(microbatches=3)])
+    with pytest.raises(autopar.AutoparError, match="ZeRO-3 with pipeline"):
+        autopar.plan(model, mesh, _batch(8), constraints=[autopar.ZeroPin("*", 3)])
+    with pytest.raises(autopar.AutoparError, match="needs a mesh with a pp axis"):
+        autopar.plan(model, autopar.Mesh({"dp": 2}), _batch(8), constraints=[PipelinePin("1f1b")])
+    with pytest.raises(autopar.InfeasibleError, match="1f1b needs at least as many microbatches"):
+        autopar.plan(model, autopar.Mesh({"pp": 2}), _batch(8), constraints=[PipelinePin("1f1b", 1)])
+
+    class NoBlocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(self.b(self.a(x)), y)
+
+    with pytest.raises(autopar.AutoparError, match="repeated blocks"):
+        autopar.plan(NoBlocks(), mesh, (torch.randn(8, 8), torch.randn(8, 8)))
+
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = _gpt(2)
+
+        def forward(self, x, y):
+            loss = self.gpt(x, y)
+            return loss, loss * 2
+
+    with fake_world(2), pytest.raises(autopar.AutoparError, match="returns its loss alone"):
+        autopar.parallelize(TwoOutputs(), mesh, _batch(8), constraints=[PipelinePin("gpipe", 2)])
+
+
+# --- running -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,axes,pin", [
+    ("gpt", {"pp": 2, "tp": 2}, PipelinePin("interleaved", 4, 2)),
+    ("llama", {"dp": 2, "pp": 2}, PipelinePin("1f1b", 2)),
+])
+def test_the_split_program_trains_like_one_device_in_one_process(name, axes, pin):
+    torch.manual_seed(0)
+    model = _gpt(4) if name == "gpt" else Llama(dataclasses.replace(LlamaConfig.tiny(), n_layer=4))
+    r = parity(model, _batch(8), axes, constraints=[pin])
+    assert r["plan"].pipeline.label == pin_label(pin)
+    assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
+
+
+def pin_label(pin: PipelinePin) -> str:
+    return f"{pin.schedule}(m={pin.microbatches}{f', v={pin.virtual}' if pin.virtual else ''})"
+
+
+def _launch(nproc: int) -> list[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={port}", "-m", "tests.pipeline_worker"]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+@pytest.mark.parametrize("nproc,meshes", [(2, {"pp2"}), (4, {"pp4", "pp2xtp2", "dp2xpp2"})])
+def test_pipelines_in_real_gloo_processes_match_single_device(nproc, meshes):
+    rows = [line.split()[1:] for line in _launch(nproc) if line.startswith("PIPE")]
+    assert len(rows) == 6 * len(meshes), rows  # gpt and llama x gpipe, 1f1b, interleaved on each mesh
+    assert {r[1] for r in rows} == meshes
+    for name, mesh, schedule, label, dl, dg, dp in rows:
+        assert label.startswith(schedule + "(m=4") and (",v=2)" in label) == (schedule == "interleaved"), label
+        assert max(float(dl), float(dg), float(dp)) <= 1e-5, (name, mesh, schedule, dl, dg, dp)

@@ -1,0 +1,62 @@
+"""Pipeline schedules: action orders, in-flight microbatches, and the simulated bubble against the textbook."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar import schedule
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 8), (4, 32), (8, 16)])
+def test_bubble_of_gpipe_and_1f1b_is_p_minus_1_over_m_plus_p_minus_1(name, p, m):
+    t = schedule.simulate(name, p, m, 1, [1.0] * p, [2.0] * p)
+    assert t.bubble == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
+    assert t.step == pytest.approx((m + p - 1) * 3.0)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3), (4, 16, 4), (8, 16, 2)])
+def test_bubble_of_interleaved_is_p_minus_1_over_v_m_plus_p_minus_1(p, m, v):
+    S = p * v
+    t = schedule.simulate("interleaved", p, m, v, [1.0 / v] * S, [2.0 / v] * S)
+    assert t.bubble == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
+
+
+def test_interleaving_shrinks_the_bubble_and_1f1b_keeps_fewer_microbatches_in_flight():
+    p, m = 4, 8
+    one = schedule.simulate("1f1b", p, m, 1, [1.0] * p, [2.0] * p)
+    two = schedule.simulate("interleaved", p, m, 2, [0.5] * 8, [1.0] * 8)
+    assert two.step < one.step
+    assert schedule.in_flight("gpipe", p, m) == [m] * p  # every forward before any backward
+    assert schedule.in_flight("1f1b", p, m) == [4, 3, 2, 1]  # rank r keeps p - r
+    assert schedule.in_flight("interleaved", p, m, 2) == [11, 9, 7, 5]  # (v - 1) p + 2 (p - 1 - r) + 1 stage-microbatches
+
+
+def test_every_action_runs_once_and_transfers_delay_the_step():
+    p, m, v = 4, 8, 2
+    for name, vv in (("gpipe", 1), ("1f1b", 1), ("interleaved", v)):
+        acts = schedule.actions(name, p, m, vv)
+        seen = [(a.kind, a.stage, a.microbatch) for seq in acts for a in seq]
+        assert len(seen) == len(set(seen)) == 2 * p * vv * m
+        for r, seq in enumerate(acts):
+            assert all(a.stage % p == r for a in seq)
+        free = schedule.simulate(name, p, m, vv, [1.0] * p * vv, [2.0] * p * vv)
+        slow = schedule.simulate(name, p, m, vv, [1.0] * p * vv, [2.0] * p * vv, [0.5] * p * vv)
+        assert slow.step > free.step
+
+
+def test_a_slow_stage_sets_the_pace():
+    fast = schedule.simulate("1f1b", 4, 16, 1, [1.0] * 4, [2.0] * 4)
+    slow = schedule.simulate("1f1b", 4, 16, 1, [1.0, 1.0, 2.0, 1.0], [2.0, 2.0, 4.0, 2.0])
+    # the slowest stage runs every microbatch (16 x 6), and the step is within the textbook bound
+    # (m - 1) x 6 + the sum of the stages' 3 + 3 + 6 + 3
+    assert 16 * 6 <= slow.step <= 15 * 6 + 15 and slow.step > fast.step
+
+
+def test_text_timeline_and_unrunnable_schedules():
+    t = schedule.simulate("1f1b", 2, 2, 1, [1.0, 1.0], [2.0, 2.0])
+    text = schedule.text_timeline(t, width=18)
+    assert text.splitlines()[0].startswith("  rank 0 |AABB") and "a" in text and "." in text
+    assert schedule.check("1f1b", 4, 2, 1) and "at least as many microbatches" in schedule.check("1f1b", 4, 2, 1)
+    assert "multiple of the ranks" in schedule.check("interleaved", 4, 6, 2)
+    assert schedule.check("interleaved", 4, 8, 2) is None and schedule.check("nope", 2, 2, 1).startswith("unknown")

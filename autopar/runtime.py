@@ -258,6 +258,10 @@ class _StageModule(nn.Module):
     def forward(self, *args):
         return self.graph_module.forward(*self._fetch(), *args)
 
+    # not through nn.Module.__call__: the schedule runs backward inside the ParallelModule's forward, and global
+    # module hooks (torch's ModTracker / MemTracker) would see a stage's backward nested in its parent's forward
+    __call__ = forward
+
 
 class _PipelineRun:
     """Runs a pipeline plan on this rank (``plan.pipeline``; ``gm`` from passes/split_stages.py).

@@ -53,9 +53,24 @@ def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | 
     return pm.plan.pipeline.label.replace(" ", "") + ":" + stages, dl, dg, dp
 
 
+def compared() -> None:
+    """autopar.compare on a pipeline mesh, measured: auto against Megatron-LM's 3-D (1F1B and interleaved)."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=4))
+    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    plans = ["auto", "megatron-3d", ("megatron-3d", {"virtual_stages": 2, "microbatch_size": 2})]
+    c = autopar.compare(model, autopar.Mesh({"dp": 2, "pp": 2}), (x, torch.roll(x, -1, 1)), plans=plans, steps=2, warmup=1)
+    if dist.get_rank() == 0:
+        for r in c.rows:
+            m = r.measured
+            print(f"COMPARE {r.name.replace(' ', '')} {r.plan.pipeline.label.replace(' ', '')} {m['loss_diff']:.3e} {m['grad_diff']:.3e} {m['step_time']:.4f}", flush=True)
+
+
 def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world = dist.get_world_size()
+    if world == 4:
+        compared()
     if world == 2:
         meshes = [({"pp": 2}, 4)]
     else:

@@ -266,8 +266,8 @@ class Plan:
                 f"schedule {pp.step_time * 1e3:.3f} ms + gradient sync {pp.sync_time * 1e3:.3f} ms")
         t = _tabulate.tabulate(rows, headers=["stage", "rank", "units", "fwd ms/mb", "bwd ms/mb", "sends/mb", "state", "act/mb", "rank peak"], tablefmt="simple")
         tl = pp.timeline()
-        return (head + "\n" + t + "\n\ntimeline (capital letter: forward of a microbatch, lower case: its backward, '.': idle):\n"
-                + schedule.text_timeline(tl, width))
+        legend = ("'>': a forward, '<': a backward" if pp.microbatches > 26 else "capital letter: forward of a microbatch, lower case: its backward")
+        return head + "\n" + t + f"\n\ntimeline ({legend}, '.': idle):\n" + schedule.text_timeline(tl, width)
 
     def timeline_png(self, path: str) -> bool:
         """Draw the pipeline's per-rank timeline to ``path`` (PNG); False if matplotlib is not installed."""
@@ -355,6 +355,10 @@ class Plan:
         for name in other.nodes:
             if name not in self.nodes:
                 lines.append(f"{other.nodes[name].path}: only in the other plan")
+        if self.pipeline is not None or other.pipeline is not None:
+            show = lambda p: "no pipeline" if p is None else f"{p.label} [{' | '.join(s.label for s in p.stages)}]"  # noqa: E731
+            if show(self.pipeline) != show(other.pipeline):
+                lines.append(f"pipeline: {show(self.pipeline)} -> {show(other.pipeline)}")
         a, b = self.cost, other.cost
         lines.append(f"step time {a.step_time * 1e3:.3f} -> {b.step_time * 1e3:.3f} ms; memory {_fmt_bytes(a.memory_per_device)} -> {_fmt_bytes(b.memory_per_device)}")
         return "\n".join(lines)

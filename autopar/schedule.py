@@ -152,10 +152,12 @@ def simulate(schedule: str, p: int, m: int, v: int, fwd: list[float], bwd: list[
 
 def text_timeline(tl: Timeline, width: int = 100, rank_names: list[str] | None = None) -> str:
     """One row per rank over ``width`` columns spanning the step: a forward of microbatch k as the k-th capital
-    letter (A, B, ...), its backward as the lower-case letter, idle as '.'."""
+    letter (A, B, ...), its backward as the lower-case letter, idle as '.'; with more than 26 microbatches a
+    forward is '>' and a backward '<'."""
     if tl.step <= 0:
         return ""
-    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    many = max((a.microbatch for spans in tl.spans for a, _, _ in spans), default=0) >= 26
+    letters = ">" * 26 if many else "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     rows = []
     for r, spans in enumerate(tl.spans):
         line = ["."] * width
@@ -164,7 +166,7 @@ def text_timeline(tl: Timeline, width: int = 100, rank_names: list[str] | None =
             c1 = max(c0 + 1, int(round(e / tl.step * width)))
             ch = letters[a.microbatch % 26]
             for c in range(c0, min(c1, width)):
-                line[c] = ch if a.kind == "F" else ch.lower()
+                line[c] = ch if a.kind == "F" else ("<" if many else ch.lower())
         name = rank_names[r] if rank_names else f"rank {r}"
         rows.append(f"{name:>8} |{''.join(line)}|")
     return "\n".join(rows)

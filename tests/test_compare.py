@@ -54,14 +54,21 @@ def test_llama_megatron_and_ddp_fsdp_explicit():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(strategy="megatron-3d"), "pipeline parallelism"),
-    (dict(strategy="explicit", tp=2, dp=1, pp=2), "pipeline parallelism"),
     (dict(strategy="megatron", recompute="full"), "activation checkpointing"),
-    (dict(strategy="megatron", schedule="1f1b"), "pipeline"),
     (dict(strategy="megatron", microbatch_size=1), "gradient accumulation"),
 ])
 def test_what_cannot_be_realised_yet_is_rejected_not_ignored(bad, match):
     with pytest.raises(NotRealised, match=match):
+        autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "tp": 2}), _batch(), **bad)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(strategy="megatron-3d"), "megatron-3d needs a mesh with a pp axis"),
+    (dict(strategy="explicit", tp=2, dp=1, pp=2), "pp=2 needs a mesh with a pp axis"),
+    (dict(strategy="megatron", schedule="1f1b"), "pipeline knob"),
+])
+def test_pipeline_knobs_without_a_pp_axis_are_refused(bad, match):
+    with pytest.raises(autopar.ShardingError, match=match):
         autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "tp": 2}), _batch(), **bad)
 
 

@@ -76,7 +76,7 @@ def test_cuts_balance_a_heavy_head_by_time_not_by_blocks():
     assert slowest(auto) < slowest(equal) and auto.cost.step_time < equal.cost.step_time
 
 
-def test_plan_prints_stages_and_timeline_and_round_trips():
+def test_plan_prints_stages_and_timeline_and_round_trips(tmp_path):
     model = _gpt(8)
     plan = autopar.plan(model, autopar.Mesh({"dp": 2, "pp": 4}), _batch(16), constraints=[PipelinePin("interleaved", 4, 2)])
     pp = plan.pipeline
@@ -87,6 +87,15 @@ def test_plan_prints_stages_and_timeline_and_round_trips():
     assert "pipeline on pp=4: interleaved, 4 microbatches" in text and "rank 3 |" in text and "bubble" in text
     again = autopar.Plan.from_json(plan.to_json())
     assert again.to_json() == plan.to_json() and again.pipeline == pp
+    other = autopar.plan(model, autopar.Mesh({"dp": 2, "pp": 4}), _batch(16), constraints=[PipelinePin("1f1b", 4)])
+    assert "pipeline: interleaved(m=4, v=2) [embed .. " in plan.diff(other) and "-> 1f1b(m=4) [embed .. " in plan.diff(other)
+    png = os.path.join(tmp_path, "timeline.png")
+    try:
+        import matplotlib  # noqa: F401
+        has_mpl = True
+    except ImportError:
+        has_mpl = False
+    assert plan.timeline_png(png) == has_mpl and os.path.exists(png) == has_mpl
     for n in plan.nodes.values():  # nothing is split on the pipeline axis
         assert str(n.strategy.output.placements[1]) == "R"
 

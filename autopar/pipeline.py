@@ -40,7 +40,7 @@ from autopar import schedule as sched
 from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, wire_bytes
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
-from autopar.plan import Collective, NodePlan, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
+from autopar.plan import Collective, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
 from autopar.solver import Pin, ZeroPin, build_problem, solve
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
@@ -264,7 +264,6 @@ def _p2p_seconds(nbytes: int, link) -> float:
 
 def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str, p: int, m: int, v: int, mesh: Mesh, axis: int, inner: Mesh) -> Evaluated:
     U = len(units.labels)
-    S = len(starts)
     ends = list(starts[1:]) + [U]
     link = mesh.link(axis)
     stages, p2p = [], []
@@ -581,7 +580,6 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
 def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: Mesh, units: Units, ev: Evaluated,
               name: str, m: int, v: int, B: int, label: str) -> Plan:
     starts = ev.starts
-    U = len(units.labels)
 
     def stage_of_unit(u: int) -> int:
         s = 0

@@ -123,8 +123,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         full = sum(math.prod(strategy[n].output.local_shape(problem.meta[n].shape, mesh.sizes)) * itemsize(problem.meta[n].dtype) for n in members)
         zero_buckets.append(ZeroBucket(zname, stage, tuple(mesh.names[a] for a in shard_axes), tuple(mesh.names[a] for a in rest), tuple(members)))
         add(gather_priced(full, shard_axes, mesh, "forward") + scatter_priced(full, shard_axes, rest, mesh), zname)
-        if stage == 2:  # a bucket's full gradients and flat copy, after its gathered parameters are freed
-            transient = max(transient, full)
+        if stage == 2:  # a bucket's full gradients: beside the other buckets' gathered parameters as backward
+            transient = max(transient, full)  # starts, and beside the gradients as it ends
+            t_act = max(t_act, full)
     for name, opt in zero_of.items():
         if opt.stage != 3:
             continue

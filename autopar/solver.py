@@ -712,8 +712,9 @@ def solve(
             coupled.setdefault((r, g, k), []).append(w)
     for (r, g, k), ws in coupled.items():
         solver.Add(sum(ws) == zvar[g][k])
-    # transients: gradient buckets live in backward, as the gradients grow (the second peak only); a ZeRO-3
-    # parameter gathered again in backward meets the activations too (both peaks)
+    # transients: gradient buckets live in backward, as the gradients grow (the second peak); a ZeRO-2 bucket's
+    # whole gradients also meet the activations (the last block's, before the other blocks' gathered parameters
+    # are freed), and so does a ZeRO-3 parameter gathered again in backward (both peaks)
     top_g = solver.NumVar(0.0, solver.infinity(), "transient_g")
     top_a = solver.NumVar(0.0, solver.infinity(), "transient_a")
     for g in zvar:
@@ -722,6 +723,8 @@ def solve(
                     for k in range(len(zopts)) if buck[k][kind] and (r, s, gg, k) in ind]
             if expr:
                 solver.Add(top_g >= sum(c * v for c, v in expr))
+                if kind == 1:
+                    solver.Add(top_a >= sum(c * v for c, v in expr))
     for r, s, g, k, b in tparam:
         if (r, s, g, k) in ind:
             solver.Add(top_g >= b * MB * ind[(r, s, g, k)])

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._launch import torchrun  # noqa: E402
 
 
 def _best(fn, reps: int) -> float:
@@ -73,12 +73,7 @@ def main() -> None:
 
     hw = PRESETS["cpu-gloo"]
     flops, bw = compute()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", os.path.abspath(__file__), "--worker"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = torchrun(__file__, args.nproc, "--worker")
     res = {}
     for line in out.stdout.splitlines():
         if line.startswith("RESULT"):

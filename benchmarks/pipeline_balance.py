@@ -5,8 +5,10 @@ output projection and loss outweigh a block several times) is planned on a (pp=n
 schedule and microbatches (1F1B, 8): once with autopar's cuts, once with the even split (every stage the same
 number of blocks, the embedding with the first and the head with the last). Both are trained in nproc gloo
 processes in the same run. Printed per plan: the predicted slowest stage (forward + backward per microbatch) and
-step; the measured slowest stage (each rank times its own stage's forward + backward on a microbatch, median of
-repeats) and the measured step (median after warm-up); and the stages' units.
+step; the measured slowest stage (each rank in turn times its own stage's forward + backward on a microbatch,
+median of repeats, while the others wait) and the measured step (median after warm-up); and the stages' units.
+On a 2-core machine the 4 ranks share the cores, so the measured step follows the total work rather than the
+slowest stage: the slowest stage is the figure the cuts change (on one device per rank the step follows it).
 """
 
 from __future__ import annotations
@@ -14,20 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._launch import torchrun  # noqa: E402
+
 import torch  # noqa: E402
 
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
-CFG = GPTConfig(vocab_size=16384, block_size=64, n_layer=8, n_head=4, n_embd=64)
-BATCH, MICROBATCHES, STEPS, WARMUP = 32, 8, 8, 2
+CFG = GPTConfig(vocab_size=4096, block_size=64, n_layer=8, n_head=4, n_embd=64)
+BATCH, MICROBATCHES, STEPS, WARMUP = 32, 8, 10, 2
 
 
 def _stage_seconds(pm, repeats: int = 10) -> float:
@@ -77,9 +79,13 @@ def worker() -> None:
             opt.zero_grad()
             dist.barrier()
             times.append(time.perf_counter() - t0)
-        mine = torch.tensor([_stage_seconds(pm)])
-        every = [torch.zeros(1) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
+        # each rank times its stage alone, in turn (4 processes share 2 cores: timed together they would share them)
+        every = []
+        for r in range(dist.get_world_size()):
+            dist.barrier()
+            t = torch.tensor([_stage_seconds(pm) if dist.get_rank() == r else 0.0])
+            dist.broadcast(t, src=r)
+            every.append(t)
         if dist.get_rank() == 0:
             pp = pm.plan.pipeline
             print("RESULT " + json.dumps({
@@ -105,14 +111,7 @@ def main() -> None:
         return
     import tabulate
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", os.path.abspath(__file__), "--worker"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    out = torchrun(__file__, args.nproc, "--worker")
     if out.returncode:
         sys.exit(out.stdout[-3000:] + out.stderr[-3000:])
     rows = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._launch import torchrun  # noqa: E402
 
 
 def worker(steps: int) -> None:
@@ -65,14 +65,7 @@ def main() -> None:
     if args.worker:
         worker(args.steps)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--master-addr=127.0.0.1",
-           f"--master-port={port}", os.path.abspath(__file__), "--worker", f"--steps={args.steps}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root, TORCH_CPP_LOG_LEVEL="ERROR")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    out = torchrun(__file__, 4, "--worker", f"--steps={args.steps}")
     print(out.stdout)
     if out.returncode:
         print(out.stderr[-3000:])

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._launch import torchrun  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -78,13 +78,7 @@ def main() -> None:
     paper = {0: 16 * psi, 1: (4 + 4 + 8 / n) * psi, 2: (4 + (4 + 8) / n) * psi, 3: 16 * psi / n}
     rows = []
     for stage in range(4):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
-               f"--master-port={port}", os.path.abspath(__file__), f"--worker={stage}"]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+        out = torchrun(__file__, n, f"--worker={stage}")
         line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
         if line is None:
             rows.append([stage, "failed", out.stderr[-400:], "", "", "", "", ""])

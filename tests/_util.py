@@ -1,9 +1,14 @@
-"""Shared test helpers: a fake process group of any size, and single-device parity checks under LocalTensorMode."""
+"""Shared test helpers: a fake process group of any size, single-device parity checks under LocalTensorMode, and
+launching real gloo processes with torch's launcher (and checking them against one device there)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import socket
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -64,3 +69,44 @@ def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(),
             for k, p in reference.named_parameters():
                 out["param"] = max(out["param"], float((full[k] - p.detach()).abs().max()))
     return out
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(module: str, nproc: int, timeout: int = 900) -> list[str]:
+    """Run ``python -m module`` in ``nproc`` gloo processes over 127.0.0.1; its stdout lines (asserts it succeeded)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={port}", "-m", module]
+    out = subprocess.run(cmd, check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-4) -> tuple[float, float, float]:
+    """In a torchrun worker: train ``pm`` (a ParallelModule) and ``reference`` (its single-device copy) side by side
+    with AdamW; the largest loss and gradient differences over the steps, and the parameter difference after."""
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    ropt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    dl = dg = 0.0
+    for _ in range(steps):
+        loss = pm(*pm.local_inputs(*inputs))
+        loss.backward()
+        rl = reference(*inputs)
+        rl.backward()
+        grads = pm.full_grads()
+        dg = max(dg, max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()))
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    full = pm.full_state_dict()
+    dp = max(float((full[k] - p.detach()).abs().max()) for k, p in reference.named_parameters())
+    return dl, dg, dp

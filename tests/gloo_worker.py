@@ -15,6 +15,7 @@ import torch.distributed as dist
 import autopar
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
+from tests._util import train_beside
 from tests.test_parity import megatron_pins
 
 
@@ -26,26 +27,7 @@ def case(name: str, axes: dict, pins) -> tuple[float, float, float]:
     x = torch.randint(0, 64, (4, 16), generator=g)
     y = torch.roll(x, -1, 1)
     pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=pins)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
-    dl = dg = 0.0
-    for _ in range(3):
-        loss = pm(*pm.local_inputs(x, y))
-        loss.backward()
-        rl = ref(x, y)
-        rl.backward()
-        grads = pm.full_grads()
-        dg = max(dg, max(float((grads[k] - p.grad).abs().max()) for k, p in ref.named_parameters()))
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))
-        opt.step()
-        opt.zero_grad()
-        ropt.step()
-        ropt.zero_grad()
-    full = pm.full_state_dict()
-    dp = max(float((full[k] - p.detach()).abs().max()) for k, p in ref.named_parameters())
-    return dl, dg, dp
+    return train_beside(pm, ref, (x, y))
 
 
 def redistributions(axes: dict) -> int:

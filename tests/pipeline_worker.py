@@ -16,6 +16,7 @@ import torch.distributed as dist
 import autopar
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
+from tests._util import train_beside
 
 
 def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | None) -> tuple[str, float, float, float]:
@@ -30,25 +31,7 @@ def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | 
     y = torch.roll(x, -1, 1)
     pin = autopar.PipelinePin(schedule=schedule, microbatches=microbatches)
     pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=[pin])
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
-    dl = dg = 0.0
-    for _ in range(3):
-        loss = pm(*pm.local_inputs(x, y))
-        loss.backward()
-        rl = ref(x, y)
-        rl.backward()
-        grads = pm.full_grads()
-        dg = max(dg, max(float((grads[k] - p.grad).abs().max()) for k, p in ref.named_parameters()))
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))
-        opt.step()
-        opt.zero_grad()
-        ropt.step()
-        ropt.zero_grad()
-    full = pm.full_state_dict()
-    dp = max(float((full[k] - p.detach()).abs().max()) for k, p in ref.named_parameters())
+    dl, dg, dp = train_beside(pm, ref, (x, y))
     stages = "|".join(str(len(s.units)) for s in pm.plan.pipeline.stages)
     return pm.plan.pipeline.label.replace(" ", "") + ":" + stages, dl, dg, dp
 

@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _launch(nproc: int) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", "-m", "tests.gloo_worker"]
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout.splitlines()
+from tests._util import torchrun
 
 
 @pytest.mark.parametrize("nproc,expected", [(2, 12), (4, 20)])
 def test_real_gloo_processes_match_single_device(nproc, expected):
-    lines = _launch(nproc)
+    lines = torchrun("tests.gloo_worker", nproc)
     # every redistribution between R / S(d) layouts, through real all-gathers, all-to-alls and chunks
     assert f"REDISTRIBUTE {16 * 16 if nproc == 4 else 16}" in lines
     rows = [line.split()[1:] for line in lines if line.startswith("PARITY")]

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,10 +17,7 @@ from autopar.peers import peer_local_inputs, torch_peer
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 from models.mlp import MLP, MLPConfig
-from tests._util import fake_world
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from tests._util import fake_world, torchrun
 
 def _model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
@@ -176,20 +169,8 @@ def test_megatron_rejects_unknown_models_and_fsdp_under_local_tensor_mode():
 
 
 # ---- real processes ----------------------------------------------------------------------------------------------
-def _launch(nproc: int) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", "-m", "tests.peers_worker"]
-    out = subprocess.run(cmd, check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout.splitlines()
-
-
 def test_peers_in_real_gloo_processes():
-    lines = _launch(4)
+    lines = torchrun("tests.peers_worker", 4)
     rows = [line.split()[1:] for line in lines if line.startswith("PEER")]
     seen = {(name, mesh, strategy, sp) for name, mesh, strategy, sp, *_ in rows}
     for want in [("gpt", "tp4", "megatron", "-"), ("gpt", "dp4", "fsdp", "-"), ("gpt", "dp4", "ddp", "-"),

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,9 +14,8 @@ from autopar import PipelinePin
 from models import build
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from tests._util import fake_world, parity
+from tests._util import fake_world, parity, torchrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30
 
 
@@ -177,21 +173,9 @@ def pin_label(pin: PipelinePin) -> str:
     return f"{pin.schedule}(m={pin.microbatches}{f', v={pin.virtual}' if pin.virtual else ''})"
 
 
-def _launch(nproc: int) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", "-m", "tests.pipeline_worker"]
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout.splitlines()
-
-
 @pytest.mark.parametrize("nproc,meshes", [(2, {"pp2"}), (4, {"pp4", "pp2xtp2", "dp2xpp2"})])
 def test_pipelines_in_real_gloo_processes_match_single_device(nproc, meshes):
-    lines = _launch(nproc)
+    lines = torchrun("tests.pipeline_worker", nproc)
     rows = [line.split()[1:] for line in lines if line.startswith("PIPE")]
     if nproc == 4:  # autopar.compare on a pipeline mesh, measured: every plan trains like one device
         compared = {line.split()[1]: line.split()[2:] for line in lines if line.startswith("COMPARE")}

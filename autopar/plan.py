@@ -261,7 +261,11 @@ class Plan:
             rows.append([st.index, st.rank, st.label, f"{st.forward * 1e3:.3f}", f"{st.backward * 1e3:.3f}", _fmt_bytes(st.send_bytes) if st.send_bytes else "-",
                          _fmt_bytes(st.state), _fmt_bytes(st.activations), f"{_fmt_bytes(pp.rank_memory[st.rank])} ({pp.in_flight[st.rank]} in flight)"])
         rows_per = pp.batch // pp.microbatches
-        head = (f"pipeline on {pp.axis}={max(s.rank for s in pp.stages) + 1}: {pp.schedule}, {pp.microbatches} microbatches of {rows_per} rows, "
+        replicas = 1
+        for a in self.split_axes:
+            replicas *= self.mesh.sizes[a]
+        per = f" ({rows_per // replicas} per data-parallel replica)" if replicas > 1 else ""
+        head = (f"pipeline on {pp.axis}={max(s.rank for s in pp.stages) + 1}: {pp.schedule}, {pp.microbatches} microbatches of {rows_per} rows{per}, "
                 f"{len(pp.stages)} stages{'' if pp.virtual == 1 else f' ({pp.virtual} per rank)'}; bubble {100 * pp.bubble:.1f}%, "
                 f"schedule {pp.step_time * 1e3:.3f} ms + gradient sync {pp.sync_time * 1e3:.3f} ms")
         t = _tabulate.tabulate(rows, headers=["stage", "rank", "units", "fwd ms/mb", "bwd ms/mb", "sends/mb", "state", "act/mb", "rank peak"], tablefmt="simple")

@@ -234,10 +234,11 @@ class CostModel:
         heavy = info.target in MATMUL_OPS or info.target in ATTENTION_OPS
         peak = self.hw.flops(dtype) * (self.hw.matmul_efficiency if heavy else 1.0)
         bw = self.hw.hbm_bandwidth * self.hw.memory_efficiency
-        fwd = max(flops / peak, moved / bw)
+        launch = 0.0 if info.target in VIEW_OPS else self.hw.op_overhead
+        fwd = max(flops / peak, moved / bw) + launch
         bwd = 0.0
         if requires_grad:
-            bwd = max(2 * flops / peak, 2 * moved / bw)
+            bwd = max(2 * flops / peak, 2 * moved / bw) + launch
         local_out = sum(math.prod(o) for o in outs)
         global_out = sum(math.prod(m.shape) for m in info.outputs) or 1
         act = (local_out * isz if saved_output else 0.0) + internal * local_out / global_out

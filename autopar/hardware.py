@@ -41,6 +41,9 @@ class Hardware:
     input_bandwidth: float = 25e9  # bytes/s a device's share of the batch arrives at (host to device)
     matmul_efficiency: float = 0.7  # fraction of peak a large matmul reaches
     memory_efficiency: float = 0.8  # fraction of HBM bandwidth an elementwise op reaches
+    op_overhead: float = 0.0  # seconds per op launched (forward; backward pays it again), beyond its roofline time
+    overlap: bool = False  # data-parallel communication (gradient buckets, ZeRO) runs beside compute, as
+    # Megatron-LM's and FSDP's runtimes overlap it; the step pays max(compute, that communication)
 
     def flops(self, dtype: torch.dtype) -> float:
         table = dict(self.peak_flops)
@@ -59,6 +62,8 @@ class Hardware:
             "input_bandwidth": self.input_bandwidth,
             "matmul_efficiency": self.matmul_efficiency,
             "memory_efficiency": self.memory_efficiency,
+            "op_overhead": self.op_overhead,
+            "overlap": self.overlap,
         }
 
     @staticmethod
@@ -74,6 +79,8 @@ class Hardware:
             input_bandwidth=d["input_bandwidth"],
             matmul_efficiency=d["matmul_efficiency"],
             memory_efficiency=d["memory_efficiency"],
+            op_overhead=d.get("op_overhead", 0.0),
+            overlap=d.get("overlap", False),
         )
 
 

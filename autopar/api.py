@@ -93,6 +93,13 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
             tg = trace(model, slice_batch(args, pp.batch // pp.microbatches))
         else:
             tg = trace(model, args)
+        if plan is not None and plan.recompute != "none":
+            from autopar.handwritten import NotRealised
+
+            raise NotRealised(
+                f"the plan recomputes activations ({plan.recompute}); autopar's runtime does not run activation "
+                "recomputation yet. Plan with recompute='none' (a smaller batch or more devices if memory is short)"
+            )
         if plan is None:
             the_plan = make_plan(tg, mesh, memory_budget, pins)
         else:

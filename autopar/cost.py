@@ -73,14 +73,17 @@ class Priced:
     seconds: float
 
 
-def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad: bool) -> list[Priced]:
+def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad: bool, again: bool = False) -> list[Priced]:
+    """The collectives of a redistribution: forward, once more when its consumer is recomputed (``again``), and
+    their transposes in backward when the tensor carries a gradient."""
     isz = itemsize(dtype)
     out = []
-    for st in steps:
-        if st.is_collective:
-            n = mesh.sizes[st.axis]
-            b = step_buffer_bytes(st, n, isz)
-            out.append(Priced(st.kind, mesh.names[st.axis], b, "forward", collective_time(st.kind, b, n, mesh.link(st.axis))))
+    for phase in ("forward", "recompute") if again and requires_grad else ("forward",):
+        for st in steps:
+            if st.is_collective:
+                n = mesh.sizes[st.axis]
+                b = step_buffer_bytes(st, n, isz)
+                out.append(Priced(st.kind, mesh.names[st.axis], b, phase, collective_time(st.kind, b, n, mesh.link(st.axis))))
     if requires_grad:
         for st in reversed(steps):
             tr = st.transpose(mesh.sizes[st.axis])
@@ -138,6 +141,8 @@ class NodeCost:
     grad: float  # bytes per device of gradients (they exist by the end of backward)
     act: float  # bytes per device kept for backward (they exist at the start of backward)
     flops: float  # forward + backward FLOPs on this device
+    fwd: float = 0.0  # seconds of the forward pass alone (compute - fwd: backward, with any recomputation)
+    regen: float = 0.0  # bytes recomputation brings back for backward (not kept; alive while its block's backward runs)
 
     @property
     def time(self) -> float:
@@ -212,16 +217,34 @@ def probe_saved(target, args: tuple, kwargs: dict, requires_grad: tuple) -> Save
     return Saved(frozenset(inputs), output, internal)
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recomputes(mode: str, target) -> bool:
+    """Whether activation recomputation ``mode`` recomputes an op of a repeated block in backward instead of keeping
+    what it saves: ``full`` recomputes every op of the block from the block's input (Megatron-LM's full
+    recomputation, torchtitan's full AC); ``selective`` keeps the outputs of matmuls and attention and recomputes the
+    cheap memory-bound ops between them (torchtitan's op-level selective AC)."""
+    return mode == "full" or (mode == "selective" and target not in MATMUL_OPS and target not in ATTENTION_OPS)
+
+
 class CostModel:
-    def __init__(self, mesh: Mesh):
+    """``recompute``: node name -> recomputation mode for the nodes of repeated blocks (absent: ``none``);
+    ``kept``: nodes whose output is kept whatever the mode (a block's input: recomputation starts from it)."""
+
+    def __init__(self, mesh: Mesh, recompute: dict[str, str] | None = None, kept: frozenset = frozenset()):
         self.mesh = mesh
         self.hw = mesh.hardware
+        self.recompute = dict(recompute or {})
+        self.kept = kept
         self._edge = lru_cache(maxsize=None)(self._edge_uncached)
 
     # --- nodes ------------------------------------------------------------------------------------------------
-    def op(self, info: OpInfo, st: Strategy, requires_grad: bool, saved_output: bool = False, internal: float = 0.0) -> NodeCost:
+    def op(self, info: OpInfo, st: Strategy, requires_grad: bool, saved_output: bool = False, internal: float = 0.0,
+           node: str | None = None) -> NodeCost:
         """``saved_output``: some backward keeps this node's output; ``internal``: bytes the op keeps for itself
-        (both on single-device shapes; scaled here to this strategy's local share)."""
+        (both on single-device shapes; scaled here to this strategy's local share). ``node``: the graph node, for its
+        recomputation mode: a recomputed op keeps nothing and runs its forward again in backward."""
         sizes = self.mesh.sizes
         ins = [s.local_shape(m.shape, sizes) for s, m in zip(st.inputs, info.inputs)]
         outs = [st.output.local_shape(m.shape, sizes) for m in info.outputs]
@@ -242,7 +265,12 @@ class CostModel:
         local_out = sum(math.prod(o) for o in outs)
         global_out = sum(math.prod(m.shape) for m in info.outputs) or 1
         act = (local_out * isz if saved_output else 0.0) + internal * local_out / global_out
-        return NodeCost(fwd + bwd, 0.0, 0.0, 0.0, float(act), flops * (3 if requires_grad and heavy else 1))
+        regen = 0.0
+        if requires_grad and recomputes(self.recompute.get(node, "none"), info.target):
+            bwd += fwd
+            kept = local_out * isz if node in self.kept else 0.0
+            regen, act = max(act - kept, 0.0), kept
+        return NodeCost(fwd + bwd, 0.0, 0.0, 0.0, float(act), flops * (3 if requires_grad and heavy else 1), fwd, float(regen))
 
     def placeholder(self, meta: TensorMeta, spec: Spec, kind: str, trainable: bool) -> NodeCost:
         local = math.prod(spec.local_shape(meta.shape, self.mesh.sizes))
@@ -255,14 +283,19 @@ class CostModel:
         return NodeCost(0.0, 0.0, float(local * isz), 0.0, 0.0, 0.0)
 
     # --- edges ------------------------------------------------------------------------------------------------
-    def _edge_uncached(self, shape: tuple[int, ...], dtype: torch.dtype, src: Spec, dst: Spec, requires_grad: bool) -> float:
+    def _edge_uncached(self, shape: tuple[int, ...], dtype: torch.dtype, src: Spec, dst: Spec, requires_grad: bool, again: bool) -> float:
         steps = redistribute(src, dst, shape, self.mesh.sizes)
-        return sum(p.seconds for p in price_steps(steps, dtype, self.mesh, requires_grad))
+        return sum(p.seconds for p in price_steps(steps, dtype, self.mesh, requires_grad, again))
 
-    def edge_time(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool) -> float:
+    def again(self, consumer: str | None) -> bool:
+        """Whether a redistribution into ``consumer`` runs again in backward: full recomputation re-runs the block's
+        forward with its collectives (selective keeps the matmuls' outputs, which the collectives feed or follow)."""
+        return self.recompute.get(consumer, "none") == "full"
+
+    def edge_time(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None) -> float:
         if src == dst:
             return 0.0
-        return self._edge(meta.shape, meta.dtype, src, dst, requires_grad)
+        return self._edge(meta.shape, meta.dtype, src, dst, requires_grad, self.again(consumer))
 
-    def edge_priced(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool) -> list[Priced]:
-        return price_steps(redistribute(src, dst, meta.shape, self.mesh.sizes), meta.dtype, self.mesh, requires_grad)
+    def edge_priced(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None) -> list[Priced]:
+        return price_steps(redistribute(src, dst, meta.shape, self.mesh.sizes), meta.dtype, self.mesh, requires_grad, self.again(consumer))

@@ -18,8 +18,9 @@ Strategies:
 - ``megatron-3d`` (and ``explicit`` on a mesh with pp): Megatron on tp, data parallel on dp, and a pipeline on pp
   with Megatron's cut (blocks split evenly, the embedding with the first stage, the head with the last), 1F1B (or
   interleaved with ``virtual_stages``), microbatches of ``microbatch_size`` rows per replica (default 1).
-What cannot be realised yet (activation recomputation, ZeRO with a pipeline, gradient accumulation without one)
-is rejected with an error that says so, never silently ignored.
+What cannot be realised yet (ZeRO with a pipeline, gradient accumulation without one) is rejected with an error
+that says so, never silently ignored. Activation recomputation is planned and priced; ``parallelize`` does not run
+it yet and says so when handed such a plan.
 """
 
 from __future__ import annotations
@@ -76,14 +77,14 @@ def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, 
                 raise ShardingError(f"{strategy}: {name}={val!r} is a pipeline knob; the mesh {mesh} has no pp axis")
     elif zero not in (None, 0):
         raise NotRealised(f"{strategy}: zero={zero} with pipeline parallelism is not realised yet (stages sync their gradients once per step, ZeRO-0); use zero=0")
-    if recompute not in (None, "none"):
-        raise NotRealised(
-            f"{strategy}: recompute={recompute!r} (activation checkpointing) is not realised yet; use recompute='none'"
-        )
+    from autopar.cost import RECOMPUTE
+
+    if recompute not in RECOMPUTE:
+        raise AutoparError(f"{strategy}: recompute={recompute!r} is not one of {', '.join(RECOMPUTE)}")
 
 
 def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, batch, microbatch_size, microbatches, schedule,
-                 virtual_stages, sequence_parallel, memory_budget, traces) -> Plan:
+                 virtual_stages, sequence_parallel, memory_budget, traces, recompute="none") -> Plan:
     """Megatron-LM's 3-D parallelism: Megatron layouts on tp, data parallel on dp, and on pp the blocks split evenly
     (embedding with the first stage, head with the last), 1F1B by default (interleaved with ``virtual_stages``),
     microbatches of ``microbatch_size`` rows per replica (default 1, Megatron's default) or ``microbatches``."""
@@ -116,7 +117,9 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
                 pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
             knobs.append("sp")
     pin = PipelinePin(schedule=schedule, microbatches=microbatches, virtual=virtual_stages if virtual_stages not in (None, 1) else None, cuts="equal")
-    plan = plan_pipeline(model, args, mesh, memory_budget, pins, pin, traces=traces)
+    if recompute != "none":
+        knobs.append(f"recompute={recompute}")
+    plan = plan_pipeline(model, args, mesh, memory_budget, pins, pin, traces=traces, recompute=recompute)
     plan.label = f"megatron-3d({','.join(knobs)})"
     return plan
 
@@ -177,7 +180,7 @@ def handwritten(
         raise NotRealised(f"{strategy} on a mesh with pp: use megatron-3d (pipeline + tp + dp), or a mesh without pp")
     if pipe is not None:
         return _megatron_3d(model, mesh, example_inputs, pipe, data, tp_axes, batch, microbatch_size, microbatches, schedule,
-                            virtual_stages, sequence_parallel, memory_budget, traces)
+                            virtual_stages, sequence_parallel, memory_budget, traces, recompute)
     if microbatch_size is not None and batch is not None:
         local = batch // max(1, math.prod(mesh.sizes[a] for a in data))
         if microbatch_size != local:
@@ -226,10 +229,12 @@ def handwritten(
                 pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
         if data:
             pins.append(ZeroPin("*", zero if zero is not None else 0))
-    plan = make_plan(tg, mesh, memory_budget, pins)
+    plan = make_plan(tg, mesh, memory_budget, pins, recompute)
     knobs = []
     if sequence_parallel:
         knobs.append("sp")
+    if recompute != "none":
+        knobs.append(f"recompute={recompute}")
     if zero is not None and label == strategy:
         knobs.append(f"zero={zero}")
     plan.label = label + (f"({','.join(knobs)})" if knobs else "")

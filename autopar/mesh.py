@@ -106,11 +106,20 @@ class Mesh:
     def coordinate(self, rank: int) -> tuple[int, ...]:
         return tuple((rank // self.stride(a)) % s for a, s in enumerate(self.sizes))
 
+    def _key(self) -> tuple:
+        # which axes span nodes is part of the value: two meshes that differ there price links differently
+        spans = tuple(sorted(self._spans.items())) if self._spans is not None else None
+        return (self.axes, self.hardware, spans)
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mesh) and self.axes == other.axes and self.hardware == other.hardware
+        return isinstance(other, Mesh) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.axes, self.hardware))
+        h = self.__dict__.get("_hash")
+        if h is None or h[0] is not self._spans:  # memoised: the solver hashes a mesh per (parameter, option)
+            h = (self._spans, hash(self._key()))
+            self.__dict__["_hash"] = h
+        return h[1]
 
     def __repr__(self) -> str:
         return f"Mesh({dict(self.axes)!r}, hardware={self.hardware.name!r})"

@@ -167,7 +167,7 @@ class UnitCosts:
     static_time: dict[int, float]
 
 
-def unit_costs(tg: TracedGraph, problem, choice, cost: CostModel, units: Units, inner: Mesh) -> UnitCosts:
+def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units, inner: Mesh) -> UnitCosts:
     U = len(units.labels)
     fwd, bwd, act = [0.0] * U, [0.0] * U, [0.0] * U
     strategy = choice.strategy
@@ -184,7 +184,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: CostModel, units: Units, 
         rg = problem.requires_grad.get(n, False)
         if tg.kinds.get(n) == PARAM:
             continue
-        f = nc.compute / 3 if rg else nc.compute
+        f = nc.fwd if rg else nc.compute
         fwd[u] += f
         bwd[u] += nc.compute - f
         act[u] += nc.act + (nc.state if tg.kinds.get(n) == INPUT else 0.0)
@@ -195,10 +195,9 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: CostModel, units: Units, 
             continue
         emitted.add((u_, str(dst)))
         rg = problem.requires_grad.get(u_, False)
-        t = cost.edge_time(m, src, dst, rg)
-        f = t / 2 if rg else t
-        fwd[unit(v)] += f
-        bwd[unit(v)] += t - f
+        priced = cost.edge_priced(m, src, dst, rg, v)
+        fwd[unit(v)] += sum(c.seconds for c in priced if c.phase == "forward")
+        bwd[unit(v)] += sum(c.seconds for c in priced if c.phase != "forward")
     params = {}
     for n in problem.order:
         if tg.kinds.get(n) != PARAM:
@@ -474,8 +473,8 @@ def trace_rows(model, args: tuple, rows: int, traces: dict | None = None) -> Tra
 
 
 def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, pins: list, pin: PipelinePin | None = None,
-                  label: str = "auto", traces: dict | None = None) -> Plan:
-    from autopar.planner import price
+                  label: str = "auto", traces: dict | None = None, recompute: str = "none") -> Plan:
+    from autopar.planner import cost_model, price
 
     t_start = time.perf_counter()
     pin = pin or PipelinePin()
@@ -511,7 +510,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             tried.append(f"m={m}: no schedule runs ({'; '.join(why)})")
             continue
         t0 = time.perf_counter()
-        cost = CostModel(inner)
+        cost = cost_model(tg, inner, recompute)
         problem = build_problem(tg, inner, cost)
         raw = problem.costs
         w = 1.0 / (m + p - 1)
@@ -571,6 +570,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
     t0 = time.perf_counter()
     inner_plan = price(tg, inner, problem, choice, cost)
     plan = _assemble(inner_plan, tg, mesh, axis, inner, units, ev, name, m, v, B, label)
+    plan.recompute = recompute
     plan.timings = {"trace": timings["trace"], "solve": timings["solve"], "cuts+schedule": timings["cuts"],
                     "price": time.perf_counter() - t0, "microbatch counts tried": float(len(ms))}
     plan.timings["plan total"] = time.perf_counter() - t_start

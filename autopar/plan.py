@@ -171,6 +171,7 @@ class Plan:
     solver_status: str = "optimal"
     label: str = "auto"  # "auto", or the hand-written strategy it realises (e.g. "megatron(sp)")
     pipeline: PipelinePlan | None = None  # stages and schedule on the pp axis; nodes then describe one microbatch
+    recompute: str = "none"  # activation recomputation of the repeated blocks: none / selective / full
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
     # --- queries ----------------------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ class Plan:
         return (
             f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (compute {c.compute_time * 1e3:.3f}, comm {c.comm_time * 1e3:.3f})"
             f"  |  MFU {100 * c.mfu:.1f}%  |  peak memory/device {_fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}"
-            f"  |  inputs {self.input_spec}  |  solver {self.solver_status}"
+            f"  |  inputs {self.input_spec}{'' if self.recompute == 'none' else '  |  recompute ' + self.recompute}  |  solver {self.solver_status}"
         )
 
     def groups_table(self) -> str:
@@ -379,6 +380,7 @@ class Plan:
             "blocks": [[b, t] for b, t in self.blocks],
             "solver_status": self.solver_status,
             "label": self.label,
+            "recompute": self.recompute,
             "cost": {
                 "step_time": self.cost.step_time,
                 "mfu": self.cost.mfu,
@@ -439,6 +441,7 @@ class Plan:
                           c["model_flops"], dict(c.get("memory_breakdown", {}))),
             solver_status=d.get("solver_status", "optimal"),
             label=d.get("label", "auto"),
+            recompute=d.get("recompute", "none"),
             pipeline=PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") else None,
         )
 

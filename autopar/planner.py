@@ -13,11 +13,12 @@ import time
 
 import torch
 
-from autopar.cost import ATTENTION_OPS, MATMUL_OPS, CostModel, Priced, collective_time, grad_sync_axes, itemsize, op_flops, peak_memory, price_steps, wire_bytes
+from autopar.cost import ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, CostModel, Priced, collective_time, grad_sync_axes, itemsize, op_flops, peak_memory, price_steps, wire_bytes
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
-from autopar.solver import Choice, Pin, Problem, build_problem, solve, zero_groups
+from autopar.errors import AutoparError
+from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, solve, zero_groups
 from autopar.zero import ZeroOption, eligible, gather_priced, param_cost, scatter_priced, shard_factor, zero3_uses
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info
@@ -26,14 +27,35 @@ from autopar.trace import INPUT, PARAM, TracedGraph
 N_ALTERNATIVES = 6
 
 
-def make_plan(tg: TracedGraph, mesh: Mesh, memory_budget: float | None = None, pins: list[Pin] | None = None) -> Plan:
+def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostModel:
+    """The cost model of ``tg`` on ``mesh`` with activation recomputation ``recompute`` (none / selective / full)
+    applied to the nodes of its repeated blocks; each block's inputs stay kept (recomputation starts from them)."""
+    if recompute not in RECOMPUTE:
+        raise AutoparError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if recompute == "none" or not tg.blocks:
+        return CostModel(mesh)
+    nodes = tg.nodes
+    modes, kept = {}, set()
+    for b in tg.blocks:
+        inside = set(b.nodes)
+        for name in b.nodes:
+            modes[name] = recompute
+            for a in nodes[name].all_input_nodes:
+                if a.name not in inside and a.op == "call_function":
+                    kept.add(_storage_root(a).name)
+    return CostModel(mesh, modes, frozenset(kept))
+
+
+def make_plan(tg: TracedGraph, mesh: Mesh, memory_budget: float | None = None, pins: list[Pin] | None = None,
+              recompute: str = "none") -> Plan:
     t0 = time.perf_counter()
-    cost = CostModel(mesh)
+    cost = cost_model(tg, mesh, recompute)
     problem = build_problem(tg, mesh, cost)
     budget = mesh.hardware.memory if memory_budget is None else float(memory_budget)
     choice = solve(tg, mesh, cost, problem, budget, list(pins or []))
     t1 = time.perf_counter()
     plan = price(tg, mesh, problem, choice, cost)
+    plan.recompute = recompute
     plan.timings = {"strategies+cost": problem.timings.get("strategies", 0.0), "solve": problem.timings.get("solve", 0.0),
                     "price": time.perf_counter() - t1, "ilp variables": problem.timings.get("ilp_size", 0.0)}
     plan.timings["plan total"] = time.perf_counter() - t0
@@ -63,7 +85,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if src == dst or (u, str(dst)) in emitted:
             continue
         emitted[(u, str(dst))] = v
-        pr = cost.edge_priced(m, src, dst, problem.requires_grad.get(u, False))
+        pr = cost.edge_priced(m, src, dst, problem.requires_grad.get(u, False), v)
         add(pr, f"{v} <- {u}")
         edge_seconds[v] = edge_seconds.get(v, 0.0) + sum(p.seconds for p in pr)
     # parameters: gradient all-reduce buckets (ZeRO-0, and ZeRO-3 shards over the axes they do not shard) and
@@ -165,9 +187,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             for si, st in enumerate(problem.cands[name]):
                 t = problem.costs[name][si].time
                 for u, i, m in ins_of.get(name, []):
-                    t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False))
+                    t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False), name)
                 for v, i, m in outs_of.get(name, []):
-                    t += cost.edge_time(m, st.output, strategy[v].inputs[i], problem.requires_grad.get(name, False))
+                    t += cost.edge_time(m, st.output, strategy[v].inputs[i], problem.requires_grad.get(name, False), v)
                 scored.append((t, problem.costs[name][si].memory, si))
             scored.sort(key=lambda r: (r[0], r[1], r[2]))
             keep = scored[:N_ALTERNATIVES]
@@ -179,7 +201,12 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     # totals
     compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order) + copy_time
     comm = sum(c.seconds for c in collectives)
-    step = compute + comm
+    # data-parallel communication (gradient buckets, ZeRO) runs beside the critical path when the runtime overlaps it
+    dp_comm = sum(c.seconds for c in collectives if c.where.startswith(("grads[", "zero")))
+    step = max(compute + comm - dp_comm, dp_comm) if mesh.hardware.overlap else compute + comm
+    first = next((b for b in tg.blocks), None)
+    if first is not None:  # recomputation brings one block's activations back while its backward runs
+        t_act = max(t_act, sum(problem.costs[n][choice.index[n]].regen for n in first.nodes if n in choice.index))
     state += sum(problem.costs[n][choice.index[n]].state for n in problem.order)
     grad += sum(problem.costs[n][choice.index[n]].grad for n in problem.order)
     act += sum(problem.costs[n][choice.index[n]].act for n in problem.order)

@@ -248,7 +248,8 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
                 cs = [c for c in cs if all(isinstance(c.inputs[i][a], Replicate) for i in weights for a in data)] or cs
             info = op_info(n)
             cands[n.name] = cs
-            costs[n.name] = [cost.op(info, s, rg[n.name], saved_out.get(n.name, False), internal.get(n.name, 0)) for s in cs]
+            kept = saved_out.get(n.name, False) or n.name in cost.kept
+            costs[n.name] = [cost.op(info, s, rg[n.name], kept, internal.get(n.name, 0), n.name) for s in cs]
         if n.op == "placeholder":
             u = uses.get(n.name, [])
             if pk != INPUT and len(u) == 1 and u[0][0] != "output":
@@ -509,6 +510,9 @@ def solve(
     m_state = {r: [0.0] * nstrat[r] for r in decisions}
     m_grad = {r: [0.0] * nstrat[r] for r in decisions}
     m_act = {r: [0.0] * nstrat[r] for r in decisions}
+    t_ovl = {r: [0.0] * nstrat[r] for r in decisions}  # data-parallel communication the runtime can overlap
+    regen = {r: [0.0] * nstrat[r] for r in decisions}  # bytes one block's recomputation brings back
+    first_block = set(next((b.nodes for b in tg.blocks), ()))
     ins_of: dict[str, dict[int, tuple[str, TensorMeta]]] = {}
     for u, v, i, m in P_.edges:
         ins_of.setdefault(v, {})[i] = (u, m)
@@ -517,13 +521,15 @@ def solve(
         k = P_.kind[n]
         for s in range(nstrat[r]):
             nc = P_.costs[n][P_.index(n, s)]
-            t = nc.time
+            t = nc.compute
+            t_ovl[r][s] += nc.comm  # a parameter's gradient sync: overlappable
+            regen[r][s] += nc.regen * (n in first_block)
             if k == FOLLOWER:
                 u, m = ins_of[n][P_.main_slot[n]]
-                t += cost.edge_time(m, P_.strategy(u, s).output, P_.strategy(n, s).inputs[P_.main_slot[n]], P_.requires_grad.get(u, False))
+                t += cost.edge_time(m, P_.strategy(u, s).output, P_.strategy(n, s).inputs[P_.main_slot[n]], P_.requires_grad.get(u, False), n)
             elif k == FOLDED:
                 user, slot = P_.folded_use[n]
-                t += cost.edge_time(P_.meta[n], P_.strategy(n, s).output, P_.strategy(user, s).inputs[slot], P_.requires_grad.get(n, False))
+                t += cost.edge_time(P_.meta[n], P_.strategy(n, s).output, P_.strategy(user, s).inputs[slot], P_.requires_grad.get(n, False), user)
             t_lin[r][s] += t
             m_state[r][s] += nc.state
             m_grad[r][s] += nc.grad
@@ -562,7 +568,8 @@ def solve(
                 d[2] += c.grad - base.grad
                 d[3] += (c.comm + c.copy) - (base.comm + base.copy)
 
-    terms = []
+    terms = []  # the step's critical path: compute and the collectives between ops
+    oterms = []  # data-parallel communication (gradient buckets, ZeRO): beside compute when the runtime overlaps it
     # user inputs of equal rank share one Spec
     ins = [n for n in P_.order if tg.kinds.get(n) == INPUT]
     for a, b in zip(ins, ins[1:]):
@@ -620,7 +627,7 @@ def solve(
                 specs_v, xs_v = [st.inputs[i] for st in P_.cands[v]], x[v]
             if v == r:  # the edge ends at the decision that fixes its source: its cost is a function of x[r]
                 for s, (o, d) in enumerate(zip(outs, specs_v)):
-                    t_lin[r][s] += g["count"][ek] * cost.edge_time(m, o, d, rgrad)
+                    t_lin[r][s] += g["count"][ek] * cost.edge_time(m, o, d, rgrad, v)
                 continue
             vd = list(dict.fromkeys(d for d, live in zip(specs_v, xs_v) if live is not None))
             ind = {}
@@ -649,7 +656,7 @@ def solve(
             for ek in eks:
                 m, rgrad = g["info"][ek]
                 for od, iv in indicators[ek].items():
-                    demands.setdefault(od, []).append((iv, cost.edge_time(m, od[0], od[1], rgrad)))
+                    demands.setdefault(od, []).append((iv, cost.edge_time(m, od[0], od[1], rgrad, None if isinstance(ek[0], tuple) else ek[0])))
             for od, used in demands.items():
                 c = max(ci for _, ci in used)
                 if c <= 0 or objective == "memory":
@@ -677,7 +684,7 @@ def solve(
         for k, zv in enumerate(zvar[g]):
             dlat = copies * (group_latency(zopts[k], mesh, gparams, all_copies) - group_latency(zopts[0], mesh, gparams, all_copies))
             if zv is not None and dlat and objective != "memory":
-                terms.append((dlat * US, zv))
+                oterms.append((dlat * US, zv))
     mem_a, mem_g = [], []  # terms of the two peaks: state + activations, state + gradients
     ind: dict[tuple[str, int, str, int], object] = {}  # (decision, strategy, group, option) -> x * z
     for (r, s, g), row in zdelta.items():
@@ -698,7 +705,7 @@ def solve(
             ws.append(w)
             ds, da, dg, dc = row[k]
             if objective != "memory" and dc:
-                terms.append((dc * US, w))
+                oterms.append((dc * US, w))
             mem_a.append(((ds + da) * MB, w))
             mem_g.append(((ds + dg) * MB, w))
         if ws:
@@ -729,6 +736,10 @@ def solve(
         if (r, s, g, k) in ind:
             solver.Add(top_g >= b * MB * ind[(r, s, g, k)])
             solver.Add(top_a >= b * MB * ind[(r, s, g, k)])
+    # recomputation: while one block's backward runs, what its forward kept not is alive again (blocks are tied:
+    # the first stands for all)
+    if any(any(row) for row in regen.values()):
+        solver.Add(top_a >= sum(regen[r][s] * MB * xv for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]))
     mem_a.append((1.0, top_a))
     mem_g.append((1.0, top_g))
     # node terms and memory
@@ -739,6 +750,7 @@ def solve(
             st, gr, ac = m_state[r][s], m_grad[r][s], m_act[r][s]
             if objective != "memory":
                 terms.append((t_lin[r][s] * US + 1e-3 * (st + max(gr, ac)) * MB, xv))
+                oterms.append((t_ovl[r][s] * US, xv))
             mem_a.append(((st + ac) * MB, xv))
             mem_g.append(((st + gr) * MB, xv))
     peak_a = sum(c * v for c, v in mem_a if c)
@@ -751,7 +763,16 @@ def solve(
     elif memory_budget is not None:
         solver.Add(peak_a <= memory_budget * MB)
         solver.Add(peak_g <= memory_budget * MB)
-    solver.Minimize(sum(c * v for c, v in terms if c))
+    if objective != "memory" and mesh.hardware.overlap and oterms:
+        # step = max(critical path, overlapped communication)
+        crit = sum(c * v for c, v in terms if c)
+        ovl = sum(c * v for c, v in oterms if c)
+        top_t = solver.NumVar(0.0, solver.infinity(), "step")
+        solver.Add(top_t >= crit)
+        solver.Add(top_t >= ovl)
+        solver.Minimize(top_t + 1e-6 * crit)
+    else:
+        solver.Minimize(sum(c * v for c, v in terms + oterms if c))
     solver.SetTimeLimit(int(time_limit_s * 1000))
     floor_choice = None
     if memory_budget is not None and objective == "time" and not relax:

@@ -1,10 +1,11 @@
 """Trace: a user's nn.Module and one example global batch -> the ATen-level forward graph autopar plans on.
 
 In: ``model`` (on cpu or the meta device, any size), ``example_inputs`` (a tuple; its shapes and dtypes define
-the plan).
+the plan), ``full`` (export every repeated layer instead of copying one; default False, see below).
 Out: a ``TracedGraph``: a torch.fx GraphModule whose placeholders are the parameters, buffers, lifted constants
 and user inputs (in that order), FakeTensor metadata (``node.meta["val"]``) on every node, the FQN of every
-parameter and buffer, the module each op came from, and the repeated-layer structure (``blocks``).
+parameter and buffer, the module each op came from, the repeated-layer structure (``blocks``), and how many layers
+were copied rather than traced (``synthesized_blocks``).
 
 The graph comes from ``torch.export.export(..., strict=False)``. It is then canonicalised so that every op's
 strategies are simple, with the same values as the original:
@@ -16,13 +17,36 @@ strategies are simple, with the same values as the original:
 - ``dropout(x, p=0)``          -> ``x``;  ``_assert_tensor_metadata`` (export's check before ``.to``) -> removed
 
 Nothing here touches the user's model: export reads it, the parameters stay where they are.
+
+Repeated layers are traced once. Exporting costs time in proportion to the ops run (a 96-layer GPT-3 175B: ~3 s on
+2 cores), and most of a deep model is one layer repeated. So when the model holds a container of ``N >= 4``
+identical layers (an ``nn.ModuleList`` / ``nn.Sequential`` whose children have one class, the same parameter and
+buffer names, shapes, dtypes and ``requires_grad``, the same plain attributes, and share no tensor with anything
+else), ``trace`` exports a shallow copy of the model whose container holds only its first 2 layers, copies the
+second layer's ops ``N - 2`` times (its parameters become the next layer's, its input the previous layer's output)
+and gives every node the name, the metadata and the place the full export would give it. The result is the same
+graph, node for node (``trace(..., full=True)`` forces the full export; ``TracedGraph.synthesized_blocks`` says how
+many layers were copied, 0 when none were). Before the copy is used it must be proved on the model itself:
+
+- layers 0 and 1 are tied (same ops, shapes, wiring; see ``_find_blocks``), run back to back, read only their own
+  parameters plus values from outside the container that both read alike (RoPE tables), and nothing outside the
+  layers reads layer 0's values or any layer's parameters;
+- the 3-layer copy grown from the 2-layer export equals the 3-layer export, name for name and shape for shape
+  (this catches a forward that uses the number of layers outside the layers, e.g. ``x / len(self.layers)``).
+
+The assumption left: the model's forward iterates its layer container, and neither the layers (beyond an index
+attribute such as ``layer_idx``) nor the rest of the forward behave differently past layer 3. A model that does
+(a layer that branches on ``self.layer_idx >= 8``) needs ``full=True``. Whenever a check fails, the whole model is
+exported, silently. The user's model is not modified: the copies are shallow, with their own module dicts.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import operator
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +85,7 @@ class TracedGraph:
     aliases: dict[str, str] = field(default_factory=dict)  # FQN of a tied parameter's other name -> the FQN kept
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted constant name -> value
     hash: str = ""
+    synthesized_blocks: int = 0  # repeated layers copied from a traced one instead of traced (0: the full export)
 
     @property
     def nodes(self) -> dict[str, fx.Node]:
@@ -293,7 +318,366 @@ def _as_meta(x):
     return x
 
 
-def trace(model: torch.nn.Module, example_inputs: tuple) -> TracedGraph:
+@dataclass
+class _Exported:
+    """What ``trace`` reads from an export: the graph and what each placeholder and output is."""
+
+    gm: fx.GraphModule
+    inputs: list[tuple[str, str, str | None]]  # (placeholder name, the signature's kind name, target), in order
+    outputs: list[tuple[str, str | None]]  # (the signature's output kind name, target)
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    constants: dict[str, torch.Tensor]
+    synthesized: int = 0
+
+
+def _exported(ep: torch.export.ExportedProgram) -> _Exported:
+    sig = ep.graph_signature
+    return _Exported(
+        gm=ep.graph_module,
+        inputs=[(s.arg.name, s.kind.name, s.target) for s in sig.input_specs],
+        outputs=[(s.kind.name, s.target) for s in sig.output_specs],
+        in_spec=ep.call_spec.in_spec,
+        out_spec=ep.call_spec.out_spec,
+        constants=dict(ep.constants),
+    )
+
+
+# --- repeated layers: trace two, copy the second ---------------------------------------------------------------
+
+class _Unsafe(Exception):
+    """The repeated layers cannot be proved safe to copy: the whole model is exported instead."""
+
+
+# int attributes that may differ between otherwise identical layers by exactly their position (HF's layer_idx,
+# Meta's layer_id, Megatron's layer_number): used for KV-cache slots, not in a training forward
+_INDEX_ATTR = re.compile(r"(idx|index|layer_id|layer_num|block_id)")
+# torch.fx names a node ``base`` or ``base_<n>`` (export keeps those names; placeholders: prefix + FQN)
+_NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")
+_PREFIX = {"PARAMETER": "p_", "BUFFER": "b_"}
+_MIN_LAYERS = 4  # below this, tracing 2 and 3 layers to prove the copy is no faster than tracing them all
+
+
+def _equal(a, b) -> bool:
+    """Whether two plain attribute values are equal (tensors never are: each layer's would be its own)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or isinstance(a, torch.Tensor):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # an == that is not a truth value (arrays): treat as different
+        return False
+
+
+def _same_attrs(a: torch.nn.Module, b: torch.nn.Module, offset: int) -> bool:
+    va, vb = vars(a), vars(b)
+    if list(va) != list(vb):
+        return False
+    for key, x in va.items():
+        y = vb[key]
+        if key in ("_modules", "_parameters", "_buffers"):
+            continue  # compared by name, shape and dtype
+        if "hook" in key and isinstance(x, dict):
+            if not _equal(list(x.values()), list(y.values())):  # keyed by handle ids, which differ
+                return False
+        elif isinstance(x, int) and not isinstance(x, bool) and type(y) is int and _INDEX_ATTR.search(key):
+            if y - x != offset:
+                return False
+        elif not _equal(x, y):
+            return False
+    return True
+
+
+def _same_layers(children: list[torch.nn.Module], uses: Counter) -> bool:
+    """Whether every child is a copy of the first: same modules, tensors and attributes, nothing shared."""
+    def tensors(m):
+        ps = [(n, t) for n, t in m.named_parameters(remove_duplicate=False)]
+        bs = [(n, t) for n, t in m.named_buffers(remove_duplicate=False)]
+        return ps + bs
+
+    def describe(m):
+        mods = [(n, type(s)) for n, s in m.named_modules(remove_duplicate=False)]
+        ts = [(n, tuple(t.shape), t.dtype, t.device, t.requires_grad, isinstance(t, torch.nn.Parameter)) for n, t in tensors(m)]
+        return mods, ts
+
+    first = children[0]
+    want = describe(first)
+    for i, child in enumerate(children):
+        if type(child) is not type(first) or describe(child) != want:
+            return False
+        # a module or tensor used twice (one layer object repeated, ALBERT-style sharing, a tied weight) is one
+        # placeholder for all its uses, not one per layer
+        if any(uses[id(s)] != 1 for _, s in child.named_modules(remove_duplicate=False)):
+            return False
+        if any(uses[id(t)] != 1 for _, t in tensors(child)):
+            return False
+        subs0 = [s for _, s in first.named_modules(remove_duplicate=False)]
+        subs = [s for _, s in child.named_modules(remove_duplicate=False)]
+        if not all(_same_attrs(a, b, i) for a, b in zip(subs0, subs)):
+            return False
+    return True
+
+
+def _layer_container(model: torch.nn.Module) -> tuple[str, int] | None:
+    """(path, length) of the model's longest container of identical layers, or None."""
+    uses: Counter = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    uses.update(id(t) for _, t in model.named_parameters(remove_duplicate=False))
+    uses.update(id(t) for _, t in model.named_buffers(remove_duplicate=False))
+    found: list[tuple[str, int]] = []
+    for path, mod in model.named_modules():
+        if not path or not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        if any(part.isdigit() for part in path.split(".")):
+            continue  # inside a layer of a container (an MoE's experts): the layers themselves are what repeats
+        children = list(mod._modules.items())
+        if len(children) < _MIN_LAYERS or [k for k, _ in children] != [str(i) for i in range(len(children))]:
+            continue
+        if any(c is None for _, c in children) or not _same_layers([c for _, c in children], uses):
+            continue
+        found.append((path, len(children)))
+    return max(found, key=lambda f: f[1]) if found else None
+
+
+def _truncated(model: torch.nn.Module, path: str, keep: int) -> torch.nn.Module:
+    """A shallow copy of ``model`` whose container at ``path`` holds only its first ``keep`` layers.
+
+    The root, every module on the way to the container and the container are copied with dicts of their own, so
+    export's temporary swaps of parameters on these copies and the shorter container never reach the user's model;
+    every other module (the layers kept among them) is the user's own object.
+    """
+    def own(m: torch.nn.Module) -> torch.nn.Module:
+        c = copy.copy(m)
+        for key in ("_modules", "_parameters", "_buffers"):
+            c.__dict__[key] = dict(m.__dict__[key])
+        c.__dict__["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
+        return c
+
+    root = parent = own(model)
+    *outer, last = path.split(".")
+    for name in outer:
+        child = own(parent._modules[name])
+        parent._modules[name] = child
+        parent = child
+    short = own(parent._modules[last])
+    short.__dict__["_modules"] = dict(list(short._modules.items())[:keep])
+    parent._modules[last] = short
+    return root
+
+
+def _split(name: str) -> tuple[str, int]:
+    m = _NAME.match(name)
+    if m is None:
+        raise _Unsafe(f"unexpected node name {name!r}")
+    return m.group(1), int(m.group(2) or 0)
+
+
+def _steps(pairs) -> dict[str, int]:
+    """base name -> how much its number grows from one layer to the next, from (layer 0, layer 1) name pairs."""
+    step: dict[str, int] = {}
+    for a, b in pairs:
+        (ba, na), (bb, nb) = _split(a), _split(b)
+        if ba != bb or nb <= na or step.setdefault(ba, nb - na) != nb - na:
+            raise _Unsafe(f"names {a!r} and {b!r} do not number the layers evenly")
+    return step
+
+
+def _shift(name: str, step: dict[str, int], times: int) -> str:
+    base, num = _split(name)
+    return f"{base}_{num + step[base] * times}" if base in step and times else name
+
+
+def _fqn_name(kind: str, fqn: str) -> str:
+    """The placeholder name export gives a parameter or buffer (torch._export.utils.placeholder_naming_pass)."""
+    return _PREFIX[kind] + re.sub(r"[^a-zA-Z0-9]", "_", fqn).lower()
+
+
+def _grow(ex: _Exported, path: str, n: int) -> _Exported:
+    """The export of the model with ``n`` layers at ``path``, built from ``ex``, its export with 2 of them."""
+    g = ex.gm.graph
+    nodes = list(g.nodes)
+    pos = {x: i for i, x in enumerate(nodes)}
+    kind_of = {name: kind for name, kind, _ in ex.inputs}
+    target_of = {name: target for name, _, target in ex.inputs}
+    if any(k not in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR", "USER_INPUT") for k in kind_of.values()):
+        raise _Unsafe("an input kind the copy does not handle")
+    if any(k != "USER_OUTPUT" for k, _ in ex.outputs):
+        raise _Unsafe("the forward mutates state")  # the full export reports it
+    fqns = {name: t for name, t in target_of.items() if kind_of[name] in _PREFIX}
+    names = [f"{path}.0", f"{path}.1"]
+    blocks, _ = _find_blocks(ex.gm, fqns)
+    by_fqn = {b.fqn: b for b in blocks}
+    if names[0] not in by_fqn or names[1] not in by_fqn or by_fqn[names[1]].tied_to != names[0]:
+        raise _Unsafe("layers 0 and 1 are not tied")
+    by_name = {x.name: x for x in nodes}
+    b0 = [by_name[x] for x in by_fqn[names[0]].nodes]
+    b1 = [by_name[x] for x in by_fqn[names[1]].nodes]
+    # the two layers run back to back, with nothing of the model's own between or inside them
+    start = pos[b0[0]]
+    if [pos[x] for x in b0 + b1] != list(range(start, start + len(b0) + len(b1))):
+        raise _Unsafe("the layers' ops are not contiguous")
+    in0, in1 = set(b0), set(b1)
+    index0, index1 = {x: i for i, x in enumerate(b0)}, {x: i for i, x in enumerate(b1)}
+    own = [
+        [x for x in nodes if x.op == "placeholder" and x.name in fqns and fqns[x.name].startswith(f + ".")]
+        for f in names
+    ]
+    own0, own1 = set(own[0]), set(own[1])
+    for i, ps in enumerate(own):
+        for x in ps:
+            if x.name != _fqn_name(kind_of[x.name], fqns[x.name]):
+                raise _Unsafe(f"placeholder {x.name!r} is not named after {fqns[x.name]!r}")
+    # layer 1's parameters (and buffers) follow each other: layer k's go right after layer k-1's
+    last_own: dict[fx.Node, list[fx.Node]] = {}
+    for kind in _PREFIX:
+        ps = [x for x in own[1] if kind_of[x.name] == kind]
+        if ps:
+            if [pos[x] for x in ps] != list(range(pos[ps[0]], pos[ps[0]] + len(ps))):
+                raise _Unsafe("layer 1's parameters are not contiguous")
+            last_own[ps[-1]] = ps
+    # outside the layers, nothing may read layer 0's values (all hidden states) or a layer's parameters
+    for x in nodes:
+        if x not in in0 and x not in in1 and any(a in in0 or a in own0 or a in own1 for a in x.all_input_nodes):
+            raise _Unsafe(f"{x.name} reads a layer's parameter or layer 0's value")
+
+    def flat(x: fx.Node) -> list[fx.Node]:
+        out: list[fx.Node] = []
+        fx.node.map_arg((x.args, x.kwargs), out.append)
+        return out
+
+    # layer 1 reads what layer 0 reads, except layer 0's own values and parameters for layer 1's
+    for x0, x1 in zip(b0, b1):
+        f0, f1 = flat(x0), flat(x1)
+        if len(f0) != len(f1):
+            raise _Unsafe(f"{x0.name} and {x1.name} differ")
+        for a0, a1 in zip(f0, f1):
+            if a1 in in1:
+                ok = a0 in in0 and index0[a0] == index1[a1]
+            elif a1 in in0:
+                ok = a0 not in in0 and a0 not in own0 and a0 not in own1  # the layer's input: layer 0 had the model's
+            elif a1 in own1:
+                ok = a0 in own0 and fqns[a0.name][len(names[0]) :] == fqns[a1.name][len(names[1]) :]
+            else:
+                ok = a0 is a1  # read alike from outside the layers (RoPE tables)
+            if not ok:
+                raise _Unsafe(f"{x1.name} reads {a1.name} where {x0.name} reads {a0.name}")
+    step = _steps((x0.name, x1.name) for x0, x1 in zip(b0, b1))
+    fns = [(x0.meta.get("torch_fn"), x1.meta.get("torch_fn")) for x0, x1 in zip(b0, b1)]
+    if any((a is None) != (b is None) for a, b in fns):
+        raise _Unsafe("torch_fn metadata differs")
+    fn_step = _steps((a[0], b[0]) for a, b in fns if a is not None)
+
+    def meta(x: fx.Node, k: int) -> dict:
+        """x's metadata, for its copy in layer k (x in layer 1) or for a node after the layers (k = n - 1)."""
+        m = copy.copy(x.meta)  # "val" (the FakeTensor) is shared: the copies have the same shape, dtype, strides
+        if m.get("torch_fn") is not None:
+            m["torch_fn"] = (_shift(m["torch_fn"][0], fn_step, k - 1), m["torch_fn"][1])
+        if x in in1 and "nn_module_stack" in m:
+            stack = {}
+            for key, (fqn, cls) in m["nn_module_stack"].items():
+                if fqn == names[1] or fqn.startswith(names[1] + "."):
+                    new = f"{path}.{k}" + fqn[len(names[1]) :]
+                    at = key.find(fqn)
+                    key = key[:at] + new + key[at + len(fqn) :] if at >= 0 else key
+                    fqn = new
+                stack[key] = (fqn, cls)
+            m["nn_module_stack"] = stack
+        return m
+
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}  # node of the 2-layer graph -> its node in the new one
+    params: dict[tuple[fx.Node, int], fx.Node] = {}  # (layer 1's placeholder, k) -> layer k's
+    inputs: list[tuple[str, str, str | None]] = []
+
+    def emit(x: fx.Node, name: str, args, kwargs) -> fx.Node:
+        y = new.create_node(x.op, x.target if x.op != "placeholder" else name, args, kwargs, name=name, type_expr=x.type)
+        if y.name != name:
+            raise _Unsafe(f"name {name!r} is taken")
+        return y
+
+    after = pos[b1[-1]] + 1
+    for x in nodes:
+        if pos[x] == after:
+            # layers 2 .. n-1: layer 1's ops again, reading layer k's parameters and layer k-1's values
+            prev = {x0: env[x1] for x0, x1 in zip(b0, b1)}
+            for k in range(2, n):
+                cur: dict[fx.Node, fx.Node] = {}
+
+                def arg(a: fx.Node, k=k, cur=cur, prev=prev) -> fx.Node:
+                    if a in in1:
+                        return cur[a]
+                    if a in in0:
+                        return prev[a]
+                    if a in own1:
+                        return params[a, k]
+                    return env[a]
+
+                for x1 in b1:
+                    y = emit(x1, _shift(x1.name, step, k - 1), fx.node.map_arg(x1.args, arg), fx.node.map_arg(x1.kwargs, arg))
+                    y.meta = meta(x1, k)
+                    cur[x1] = y
+                prev = {x0: cur[x1] for x0, x1 in zip(b0, b1)}
+            env.update({x1: prev[x0] for x0, x1 in zip(b0, b1)})  # what read layer 1's output reads layer n-1's
+        if x.op == "placeholder":
+            y = emit(x, x.name, x.args, x.kwargs)
+            y.meta = copy.copy(x.meta)
+            inputs.append((x.name, kind_of[x.name], target_of[x.name]))
+        else:
+            later = pos[x] >= after
+            name = _shift(x.name, step, n - 2) if later else x.name
+            y = emit(x, name, fx.node.map_arg(x.args, env.__getitem__), fx.node.map_arg(x.kwargs, env.__getitem__))
+            y.meta = meta(x, n - 1) if later else copy.copy(x.meta)
+        env[x] = y
+        if x in last_own:
+            for k in range(2, n):
+                for p in last_own[x]:
+                    fqn = f"{path}.{k}" + fqns[p.name][len(names[1]) :]
+                    kind = kind_of[p.name]
+                    y = emit(p, _fqn_name(kind, fqn), p.args, p.kwargs)
+                    y.meta = copy.copy(p.meta)
+                    params[p, k] = y
+                    inputs.append((y.name, kind, fqn))
+    gm = fx.GraphModule(ex.gm, new)
+    gm.meta.update(ex.gm.meta)
+    return _Exported(gm, inputs, ex.outputs, ex.in_spec, ex.out_spec, ex.constants, synthesized=n - 2)
+
+
+def _fingerprint(ex: _Exported) -> tuple:
+    """Everything of an export that ``trace`` reads: to prove a grown export equal to a real one."""
+    meta = [
+        (x.name, x.meta.get("nn_module_stack"), x.meta.get("torch_fn"), x.meta.get("stack_trace"), x.type)
+        for x in ex.gm.graph.nodes
+    ]
+    return _graph_hash(ex.gm), meta, ex.inputs, ex.outputs, sorted(ex.constants), str(ex.in_spec), str(ex.out_spec)
+
+
+def _repeated(model: torch.nn.Module, args: tuple) -> _Exported | None:
+    """The model's export with its repeated layers traced once and copied, or None where that is not proved safe."""
+    found = _layer_container(model)
+    if found is None:
+        return None
+    path, n = found
+    try:
+        two = _exported(torch.export.export(_truncated(model, path, 2), args, strict=False))
+        three = _exported(torch.export.export(_truncated(model, path, 3), args, strict=False))
+    except Exception:  # noqa: BLE001  (torch raises many kinds; the full export reports it in the model's terms)
+        return None
+    try:
+        # a forward that uses the number of layers outside them (x / len(self.layers)) differs here
+        if _fingerprint(_grow(two, path, 3)) != _fingerprint(three):
+            return None
+        return _grow(two, path, n)
+    except _Unsafe:
+        return None
+
+
+def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> TracedGraph:
+    """Trace ``model`` on ``example_inputs``; ``full=True`` exports every layer instead of copying repeated ones
+    (for a forward that behaves differently past its third layer; see the module docstring)."""
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"autopar parallelizes an nn.Module; got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
@@ -312,27 +696,28 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> TracedGraph:
     devices = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
     if devices == {"meta"}:
         example_inputs = pytree.tree_map(_as_meta, example_inputs)
-    ep = _export(model, example_inputs)
+    ex = None if full else _repeated(model, example_inputs)
+    if ex is None:
+        ex = _exported(_export(model, example_inputs))
 
-    sig = ep.graph_signature
     kind_map = {"PARAMETER": PARAM, "BUFFER": BUFFER, "CONSTANT_TENSOR": CONSTANT, "USER_INPUT": INPUT}
     kinds, fqns, user_inputs = {}, {}, []
-    for spec in sig.input_specs:
-        kind = kind_map.get(spec.kind.name)
+    for name, kind_name, target in ex.inputs:
+        kind = kind_map.get(kind_name)
         if kind is None:
-            raise TraceError(f"the exported graph has an input of kind {spec.kind.name} ({spec.arg.name}); autopar supports parameters, buffers, constants and tensor inputs")
-        kinds[spec.arg.name] = kind
+            raise TraceError(f"the exported graph has an input of kind {kind_name} ({name}); autopar supports parameters, buffers, constants and tensor inputs")
+        kinds[name] = kind
         if kind == INPUT:
-            user_inputs.append(spec.arg.name)
+            user_inputs.append(name)
         else:
-            fqns[spec.arg.name] = spec.target
-    for spec in sig.output_specs:
-        if spec.kind.name != "USER_OUTPUT":
+            fqns[name] = target
+    for kind_name, target in ex.outputs:
+        if kind_name != "USER_OUTPUT":
             raise TraceError(
-                f"the model's forward mutates {spec.target!r} ({spec.kind.name}); autopar needs a forward without side "
+                f"the model's forward mutates {target!r} ({kind_name}); autopar needs a forward without side "
                 "effects on buffers (e.g. BatchNorm running statistics): use a norm without running state, or eval-mode buffers"
             )
-    gm = ep.graph_module
+    gm = ex.gm
     # a parameter shared by several modules (tied embeddings) is one parameter: one placeholder, several uses
     aliases: dict[str, str] = {}
     first: dict[int, fx.Node] = {}
@@ -363,13 +748,14 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> TracedGraph:
         kinds=kinds,
         fqns=fqns,
         user_inputs=user_inputs,
-        in_spec=ep.call_spec.in_spec,
-        out_spec=ep.call_spec.out_spec,
+        in_spec=ex.in_spec,
+        out_spec=ex.out_spec,
         module_of=module_of,
         blocks=blocks,
         rep=rep,
         trainable={n for n, k in kinds.items() if k == PARAM and model.get_parameter(fqns[n]).requires_grad},
         aliases=aliases,
-        constants=dict(ep.constants),
+        constants=ex.constants,
         hash=_graph_hash(gm),
+        synthesized_blocks=ex.synthesized,
     )

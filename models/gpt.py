@@ -53,6 +53,12 @@ class GPTConfig:
         return GPTConfig(vocab_size=51200, block_size=2048, n_layer=layers, n_head=heads, n_embd=width)
 
     @staticmethod
+    def megatron(size: str) -> "GPTConfig":
+        """The GPT ladder of Narayanan et al. (SC'21, Table 1): context 2048, vocabulary 51200."""
+        layers, width, heads = MEGATRON_SIZES[size]
+        return GPTConfig(vocab_size=51200, block_size=2048, n_layer=layers, n_head=heads, n_embd=width)
+
+    @staticmethod
     def gpt3_175b() -> "GPTConfig":
         return GPTConfig.gpt3("175b")
 
@@ -67,6 +73,13 @@ class GPTConfig:
 GPT3_SIZES = {
     "125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1.3b": (24, 2048, 16),
     "2.7b": (32, 2560, 32), "6.7b": (32, 4096, 32), "13b": (40, 5120, 40), "175b": (96, 12288, 96),
+}
+
+# Megatron-LM's weak-scaling ladder (SC'21, Table 1): (layers, width, heads)
+MEGATRON_SIZES = {
+    "1.7b": (24, 2304, 24), "3.6b": (30, 3072, 32), "7.5b": (36, 4096, 32), "18.4b": (40, 6144, 48),
+    "39.1b": (48, 8192, 64), "76.1b": (60, 10240, 80), "145.6b": (80, 12288, 96), "310.1b": (96, 16384, 128),
+    "529.6b": (105, 20480, 128), "1t": (128, 25600, 160),
 }
 
 

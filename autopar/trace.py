@@ -386,7 +386,7 @@ def _same_attrs(a: torch.nn.Module, b: torch.nn.Module, offset: int) -> bool:
             if not _equal(list(x.values()), list(y.values())):  # keyed by handle ids, which differ
                 return False
         elif isinstance(x, int) and not isinstance(x, bool) and type(y) is int and _INDEX_ATTR.search(key):
-            if y - x != offset:
+            if y != x and y - x != offset:  # equal (padding_idx), or the layer's position
                 return False
         elif not _equal(x, y):
             return False
@@ -407,6 +407,7 @@ def _same_layers(children: list[torch.nn.Module], uses: Counter) -> bool:
 
     first = children[0]
     want = describe(first)
+    subs0 = [s for _, s in first.named_modules(remove_duplicate=False)]
     for i, child in enumerate(children):
         if type(child) is not type(first) or describe(child) != want:
             return False
@@ -416,7 +417,6 @@ def _same_layers(children: list[torch.nn.Module], uses: Counter) -> bool:
             return False
         if any(uses[id(t)] != 1 for _, t in tensors(child)):
             return False
-        subs0 = [s for _, s in first.named_modules(remove_duplicate=False)]
         subs = [s for _, s in child.named_modules(remove_duplicate=False)]
         if not all(_same_attrs(a, b, i) for a, b in zip(subs0, subs)):
             return False
@@ -527,7 +527,7 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
         for f in names
     ]
     own0, own1 = set(own[0]), set(own[1])
-    for i, ps in enumerate(own):
+    for ps in own:
         for x in ps:
             if x.name != _fqn_name(kind_of[x.name], fqns[x.name]):
                 raise _Unsafe(f"placeholder {x.name!r} is not named after {fqns[x.name]!r}")

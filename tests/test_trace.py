@@ -76,3 +76,192 @@ def test_meta_model_of_any_size_traces_without_allocating():
     val = next(n for n in tg.gm.graph.nodes if n.op == "call_function").meta["val"]
     assert val.device.type == "meta"
     assert len(tg.blocks) == 4 and sum(b.tied_to is not None for b in tg.blocks) == 3
+
+
+# --- repeated layers traced once: the copies must be exactly what the full export gives ----------------------------
+
+def _described(tg) -> list:
+    """Every node as the full export would have it: name, op, target, args, kwargs, shapes and metadata."""
+    out = []
+    for n in tg.gm.graph.nodes:
+        val = n.meta.get("val")
+        shapes = torch.utils._pytree.tree_map(
+            lambda t: (tuple(t.shape), t.dtype, t.stride(), t.requires_grad) if isinstance(t, torch.Tensor) else repr(t), val
+        )
+        meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
+        out.append((n.name, n.op, str(n.target), repr(n.args), repr(n.kwargs), shapes, repr(meta)))
+    return out
+
+
+def _assert_same(fast, full):
+    assert _described(fast) == _described(full)
+    assert fast.hash == full.hash and fast.gm.code == full.gm.code
+    assert list(fast.kinds.items()) == list(full.kinds.items())
+    for f in ("fqns", "user_inputs", "module_of", "rep", "trainable", "aliases"):
+        assert getattr(fast, f) == getattr(full, f), f
+    assert [(b.fqn, b.nodes, b.tied_to) for b in fast.blocks] == [(b.fqn, b.nodes, b.tied_to) for b in full.blocks]
+    assert sorted(fast.constants) == sorted(full.constants)
+    assert str(fast.in_spec) == str(full.in_spec) and str(fast.out_spec) == str(full.out_spec)
+    assert full.synthesized_blocks == 0
+
+
+def _tiny(name: str, layers: int):
+    from dataclasses import replace
+
+    from models.mixtral import Mixtral, MixtralConfig
+
+    cls, cfg = {"gpt": (GPT, GPTConfig.tiny()), "llama": (Llama, LlamaConfig.tiny()), "mixtral": (Mixtral, MixtralConfig.tiny())}[name]
+    return cls(replace(cfg, n_layer=layers))
+
+
+@pytest.mark.parametrize("name,layers", [("gpt", 5), ("llama", 6), ("mixtral", 5)])
+def test_repeated_layers_are_traced_once_and_copied_exactly(name, layers):
+    torch.manual_seed(0)
+    model = _tiny(name, layers)
+    x = torch.randint(0, 64, (2, 8))
+    fast, full = trace(model, (x, torch.roll(x, -1, 1))), trace(model, (x, torch.roll(x, -1, 1)), full=True)
+    assert fast.synthesized_blocks == layers - 2
+    _assert_same(fast, full)
+    # the copied layers compute what the model does, with the model's own parameters
+    inputs = (x, torch.roll(x, -1, 1))
+    got, want = _run(fast, model, inputs), model(*inputs)
+    assert torch.allclose(got, want, atol=1e-6) and torch.equal(got, _run(full, model, inputs))
+
+
+def test_repeated_layers_on_meta_at_size():
+    import models
+
+    model, inputs = models.build("gpt2-medium", dtype=torch.bfloat16)  # 24 layers on the meta device
+    args = inputs(4, 256)
+    fast, full = trace(model, args), trace(model, args, full=True)
+    assert fast.synthesized_blocks == 22
+    _assert_same(fast, full)
+    assert len(fast.blocks) == 24 and sum(b.tied_to is not None for b in fast.blocks) == 23
+
+
+def test_tracing_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = _tiny("gpt", 5)
+    before_dict, before_mods, layers = dict(model.__dict__), dict(model._modules), model.h._modules
+    before_layers = dict(layers)
+    params = [(k, p, p.detach().clone()) for k, p in model.named_parameters(remove_duplicate=False)]
+    buffers = [(k, b) for k, b in model.named_buffers(remove_duplicate=False)]
+    x = torch.randint(0, 64, (2, 8))
+    assert trace(model, (x, x)).synthesized_blocks == 3
+    assert dict(model.__dict__) == before_dict and dict(model._modules) == before_mods
+    assert model.h._modules is layers and dict(layers) == before_layers and len(model.h) == 5
+    assert [(k, p) for k, p, _ in params] == list(model.named_parameters(remove_duplicate=False))
+    assert all(torch.equal(p, v) for _, p, v in params)
+    assert buffers == list(model.named_buffers(remove_duplicate=False))
+    assert model.lm_head.weight is model.wte.weight
+
+
+class _Res(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(dim, hidden), torch.nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Stack(torch.nn.Module):
+    """Residual MLP layers in a nested nn.Sequential (``body.blocks``); ``scale_by_depth`` divides by their number
+    outside them, which the copy must not miss."""
+
+    def __init__(self, hidden: list[int], scale_by_depth: bool = False):
+        super().__init__()
+        self.body = torch.nn.ModuleDict({"blocks": torch.nn.Sequential(*(_Res(8, h) for h in hidden))})
+        self.head = torch.nn.Linear(8, 4)
+        self.scale_by_depth = scale_by_depth
+
+    def forward(self, x):
+        y = self.body["blocks"](x)
+        if self.scale_by_depth:
+            y = y / len(self.body["blocks"])
+        return self.head(y).sum()
+
+
+@pytest.mark.parametrize(
+    "hidden,scale,copied",
+    [
+        ([16] * 6, False, 4),  # a nested nn.Sequential is found and copied
+        ([16, 16, 16, 32, 16, 16], False, 0),  # one layer wider: not identical, so the whole model is exported
+        ([32, 16, 16, 16, 16, 16], False, 0),
+        ([16] * 6, True, 0),  # the forward uses the number of layers: the 3-layer proof fails
+    ],
+)
+def test_copy_only_when_proved_and_falls_back_silently(hidden, scale, copied):
+    torch.manual_seed(0)
+    model = _Stack(hidden, scale)
+    x = torch.randn(3, 8)
+    fast, full = trace(model, (x,)), trace(model, (x,), full=True)
+    assert fast.synthesized_blocks == copied
+    _assert_same(fast, full)
+    assert torch.allclose(_run(fast, model, (x,)), model(x), atol=1e-6)
+
+
+def test_layer_outputs_read_after_the_layers_fall_back():
+    from dataclasses import replace
+
+    from models.mixtral import Mixtral, MixtralConfig
+
+    torch.manual_seed(0)
+    # the load-balancing loss stacks every layer's value: the graph after the layers grows with depth
+    model = Mixtral(replace(MixtralConfig.tiny(), n_layer=4, aux_loss_coef=0.01))
+    x = torch.randint(0, 64, (2, 8))
+    fast, full = trace(model, (x, x)), trace(model, (x, x), full=True)
+    assert fast.synthesized_blocks == 0
+    _assert_same(fast, full)
+
+
+class _Indexed(torch.nn.Module):
+    """A layer that knows its position (as HF layers keep ``layer_idx``), and may act on it."""
+
+    def __init__(self, layer_idx: int, double_at: int | None, scale: float = 1.0):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.layer_idx, self.double_at, self.scale = layer_idx, double_at, scale
+
+    def forward(self, x):
+        y = x + self.lin(x) * self.scale
+        return y * 2 if self.layer_idx == self.double_at else y
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, layers: list[torch.nn.Module]):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize(
+    "double_at,scales,copied",
+    [
+        (None, [1.0] * 5, 3),  # the index alone differs between layers: still copies of one layer
+        (2, [1.0] * 5, 0),  # layer 2 acts on its index: the 3-layer proof sees it
+        (None, [1.0, 1.0, 1.0, 0.5, 1.0], 0),  # another attribute differs: not identical
+    ],
+)
+def test_layer_attributes(double_at, scales, copied):
+    torch.manual_seed(0)
+    net = _Net([_Indexed(i, double_at, s) for i, s in enumerate(scales)])
+    x = torch.randn(3, 8)
+    fast, full = trace(net, (x,)), trace(net, (x,), full=True)
+    assert fast.synthesized_blocks == copied
+    _assert_same(fast, full)
+    assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
+
+
+def test_one_layer_object_repeated_is_not_copied():
+    torch.manual_seed(0)
+    layer = _Indexed(0, None)
+    net = _Net([layer] * 5)  # one set of weights run 5 times (ALBERT-style): one placeholder per weight, not five
+    x = torch.randn(3, 8)
+    fast, full = trace(net, (x,)), trace(net, (x,), full=True)
+    assert fast.synthesized_blocks == 0
+    _assert_same(fast, full)

@@ -11,13 +11,14 @@ from autopar.errors import AutoparError, InfeasibleError, MeshError, PlanMismatc
 from autopar.hardware import PRESETS, Hardware, Link
 from autopar.mesh import Mesh
 from autopar.pipeline import PipelinePin
+from autopar.cluster import Cluster
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule
 from autopar.solver import Pin, ZeroPin
 from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 
 __all__ = [
-    "parallelize", "plan", "compare", "Comparison", "handwritten", "Mesh", "Plan", "ParallelModule", "Pin", "ZeroPin", "PipelinePin", "Spec", "Strategy", "Shard", "Replicate",
+    "parallelize", "plan", "compare", "Comparison", "handwritten", "Mesh", "Plan", "ParallelModule", "Pin", "ZeroPin", "PipelinePin", "Cluster", "Spec", "Strategy", "Shard", "Replicate",
     "Partial", "Hardware", "Link", "PRESETS", "AutoparError", "TraceError", "MeshError", "ShardingError",
     "InfeasibleError", "PlanMismatchError",
 ]

@@ -46,21 +46,38 @@ def _as_mesh(mesh) -> Mesh:
     raise MeshError(f"expected an autopar.Mesh or a torch DeviceMesh, got {type(mesh).__name__}")
 
 
-def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, constraints=()) -> Plan:
+def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, constraints=(), recompute: str = "none",
+         global_batch: int | None = None, seq: int | None = None) -> Plan:
     """Plan only: no process group, no real weights needed (a meta-device model plans the same), any mesh size.
 
     On a mesh with a ``pp`` axis the plan also cuts the model into pipeline stages and picks the microbatch count
-    and schedule (``constraints`` may hold one ``autopar.PipelinePin`` to fix any of them)."""
-    mesh = _as_mesh(mesh)
+    and schedule (``constraints`` may hold one ``autopar.PipelinePin`` to fix any of them). ``recompute`` (none /
+    selective / full) recomputes the repeated blocks' activations in backward.
+
+    Given an ``autopar.Cluster`` instead of a mesh, the mesh itself is searched too (dp x pp x tp, tp within a
+    node), with the microbatches, the schedule and the recomputation (``plan.search`` lists what was screened).
+    ``example_inputs`` may then be a function ``(global_batch, seq) -> inputs``."""
+    from autopar.cluster import Cluster, plan_cluster
+
+    if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
+        if global_batch is None:
+            raise AutoparError("example_inputs is a function: give global_batch= (and seq=) to build the batch")
+        example_inputs = example_inputs(global_batch, seq)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if isinstance(mesh, Cluster):
+        if constraints:
+            raise AutoparError("constraints pin Specs of one mesh; plan on autopar.Mesh to use them, or leave them out with a Cluster")
+        with _compat.no_local_tensor_mode():
+            return plan_cluster(model, args, mesh, memory_budget)
+    mesh = _as_mesh(mesh)
     pins, pipe = _split_pins(constraints)
     with _compat.no_local_tensor_mode():
         if mesh.pipe_axis() is not None:
-            return plan_pipeline(model, args, mesh, memory_budget, pins, pipe)
+            return plan_pipeline(model, args, mesh, memory_budget, pins, pipe, recompute=recompute)
         if pipe is not None:
             raise AutoparError(f"a PipelinePin needs a mesh with a pp axis larger than 1; mesh {mesh} has none")
         tg = trace(model, args)
-        return make_plan(tg, mesh, memory_budget, pins)
+        return make_plan(tg, mesh, memory_budget, pins, recompute)
 
 
 def _split_pins(constraints) -> tuple[list, PipelinePin | None]:

@@ -107,7 +107,8 @@ def grad_sync_bandwidth_time(spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:
     if not axes:
         return 0.0
     hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
-    return sum(wire_bytes("all_reduce", b, mesh.sizes[a]) / mesh.link(a).bandwidth for a in axes) + 2 * b / hbm
+    wire = b * mesh.hardware.reduce_factor(meta.dtype)
+    return sum(wire_bytes("all_reduce", wire, mesh.sizes[a]) / mesh.link(a).bandwidth for a in axes) + 2 * b / hbm
 
 
 VIEW_OPS = {
@@ -240,6 +241,21 @@ class CostModel:
         self._edge = lru_cache(maxsize=None)(self._edge_uncached)
 
     # --- nodes ------------------------------------------------------------------------------------------------
+    def efficiency(self, target, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]) -> float:
+        """Fraction of peak FLOP/s an op reaches: a matmul ``matmul_efficiency * d / (d + matmul_half_dim)`` with d
+        its smallest dimension on this device (thin matmuls, e.g. a small width split eight ways, fill the tensor
+        cores poorly); fused attention ``attention_efficiency``; anything else is priced by its bytes."""
+        hw = self.hw
+        if target in ATTENTION_OPS:
+            return hw.attention_efficiency
+        if target not in MATMUL_OPS or not outs or not ins or not ins[0]:
+            return 1.0
+        k = ins[0][-1]
+        n = outs[0][-1] if outs[0] else 1
+        m = math.prod(outs[0][:-1]) if len(outs[0]) > 1 else 1
+        d = min(m, n, k)
+        return hw.matmul_efficiency * d / (d + hw.matmul_half_dim)
+
     def op(self, info: OpInfo, st: Strategy, requires_grad: bool, saved_output: bool = False, internal: float = 0.0,
            node: str | None = None) -> NodeCost:
         """``saved_output``: some backward keeps this node's output; ``internal``: bytes the op keeps for itself
@@ -255,7 +271,7 @@ class CostModel:
         if info.target in VIEW_OPS:
             moved = 0
         heavy = info.target in MATMUL_OPS or info.target in ATTENTION_OPS
-        peak = self.hw.flops(dtype) * (self.hw.matmul_efficiency if heavy else 1.0)
+        peak = self.hw.flops(dtype) * self.efficiency(info.target, ins, outs)
         bw = self.hw.hbm_bandwidth * self.hw.memory_efficiency
         launch = 0.0 if info.target in VIEW_OPS else self.hw.op_overhead
         fwd = max(flops / peak, moved / bw) + launch
@@ -263,8 +279,11 @@ class CostModel:
         if requires_grad:
             bwd = max(2 * flops / peak, 2 * moved / bw) + launch
         local_out = sum(math.prod(o) for o in outs)
-        global_out = sum(math.prod(m.shape) for m in info.outputs) or 1
-        act = (local_out * isz if saved_output else 0.0) + internal * local_out / global_out
+        # what the op keeps of its own scales with its largest operand's local share (a reduction's output, e.g. a
+        # loss, is whole on every rank while its kept softmax is split)
+        big = max(range(len(ins)), key=lambda i: math.prod(info.inputs[i].shape), default=None)
+        share = math.prod(ins[big]) / max(math.prod(info.inputs[big].shape), 1) if big is not None else 1.0
+        act = (local_out * isz if saved_output else 0.0) + internal * share
         regen = 0.0
         if requires_grad and recomputes(self.recompute.get(node, "none"), info.target):
             bwd += fwd

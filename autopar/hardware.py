@@ -40,10 +40,22 @@ class Hardware:
     inter_node: Link
     input_bandwidth: float = 25e9  # bytes/s a device's share of the batch arrives at (host to device)
     matmul_efficiency: float = 0.7  # fraction of peak a large matmul reaches
+    matmul_half_dim: float = 0.0  # a matmul whose smallest dim is this reaches half of matmul_efficiency
+    attention_efficiency: float = 0.7  # fraction of peak fused attention (forward and backward) reaches
     memory_efficiency: float = 0.8  # fraction of HBM bandwidth an elementwise op reaches
     op_overhead: float = 0.0  # seconds per op launched (forward; backward pays it again), beyond its roofline time
-    overlap: bool = False  # data-parallel communication (gradient buckets, ZeRO) runs beside compute, as
-    # Megatron-LM's and FSDP's runtimes overlap it; the step pays max(compute, that communication)
+    # How the runtime being priced behaves (autopar's own: no overlap, ZeRO-3 gathers one parameter at a time;
+    # a preset for FSDP2 / DeepSpeed runs sets these to describe theirs):
+    overlap: float = 0.0  # fraction of the shorter of compute and data-parallel communication (gradient buckets,
+    # ZeRO) hidden under the other: step = max(C, D) + (1 - overlap) min(C, D)
+    zero3_per_block: bool = False  # ZeRO-3 gathers and reduce-scatters a block's parameters as one bucket (FSDP2's
+    # unit), not one parameter at a time
+    grad_reduce_bytes: int = 0  # bytes per element gradients are all-reduced in (Megatron-LM's fp32 main grads: 4);
+    # 0: the parameter's own dtype
+
+    def reduce_factor(self, dtype: torch.dtype) -> float:
+        """Gradient bytes on the wire per byte of the parameter's dtype."""
+        return self.grad_reduce_bytes / torch.empty((), dtype=dtype).element_size() if self.grad_reduce_bytes else 1.0
 
     def flops(self, dtype: torch.dtype) -> float:
         table = dict(self.peak_flops)
@@ -62,8 +74,12 @@ class Hardware:
             "input_bandwidth": self.input_bandwidth,
             "matmul_efficiency": self.matmul_efficiency,
             "memory_efficiency": self.memory_efficiency,
+            "matmul_half_dim": self.matmul_half_dim,
+            "attention_efficiency": self.attention_efficiency,
             "op_overhead": self.op_overhead,
             "overlap": self.overlap,
+            "zero3_per_block": self.zero3_per_block,
+            "grad_reduce_bytes": self.grad_reduce_bytes,
         }
 
     @staticmethod
@@ -79,8 +95,12 @@ class Hardware:
             input_bandwidth=d["input_bandwidth"],
             matmul_efficiency=d["matmul_efficiency"],
             memory_efficiency=d["memory_efficiency"],
+            matmul_half_dim=d.get("matmul_half_dim", 0.0),
+            attention_efficiency=d.get("attention_efficiency", 0.7),
             op_overhead=d.get("op_overhead", 0.0),
-            overlap=d.get("overlap", False),
+            overlap=float(d.get("overlap", 0.0)),
+            zero3_per_block=d.get("zero3_per_block", False),
+            grad_reduce_bytes=int(d.get("grad_reduce_bytes", 0)),
         )
 
 
@@ -95,6 +115,9 @@ PRESETS: dict[str, Hardware] = {
         devices_per_node=8,
         intra_node=Link(bandwidth=0.65 * 300 * _GB, latency=5e-6, launch=10e-6),
         inter_node=Link(bandwidth=0.9 * 25 * _GB, latency=10e-6, launch=15e-6),
+        matmul_efficiency=0.68,
+        matmul_half_dim=128,
+        attention_efficiency=0.5,
     ),
     "h100-80gb": Hardware(
         name="h100-80gb",
@@ -104,6 +127,9 @@ PRESETS: dict[str, Hardware] = {
         devices_per_node=8,
         intra_node=Link(bandwidth=0.65 * 450 * _GB, latency=4e-6, launch=10e-6),
         inter_node=Link(bandwidth=0.9 * 50 * _GB, latency=8e-6, launch=15e-6),
+        matmul_efficiency=0.68,  # the A100 calibration (no published H100 runs in plan_quality to fit)
+        matmul_half_dim=128,
+        attention_efficiency=0.5,
     ),
     "h200": Hardware(
         name="h200",
@@ -113,18 +139,23 @@ PRESETS: dict[str, Hardware] = {
         devices_per_node=8,
         intra_node=Link(bandwidth=0.65 * 450 * _GB, latency=4e-6, launch=10e-6),
         inter_node=Link(bandwidth=0.9 * 50 * _GB, latency=8e-6, launch=15e-6),
+        matmul_efficiency=0.68,  # the A100 calibration (no published H100 runs in plan_quality to fit)
+        matmul_half_dim=128,
+        attention_efficiency=0.5,
     ),
     "cpu-gloo": Hardware(
         name="cpu-gloo",
-        peak_flops=(("bfloat16", 20e9), ("float32", 100e9)),
-        hbm_bandwidth=5 * _GB,
+        peak_flops=(("bfloat16", 220e9), ("float32", 50e9)),
+        hbm_bandwidth=2.4 * _GB,
         memory=24 * _GB,
         devices_per_node=64,
-        intra_node=Link(bandwidth=0.7 * _GB, latency=100e-6, launch=300e-6),
-        inter_node=Link(bandwidth=0.7 * _GB, latency=100e-6, launch=300e-6),
-        input_bandwidth=5 * _GB,
+        intra_node=Link(bandwidth=1.35 * _GB, latency=620e-6, launch=1.2e-3),
+        inter_node=Link(bandwidth=1.35 * _GB, latency=620e-6, launch=1.2e-3),
+        input_bandwidth=2.4 * _GB,
         matmul_efficiency=1.0,
+        attention_efficiency=1.0,
         memory_efficiency=1.0,
+        op_overhead=8e-6,
     ),
 }
 

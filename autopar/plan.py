@@ -172,6 +172,7 @@ class Plan:
     label: str = "auto"  # "auto", or the hand-written strategy it realises (e.g. "megatron(sp)")
     pipeline: PipelinePlan | None = None  # stages and schedule on the pp axis; nodes then describe one microbatch
     recompute: str = "none"  # activation recomputation of the repeated blocks: none / selective / full
+    search: list = field(default_factory=list, compare=False, repr=False)  # cluster planning: the screened candidates
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
     # --- queries ----------------------------------------------------------------------------------------------
@@ -446,7 +447,8 @@ class Plan:
         )
 
 
-_COUNTS = ("ilp variables", "microbatch counts tried")  # timings entries that count, not seconds
+_COUNTS = ("ilp variables", "microbatch counts tried", "candidates screened", "candidates evaluated", "real ilp variables",
+           "real microbatch counts tried")  # timings entries that count, not seconds
 
 
 def _short_op(op: str) -> str:

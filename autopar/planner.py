@@ -125,7 +125,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             key = (opt.stage, opt.shard_axes, rest, block if opt.stage == 2 else "")
             by_zero.setdefault(key, []).append(name)
         elif rest:
-            buckets.setdefault((block, rest), []).append((name, local // n))
+            buckets.setdefault((block, rest), []).append((name, int(local // n * mesh.hardware.reduce_factor(meta.dtype))))
         if opt.stage == 3:
             transient = max(transient, 2 * local)
             t_act = max(t_act, 2 * local)
@@ -148,16 +148,31 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if stage == 2:  # a bucket's full gradients: beside the other buckets' gathered parameters as backward
             transient = max(transient, full)  # starts, and beside the gradients as it ends
             t_act = max(t_act, full)
+    per_block: dict[tuple, list] = {}  # (block, shard axes) -> [bytes gathered forward, again in backward, names]
     for name, opt in zero_of.items():
         if opt.stage != 3:
             continue
         spec, meta = strategy[name].output, problem.meta[name]
         full = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
+        uses = zero3_uses(tg, name)
+        if mesh.hardware.zero3_per_block:  # the runtime priced gathers a block's parameters as one bucket
+            fqn = tg.fqns[name]
+            block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "rest")
+            acc = per_block.setdefault((block, opt.shard_axes), [0.0, 0.0, []])
+            acc[0] += full * len(uses)
+            acc[1] += full * uses.count("linear")
+            acc[2].append(name)
+            continue
         zname = f"zero3[{tg.fqns[name]}]({','.join(mesh.names[a] for a in opt.shard_axes)})"
         zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in opt.shard_axes), (), (name,)))
-        for use in zero3_uses(tg, name):
+        for use in uses:
             again = gather_priced(full, opt.shard_axes, mesh, "backward") if use == "linear" else []
             add(gather_priced(full, opt.shard_axes, mesh, "forward") + again + scatter_priced(full, opt.shard_axes, (), mesh), zname)
+    for (block, shard_axes), (fwd_b, bwd_b, names) in per_block.items():
+        zname = f"zero3[{block}]({','.join(mesh.names[a] for a in shard_axes)})"
+        zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in shard_axes), (), tuple(names)))
+        again = gather_priced(bwd_b, shard_axes, mesh, "backward") if bwd_b else []
+        add(gather_priced(fwd_b, shard_axes, mesh, "forward") + again + scatter_priced(fwd_b, shard_axes, (), mesh), zname)
     plan_in = [strategy[n].output for n in problem.order if tg.kinds.get(n) == INPUT]
     input_spec = plan_in[0] if plan_in else Spec.replicated(mesh.ndim)
     split = {a for a, p in enumerate(input_spec.placements) if isinstance(p, Shard)}
@@ -203,7 +218,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     comm = sum(c.seconds for c in collectives)
     # data-parallel communication (gradient buckets, ZeRO) runs beside the critical path when the runtime overlaps it
     dp_comm = sum(c.seconds for c in collectives if c.where.startswith(("grads[", "zero")))
-    step = max(compute + comm - dp_comm, dp_comm) if mesh.hardware.overlap else compute + comm
+    crit, f = compute + comm - dp_comm, mesh.hardware.overlap
+    step = max(crit, dp_comm) + (1 - f) * min(crit, dp_comm)
     first = next((b for b in tg.blocks), None)
     if first is not None:  # recomputation brings one block's activations back while its backward runs
         t_act = max(t_act, sum(problem.costs[n][choice.index[n]].regen for n in first.nodes if n in choice.index))

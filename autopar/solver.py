@@ -763,14 +763,16 @@ def solve(
     elif memory_budget is not None:
         solver.Add(peak_a <= memory_budget * MB)
         solver.Add(peak_g <= memory_budget * MB)
-    if objective != "memory" and mesh.hardware.overlap and oterms:
-        # step = max(critical path, overlapped communication)
+    f = mesh.hardware.overlap
+    if objective != "memory" and f > 0 and oterms:
+        # step = max(C, D) + (1 - f) min(C, D) = C + D - f min(C, D): C the critical path, D the data-parallel
+        # communication, f the share of the shorter one the runtime hides
         crit = sum(c * v for c, v in terms if c)
         ovl = sum(c * v for c, v in oterms if c)
-        top_t = solver.NumVar(0.0, solver.infinity(), "step")
-        solver.Add(top_t >= crit)
-        solver.Add(top_t >= ovl)
-        solver.Minimize(top_t + 1e-6 * crit)
+        hidden = solver.NumVar(-solver.infinity(), solver.infinity(), "hidden")  # min(C, D)
+        solver.Add(hidden <= crit)
+        solver.Add(hidden <= ovl)
+        solver.Minimize(crit + ovl - f * hidden)
     else:
         solver.Minimize(sum(c * v for c, v in terms + oterms if c))
     solver.SetTimeLimit(int(time_limit_s * 1000))

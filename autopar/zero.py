@@ -121,7 +121,8 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
     copies_bytes = {0: 2 * b, 1: 3 * b, 2: 3 * b, 3: 2 * b}[opt.stage] if synced or opt.stage else 0.0
     if opt.stage == 0:
-        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", b, a) for a in synced), copies_bytes / hbm)
+        wire = b * mesh.hardware.reduce_factor(meta.dtype)
+        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm)
     n = shard_factor(opt, mesh)
     rest = tuple(a for a in synced if a not in opt.shard_axes)
     on_shard = sum(bw("all_reduce", b / n, a) for a in rest)
@@ -151,7 +152,7 @@ def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_copies: int)
     if opt.stage == 2:  # one bucket per group copy
         return pair + rest
     per_use = sum(2 * lat("all_gather", a) + lat("reduce_scatter", a) for a in opt.shard_axes)
-    return group_params * per_use + rest
+    return (1 if mesh.hardware.zero3_per_block else group_params) * per_use + rest
 
 
 def _levels(full: float, shard_axes: tuple[int, ...], mesh: Mesh, gather: bool) -> list[tuple[int, float]]:

@@ -51,26 +51,27 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             for p, r in zip(params, reads):
                 p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not z)
             continue
-        (p,), (shape,) = params, shapes
-        users = list(p.users)
-        fused = set()
-        for u in users:
-            if u.target == aten.linear.default and len(u.args) > 1 and u.args[1] is p and u.args[0] is not p:
-                b = u.args[2] if len(u.args) > 2 else None
-                with g.inserting_before(u):
-                    new = g.call_function(collectives.zero3_linear, (u.args[0], p, b, shape, levels))
-                new.meta.update(u.meta)
-                u.replace_all_uses_with(new)
-                g.erase_node(u)
-                fused.add(new)
-        others = [u for u in p.users if u not in fused]
-        if others:
-            first = min(others, key=lambda n: position.get(n, len(position)))
-            with g.inserting_before(first):
-                z = g.call_function(collectives.zero_gather, ((p,), (shape,), levels, ()))
-                read = g.call_function(operator.getitem, (z, 0))
-            for u in others:
-                u.replace_input_with(p, read)
+        # ZeRO-3: each parameter gathered for its uses (a bucket priced per block still runs per parameter here)
+        for p, shape in zip(params, shapes):
+            users = list(p.users)
+            fused = set()
+            for u in users:
+                if u.target == aten.linear.default and len(u.args) > 1 and u.args[1] is p and u.args[0] is not p:
+                    b = u.args[2] if len(u.args) > 2 else None
+                    with g.inserting_before(u):
+                        new = g.call_function(collectives.zero3_linear, (u.args[0], p, b, shape, levels))
+                    new.meta.update(u.meta)
+                    u.replace_all_uses_with(new)
+                    g.erase_node(u)
+                    fused.add(new)
+            others = [u for u in p.users if u not in fused]
+            if others:
+                first = min(others, key=lambda n: position.get(n, len(position)))
+                with g.inserting_before(first):
+                    z = g.call_function(collectives.zero_gather, ((p,), (shape,), levels, ()))
+                    read = g.call_function(operator.getitem, (z, 0))
+                for u in others:
+                    u.replace_input_with(p, read)
     g.lint()
     gm.recompile()
     return gm

@@ -150,4 +150,6 @@ def test_a_slow_inter_node_axis_makes_hsdp_win_over_full_mesh_zero3():
     hsdp = _regime_plan(mesh, 32, constraints=[autopar.ZeroPin("*", 3, ("dp_shard",))]).cost
     assert full.memory_per_device < hsdp.memory_per_device and hsdp.step_time < full.step_time / 2
     chosen = _regime_plan(mesh, 32, memory_budget=hsdp.memory_per_device * 1.0001)
-    assert {(s, tuple(a)) for s, a in chosen.zero_stages.values()} == {(3, ("dp_shard",))}
+    # sharded inside the node only (HSDP), never over the slow axis; stage 2 where the budget leaves room for it
+    assert {tuple(a) for s, a in chosen.zero_stages.values()} == {("dp_shard",)}
+    assert {s for s, a in chosen.zero_stages.values()} <= {2, 3} and 3 in {s for s, a in chosen.zero_stages.values()}

@@ -1,0 +1,477 @@
+"""Cluster planning: a model, a cluster and a global batch -> the mesh, the pipeline, the recomputation and the plan.
+
+In: a model (any device, the meta device included), example inputs holding the global batch, an
+``autopar.Cluster(nodes, gpus_per_node, hardware)``, an optional memory budget per device.
+Out: the fastest ``Plan`` found that fits, for a mesh ``pp x dp x tp`` over all the cluster's devices (``tp``
+innermost, so it fills a node before anything else; ``pp`` outermost), with its microbatch count and pipeline
+schedule, its activation recomputation (none / selective / full) and its per-op Specs and ZeRO stages; and
+``plan.search``: every candidate screened, with its predicted step and memory, or why it was dropped.
+
+Two steps, because an ILP per candidate would take minutes at 1000+ devices:
+
+1. **Screen.** For each tensor-parallel degree t (a divisor of the GPUs per node) the intra-op ILP is solved once
+   on a proxy: the model traced with its repeated blocks cut to two, on a mesh ``dp=2 x tp=t``, at one row and at
+   two rows. Its chosen strategies, priced by the same cost model under each recomputation mode, give each unit
+   (embedding, one block, head) its forward and backward seconds, its kept activations (affine in the rows of a
+   microbatch: measured at one and two rows), its parameters with their Specs, and the bytes crossing each unit
+   boundary. Every candidate -- (dp, pp, tp), microbatches, schedule, recomputation, and without a pipeline the
+   ZeRO stage -- is then evaluated from those numbers alone: blocks repeated L times; a pipeline by the schedule
+   simulator and the stage cuts of ``autopar.pipeline`` (balanced under memory); without one, the step is compute
+   plus data-parallel communication (overlapped where the hardware's runtime overlaps it) and ZeRO's bytes come
+   from ``autopar.zero.param_cost``. Candidates whose memory does not fit are dropped, with the reason kept.
+2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan``, or
+   ``plan_pipeline`` with the screened schedule and microbatch count pinned); the fastest real plan is returned.
+   The screen is only a filter: the returned numbers are always the real plan's.
+
+Tensor parallel never crosses a node (t divides the GPUs per node), so its collectives stay on the fast links.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from autopar import schedule as sched
+from autopar.cost import RECOMPUTE, collective_time
+from autopar.errors import AutoparError, InfeasibleError
+from autopar.hardware import Hardware, get_hardware
+from autopar.mesh import Mesh
+from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, balance, equal_starts, graph_units,
+                              microbatch_candidates, refine, slice_batch, trace_rows, unit_costs)
+from autopar.plan import Plan
+from autopar.solver import build_problem, solve
+from autopar.spec import Replicate
+from autopar.trace import PARAM, trace
+from autopar.zero import ZeroOption, param_cost
+
+
+MAX_MISSES = 4  # screened candidates the real planner may find not to fit before the search gives up
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` machines of ``gpus_per_node`` devices each, of one hardware preset (or a ``Hardware``)."""
+
+    nodes: int
+    gpus_per_node: int
+    hardware: "str | Hardware" = "a100-80gb"
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise AutoparError(f"Cluster {name}={v!r}: a positive integer is needed")
+        get_hardware(self.hardware)  # an unknown preset fails here, with the known ones listed
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def hw(self) -> Hardware:
+        return dataclasses.replace(get_hardware(self.hardware), devices_per_node=self.gpus_per_node)
+
+    def mesh(self, dp: int, pp: int, tp: int) -> Mesh:
+        """The mesh of a factorisation: pp outermost, then dp, tp innermost (axes of size 1 left out)."""
+        if dp * pp * tp != self.devices:
+            raise AutoparError(f"dp={dp} x pp={pp} x tp={tp} is not the cluster's {self.devices} devices")
+        axes = {k: v for k, v in (("pp", pp), ("dp", dp), ("tp", tp)) if v > 1} or {"dp": 1}
+        return Mesh(axes, self.hw())
+
+    def __str__(self) -> str:
+        return f"{self.nodes} x {self.gpus_per_node} {self.hw().name}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dp: int
+    pp: int
+    tp: int
+    recompute: str
+    microbatches: int = 1
+    schedule: str = ""  # pipeline schedule; "" without a pipeline
+    virtual: int = 1
+    zero: int = 0  # without a pipeline: the ZeRO stage the screen priced (the real plan chooses per group)
+
+    def __str__(self) -> str:
+        s = f"dp={self.dp} pp={self.pp} tp={self.tp}"
+        if self.pp > 1:
+            s += f" {self.schedule}{'' if self.virtual == 1 else f' v={self.virtual}'} m={self.microbatches}"
+        else:
+            s += f" zero={self.zero}"
+        return s + f" recompute={self.recompute}"
+
+
+@dataclass(frozen=True)
+class Screened:
+    candidate: Candidate
+    step: float  # predicted seconds (screen), inf when it does not fit
+    memory: float  # predicted peak bytes per device
+    note: str = ""
+
+
+# --- the proxy ---------------------------------------------------------------------------------------------------
+@dataclass
+class _Profile:
+    """One tensor-parallel degree's unit costs at one and two rows, per recomputation mode, and its parameters."""
+
+    units: dict[str, tuple[UnitCosts, UnitCosts]]  # recompute mode -> (costs at 1 row, at 2 rows)
+    params: dict[str, tuple[int, object, object, int]]  # param -> (0 embedding / 1 template block / 2 head, Spec, meta, copies)
+    memo: dict = dataclasses.field(default_factory=dict)  # (recompute, rows, L) -> expanded UnitCosts
+
+
+def _proxy_model(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    """The model with its repeated blocks cut to two (a shallow copy; the model is not touched), and how many
+    blocks the real one has (0 when it has no block container: the proxy is then the model itself)."""
+    from autopar import trace as tr
+
+    found = tr._layer_container(model)
+    if found is None:
+        return model, 0
+    path, n = found
+    return (tr._truncated(model, path, 2), n) if n > 2 else (model, n)
+
+
+def _profile(proxy, args: tuple, t: int, hw: Hardware, spans_nodes: bool, recompute: tuple[str, ...]) -> _Profile | None:
+    from autopar.planner import cost_model
+
+    mesh = Mesh({"dp": 2, "tp": t}, hw)
+    mesh._spans = {"dp": spans_nodes, "tp": False}
+    tgs = [trace(proxy, slice_batch(args, r)) for r in (2, 4)]  # one and two rows per rank of dp=2
+    units = [graph_units(tg) for tg in tgs]
+    cost0 = cost_model(tgs[0], mesh, "none")
+    problem = build_problem(tgs[0], mesh, cost0)
+    try:
+        choice = solve(tgs[0], mesh, cost0, problem, None, [])
+    except InfeasibleError:
+        return None
+    out: dict[str, tuple[UnitCosts, UnitCosts]] = {}
+    for rc in recompute:
+        pair = []
+        for tg, un in zip(tgs, units):
+            cost = cost_model(tg, mesh, rc)
+            pr = build_problem(tg, mesh, cost)
+            pair.append(unit_costs(tg, pr, choice, cost, un, mesh))
+        out[rc] = (pair[0], pair[1])
+    tg, un = tgs[0], units[0]
+    U = len(un.labels)
+    params = {}
+    for n in problem.order:
+        if tg.kinds.get(n) != PARAM or n not in tg.trainable:
+            continue
+        first = min(un.users_units.get(n) or {0})
+        if 0 < first < U - 2:
+            continue  # a parameter of a proxy block other than the template (the last): the template stands for all
+        params[n] = (0 if first == 0 else 1 if first == U - 2 else 2, choice.strategy[n].output, problem.meta[n], 1)
+    return _Profile(out, params)
+
+
+def _at_rows(prof: "_Profile", recompute: str, rows: float, L: int) -> UnitCosts:
+    """``_expand`` memoised on the profile: candidates with equal rows per microbatch share it."""
+    key = (recompute, rows, L)
+    if key not in prof.memo:
+        prof.memo[key] = _expand(prof.units[recompute], rows, L)
+    return prof.memo[key]
+
+
+def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts:
+    """The full model's unit costs at ``rows`` rows per microbatch: each proxy unit affine in rows (from its values
+    at 1 and 2 rows), the block unit repeated L times."""
+    a, b = pair
+    U = len(a.fwd)
+
+    def lin(x1: float, x2: float) -> float:
+        return max(x1 + (x2 - x1) * (rows - 1), 0.0)
+
+    def expand(xs1, xs2) -> list[float]:
+        vals = [lin(x1, x2) for x1, x2 in zip(xs1, xs2)]
+        block = vals[U - 2] if U > 2 else 0.0  # the second block: tied, with nothing of the embedding in it
+        return [vals[0]] + [block] * L + [vals[-1]]
+
+    fwd, bwd, act = expand(a.fwd, b.fwd), expand(a.bwd, b.bwd), expand(a.act, b.act)
+    cross1, cross2 = a.cross, b.cross  # U + 1 boundaries: before unit i
+    cr = [lin(x1, x2) for x1, x2 in zip(cross1, cross2)]
+    cross = [int(cr[0]), int(cr[1])] + [int(cr[U - 2])] * (L - 1) + [int(cr[U - 1]), int(cr[U])]
+    grad = [a.cross_grad[0], a.cross_grad[1]] + [a.cross_grad[U - 2]] * (L - 1) + [a.cross_grad[U - 1], a.cross_grad[U]]
+    # a block's parameters that sync over the same axes act as one (their sums): fewer entries to walk per candidate
+    block: dict[tuple, list] = {}
+    params = {}
+    for name, (uu, sg, local, axes, n) in a.params.items():
+        first = min(uu) if uu else 0
+        if 0 < first < U - 2:
+            continue  # another proxy block's parameter: the template block (the last) stands for every block
+        if first == U - 2 and U > 2:  # the template block's parameter: one per block
+            acc = block.setdefault(tuple(axes), [0.0, 0.0, 0])
+            acc[0] += sg
+            acc[1] += local
+            acc[2] += n
+        else:
+            params[name] = ({0 if u == 0 else L + 1 for u in uu} or {0}, sg, local, axes, n)
+    for axes, (sg, local, n) in block.items():
+        for k in range(L):
+            params[f"block{k}{axes}"] = ({1 + k}, sg, local, axes, n)
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {})
+
+
+def _units(L: int) -> Units:
+    return Units(["embed"] + [f"block{k}" for k in range(L)] + ["head"], {}, set(), {}, L)
+
+
+# --- screening one candidate ---------------------------------------------------------------------------------------
+def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: int, budget: float) -> Screened:
+    """Without a pipeline: the whole model on every (dp, tp) rank, ZeRO stage ``c.zero`` over dp."""
+    uc = _at_rows(prof, c.recompute, rows, L)
+    mesh = Mesh({"dp": c.dp, "tp": c.tp}, cluster.hw())
+    compute = sum(uc.fwd) + sum(uc.bwd)
+    act = sum(uc.act)
+    state = grad = transient = comm = 0.0
+    opt = ZeroOption(c.zero, (0,)) if c.zero and c.dp > 1 else ZeroOption(0)
+    n_block_params = sum(1 for u, *_ in prof.params.values() if u == 1)
+    for name, (u, spec, meta, _) in prof.params.items():
+        copies = L if u == 1 else 1
+        zc = param_cost(opt, spec, meta, mesh, copies, max(n_block_params, 1))
+        state += copies * zc.state
+        grad += copies * zc.grad
+        act += copies * zc.act if opt.stage in (1, 2) else 0.0
+        transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
+        comm += copies * (zc.comm + zc.copy)
+    if c.dp > 1:  # one bucket per block pays the latency (ZeRO-3: per parameter and pass)
+        lat = collective_time("all_reduce", 0, c.dp, mesh.link(0))
+        comm += (L + 2) * lat * (3 * n_block_params if opt.stage == 3 else 1)
+    f = mesh.hardware.overlap
+    step = max(compute, comm) + (1 - f) * min(compute, comm)
+    memory = state + max(act, grad) + transient
+    return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
+
+
+def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L: int, budget: float) -> Screened:
+    """A pipeline candidate: stage cuts as ``plan_pipeline`` makes them (Megatron's even cut, and the balanced cut
+    refined), priced by the schedule's analytic step -- exact for 1F1B and interleaved 1F1B on their steady state
+    (tested against the simulator in tests/test_schedule.py) -- plus the boundary transfers and each rank's
+    gradient sync; the real plan then simulates the schedule."""
+    from autopar.pipeline import _p2p_seconds, _rank_memory
+
+    uc = _at_rows(prof, c.recompute, rows, L)
+    units = _units(L)
+    U = L + 2
+    mesh = cluster.mesh(c.dp, c.pp, c.tp)
+    link = mesh.link(mesh.pipe_axis())
+    inner = Mesh({"dp": c.dp, "tp": c.tp}, cluster.hw())  # the proxy's parameter Specs are on (dp, tp)
+    inner._spans = {"dp": mesh.spans_nodes("dp") if "dp" in mesh.names else False, "tp": False}
+    p, v, m = c.pp, c.virtual, c.microbatches
+    S = p * v
+    flights = list(sched.in_flight(c.schedule, p, m, v))
+    t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
+    st = [0.0] * U
+    unit_sync: list[dict[int, float]] = [dict() for _ in range(U)]  # unit -> axis -> gradient bytes it syncs
+    for uu, sg, local, axes, _n in uc.params.values():
+        for u in uu:
+            st[u] += sg
+            for ax in axes:
+                unit_sync[u][ax] = unit_sync[u].get(ax, 0.0) + local
+    options = [equal_starts(units, S)] if L % S == 0 else []
+    got = balance(uc, units, S, p, flights, v, budget)
+    if got is not None:  # one stage per rank: the balanced cut is the answer; interleaved: the per-rank sums matter
+        options.append(refine(uc, units, got, p, m, v, flights, budget) if v > 1 else got)
+    best = None
+    for starts in options:
+        ends = list(starts[1:]) + [U]
+        ts = [sum(t[i:j]) for i, j in zip(starts, ends)]
+        hop = max(_p2p_seconds(uc.cross[j], link) for j in ends[:-1]) if S > 1 else 0.0
+        if v == 1:
+            step = (m - 1) * max(ts) + sum(ts) + 2 * (S - 1) * hop
+        else:
+            per_rank = [sum(ts[k] for k in range(r, S, p)) for r in range(p)]
+            step = m * max(per_rank) + (p - 1) * max(ts) + 2 * (S - 1) * hop
+        sync = [0.0] * p
+        for k, (i, j) in enumerate(zip(starts, ends)):
+            for u in range(i, j):
+                for ax, nbytes in unit_sync[u].items():
+                    sync[k % p] += collective_time("all_reduce", nbytes, inner.sizes[ax], inner.link(ax)) if inner.sizes[ax] > 1 else 0.0
+        total = step + max(sync)
+        mem = max(_rank_memory(uc, st, starts, U, p, v, flights))
+        if best is None or (mem <= budget, -total) > (best[1] <= budget, -best[0]):
+            best = (total, mem)
+    if best is None:
+        return Screened(c, math.inf, math.inf, "no stage cut")
+    total, mem = best
+    return Screened(c, total if mem <= budget else math.inf, mem, "" if mem <= budget else "does not fit")
+
+
+def _bound(prof: _Profile, c: Candidate, batch: int, L: int) -> float:
+    """A lower bound on a candidate's screened step: its compute on perfectly balanced stages, with the schedule's
+    bubble ((p - 1) microbatch slots, over v for interleaved); no communication."""
+    rows = batch / (c.dp * c.microbatches)
+    a, b = prof.units[c.recompute]
+    U = len(a.fwd)
+    per = [max(x1 + (x2 - x1) * (rows - 1), 0.0) for x1, x2 in zip(
+        [f + g for f, g in zip(a.fwd, a.bwd)], [f + g for f, g in zip(b.fwd, b.bwd)])]
+    work = per[0] + per[-1] + L * (per[U - 2] if U > 2 else 0.0)  # one microbatch through the whole model
+    if c.pp == 1:
+        return work
+    return work / c.pp * (c.microbatches + (c.pp - 1) / c.virtual)
+
+
+# --- the search ----------------------------------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...]) -> list[Candidate]:
+    """Every factorisation dp x pp x tp of the cluster (tp within a node, pp at most the blocks, dp dividing the
+    batch), with each pipeline's microbatch counts and schedules, each recomputation mode, and without a pipeline
+    each ZeRO stage."""
+    out = []
+    for tp in _divisors(cluster.gpus_per_node):
+        rest = cluster.devices // tp
+        for pp in _divisors(rest):
+            dp = rest // pp
+            if batch % dp or (pp > 1 and pp > L):
+                continue
+            for rc in recompute:
+                if pp == 1:
+                    for z in (0, 1, 2, 3) if dp > 1 else (0,):
+                        out.append(Candidate(dp, 1, tp, rc, zero=z))
+                    continue
+                for m in microbatch_candidates(batch // dp, pp):
+                    opts, _ = _schedules(PipelinePin(), pp, m, L, L + 2)
+                    for name, v in opts:
+                        if name == "gpipe":
+                            continue  # 1F1B has GPipe's bubble with fewer microbatches in flight: never worse
+                        out.append(Candidate(dp, pp, tp, rc, m, name, v))
+    return out
+
+
+def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | None = None, *, top: int = 1,
+                 recompute: "tuple[str, ...] | None" = None) -> Plan:
+    t_start = time.perf_counter()
+    hw = cluster.hw()
+    budget = hw.memory if memory_budget is None else float(memory_budget)
+    modes = tuple(recompute or RECOMPUTE)
+    for rc in modes:
+        if rc not in RECOMPUTE:
+            raise AutoparError(f"recompute mode {rc!r} is not one of {', '.join(RECOMPUTE)}")
+    rows_all = {t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.ndim > 0}
+    if len(rows_all) != 1:
+        raise AutoparError(f"the example inputs must share one batch dim (the global batch); they have {sorted(rows_all)}")
+    B = rows_all.pop()
+    proxy, L = _proxy_model(model)
+    if L == 0:
+        return _plan_each(model, args, cluster, budget, t_start)
+    timings = {"proxy": 0.0, "screen": 0.0, "plan": 0.0}
+    profiles: dict[int, _Profile | None] = {}
+    cands = candidates(cluster, B, max(L, 1), modes)
+    screened: list[Screened] = []
+    t0 = time.perf_counter()
+    for c in cands:
+        if c.tp not in profiles:
+            profiles[c.tp] = _profile(proxy, args, c.tp, hw, cluster.devices > cluster.gpus_per_node, modes) if L else None
+    timings["proxy"] = time.perf_counter() - t0
+    # branch and bound: a candidate's step is at least its schedule's bubble-bound on perfectly balanced stages;
+    # candidates are evaluated by that bound, and the rest dropped once the bound passes the best found
+    bounded = []
+    for c in cands:
+        prof = profiles[c.tp]
+        if prof is None:
+            screened.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen"))
+            continue
+        bounded.append((_bound(prof, c, B, L), str(c), c))
+    bounded.sort(key=lambda r: (r[0], r[1]))
+    best_step = math.inf
+    for lb, _, c in bounded:
+        if lb > best_step:
+            screened.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
+            continue
+        prof = profiles[c.tp]
+        if c.pp == 1:
+            got = _screen_flat(prof, c, cluster, B // c.dp, L, budget)
+        else:
+            got = _screen_pipeline(prof, c, cluster, B / (c.dp * c.microbatches), L, budget)
+        screened.append(got)
+        best_step = min(best_step, got.step)
+        timings["evaluated"] = timings.get("evaluated", 0) + 1
+    timings["screen"] = time.perf_counter() - t0
+    screened.sort(key=lambda s: (s.step, s.memory, str(s.candidate)))
+    t0 = time.perf_counter()
+    best: Plan | None = None
+    tried = 0
+    errors = []
+    for s in screened:
+        # the screen's memory is an estimate: a candidate the real plan finds too big gives way to the next one
+        if tried >= top or s.step == math.inf or len(errors) >= MAX_MISSES:
+            break
+        c = s.candidate
+        try:
+            plan = _real_plan(model, args, cluster, c, budget)
+        except InfeasibleError as e:
+            errors.append(f"{c}: {e}")
+            continue
+        tried += 1
+        if best is None or plan.cost.step_time < best.cost.step_time:
+            best = plan
+    timings["plan"] = time.perf_counter() - t0
+    if best is None:
+        why = "; ".join(errors[:3]) or "no candidate fits the memory budget in the screen"
+        raise InfeasibleError(
+            f"no plan for {model.__class__.__name__} on {cluster} ({cluster.devices} devices) fits {budget / 2**30:.1f} GiB per device: "
+            f"{why}. Use more devices, a smaller global batch, or a larger budget"
+        )
+    best.search = screened
+    best.timings = {"proxy": timings["proxy"], "screen": timings["screen"] - timings["proxy"], "plan (real)": timings["plan"], "candidates screened": float(len(screened)), "candidates evaluated": timings.get("evaluated", 0.0),
+                    **{f"real {k}": v for k, v in best.timings.items() if k != "plan total"}}
+    best.timings["plan total"] = time.perf_counter() - t_start
+    return best
+
+
+def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: float) -> Plan:
+    """A model without a container of repeated layers (fewer than four, or none): no proxy to screen with and no
+    stages to cut, so each (dp, tp) mesh is planned for real and the fastest plan that fits wins."""
+    from autopar.planner import make_plan
+
+    B = next(t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.ndim > 0)
+    tg = trace(model, args)
+    best, screened = None, []
+    for tp in _divisors(cluster.gpus_per_node):
+        dp = cluster.devices // tp
+        c = Candidate(dp, 1, tp, "none")
+        if B % dp:
+            screened.append(Screened(c, math.inf, math.nan, f"dp={dp} does not divide the batch of {B}"))
+            continue
+        try:
+            plan = make_plan(tg, cluster.mesh(dp, 1, tp), budget)
+        except (InfeasibleError, AutoparError) as e:
+            screened.append(Screened(c, math.inf, math.nan, str(e).splitlines()[0][:80]))
+            continue
+        screened.append(Screened(c, plan.cost.step_time, plan.cost.memory_per_device, "planned (no repeated blocks to screen)"))
+        if best is None or plan.cost.step_time < best.cost.step_time:
+            best = plan
+    if best is None:
+        raise InfeasibleError(f"no plan for {model.__class__.__name__} on {cluster} fits {budget / 2**30:.1f} GiB per device; "
+                              "use more devices, a smaller global batch, or a larger budget")
+    best.search = sorted(screened, key=lambda s: (s.step, str(s.candidate)))
+    best.timings = {"plan total": time.perf_counter() - t_start, "candidates screened": float(len(screened))}
+    return best
+
+
+def _real_plan(model, args: tuple, cluster: Cluster, c: Candidate, budget: float) -> Plan:
+    from autopar.pipeline import plan_pipeline
+    from autopar.planner import make_plan
+
+    mesh = cluster.mesh(c.dp, c.pp, c.tp)
+    if c.pp > 1:
+        pin = PipelinePin(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual if c.virtual > 1 else None)
+        return plan_pipeline(model, args, mesh, budget, [], pin, recompute=c.recompute)
+    return make_plan(trace(model, args), mesh, budget, [], c.recompute)
+
+
+def search_table(plan: Plan, rows: int = 12) -> str:
+    """The screened candidates, best first (the first ``rows``), as the screen predicted them."""
+    import tabulate
+
+    out = []
+    for s in (plan.search or [])[:rows]:
+        out.append([str(s.candidate), "-" if s.step == math.inf else f"{s.step * 1e3:.1f}", f"{s.memory / 2**30:.1f}", s.note])
+    return tabulate.tabulate(out, headers=["candidate", "screened step ms", "memory GiB", "note"], tablefmt="simple")

@@ -1,0 +1,92 @@
+"""Cluster planning: the mesh search (dp x pp x tp, microbatches, schedule, recomputation) and its screen."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import autopar
+import models
+from autopar.cluster import Cluster, candidates, plan_cluster, search_table
+from models.gpt import GPT, GPTConfig
+
+
+def _gpt(layers: int = 6, width: int = 256, heads: int = 8):
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=4096, block_size=256, n_layer=layers, n_head=heads, n_embd=width)).to(torch.bfloat16)
+
+
+def _ids(batch: int, seq: int = 256):
+    return (torch.empty(batch, seq, dtype=torch.long, device="meta"),) * 2
+
+
+def test_cluster_checks_its_arguments():
+    with pytest.raises(autopar.AutoparError, match="nodes=0"):
+        Cluster(0, 8)
+    with pytest.raises(autopar.MeshError, match="unknown hardware preset"):
+        Cluster(1, 8, "tpu-v9")
+    assert Cluster(4, 8).mesh(4, 2, 4).names == ("pp", "dp", "tp")
+    assert Cluster(4, 8).mesh(4, 2, 4).spans_nodes("tp") is False
+
+
+def test_candidates_keep_tensor_parallel_inside_a_node_and_split_the_batch():
+    cl = Cluster(16, 8)
+    cands = candidates(cl, batch=256, L=24, recompute=("none", "full"))
+    assert cands and all(c.dp * c.pp * c.tp == 128 for c in cands)
+    assert {c.tp for c in cands} == {1, 2, 4, 8}  # tp divides the GPUs of a node: never across the slow link
+    assert all(256 % c.dp == 0 and c.pp <= 24 for c in cands)
+    assert {c.recompute for c in cands} == {"none", "full"}
+    assert all(c.schedule != "gpipe" for c in cands)  # 1F1B: GPipe's bubble, fewer microbatches in flight
+    assert all(256 // c.dp % c.microbatches == 0 for c in cands if c.pp > 1)
+
+
+def test_the_search_is_at_least_as_good_as_the_plain_layouts_it_screens():
+    model, inputs, cl = _gpt(), _ids(32), Cluster(2, 4, "a100-80gb")
+    plan = plan_cluster(model, inputs, cl, top=2)
+    assert plan.search and "candidate" in search_table(plan)
+    tp = dict(zip(plan.mesh.names, plan.mesh.sizes)).get("tp", 1)
+    assert 4 % tp == 0 and not plan.mesh.spans_nodes("tp") if tp > 1 else True
+    # the real plans of the plain layouts, under the same cost model: the search never loses to them
+    for axes in ({"dp": 8}, {"dp": 2, "tp": 4}):
+        other = autopar.plan(model, autopar.Mesh(axes, cl.hw()), inputs)
+        assert plan.cost.step_time <= other.cost.step_time * (1 + 1e-6), (axes, other.cost.step_time, plan.cost.step_time)
+    assert {"screen", "plan (real)", "plan total"} <= set(plan.timings)
+
+
+def test_a_tight_budget_buys_recomputation_or_pipelining_and_the_plan_fits():
+    model, inputs, cl = _gpt(layers=8, width=512), _ids(64), Cluster(1, 8, "a100-80gb")
+    free = plan_cluster(model, inputs, cl)
+    budget = 0.35 * free.cost.memory_per_device
+    tight = plan_cluster(model, inputs, cl, memory_budget=budget)
+    assert tight.cost.memory_per_device <= budget * (1 + 1e-6)
+    assert tight.recompute != "none" or tight.pipeline is not None or tight.mesh != free.mesh
+    assert tight.cost.step_time >= free.cost.step_time * (1 - 1e-9)  # memory is not free
+    with pytest.raises(autopar.InfeasibleError, match="fits"):
+        plan_cluster(model, inputs, cl, memory_budget=1e6)
+
+
+def test_autopar_plan_takes_a_cluster_and_an_inputs_function():
+    model, make = models.build("gpt-tiny")
+    plan = autopar.plan(model, Cluster(1, 4, "cpu-gloo"), make, global_batch=8, seq=16)
+    assert math.prod(plan.mesh.sizes) == 4 and plan.search
+    with pytest.raises(autopar.AutoparError, match="global_batch"):
+        autopar.plan(model, Cluster(1, 4), make)
+
+
+def test_recomputation_trades_compute_for_activations_in_the_cost_model():
+    model, inputs = _gpt(layers=4), _ids(16)
+    mesh = autopar.Mesh({"tp": 4}, "a100-80gb")
+    plans = {rc: autopar.plan(model, mesh, inputs, recompute=rc) for rc in ("none", "selective", "full")}
+    act = {rc: p.cost.memory_breakdown["activations"] for rc, p in plans.items()}
+    assert act["full"] < act["selective"] < act["none"]
+    assert plans["none"].cost.compute_time < plans["selective"].cost.compute_time < plans["full"].cost.compute_time
+    # full recomputation runs the blocks' forward collectives again in backward (Megatron's all-reduces here)
+    meg = {rc: autopar.handwritten(model, mesh, inputs, "megatron", recompute=rc) for rc in ("none", "full")}
+    again = [c for c in meg["full"].collectives() if c.phase == "recompute"]
+    assert again and not [c for c in meg["none"].collectives() if c.phase == "recompute"]
+    fwd = {(c.where, c.kind, c.bytes) for c in meg["full"].collectives() if c.phase == "forward"}
+    assert {(c.where, c.kind, c.bytes) for c in again} <= fwd
+    with pytest.raises(autopar.AutoparError, match="recompute"):
+        autopar.plan(model, mesh, inputs, recompute="some")

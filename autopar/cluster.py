@@ -43,13 +43,14 @@ from autopar.mesh import Mesh
 from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, balance, equal_starts, graph_units,
                               microbatch_candidates, refine, slice_batch, trace_rows, unit_costs)
 from autopar.plan import Plan
-from autopar.solver import build_problem, solve
+from autopar.solver import ZeroPin, build_problem, recost, solve
 from autopar.spec import Replicate
 from autopar.trace import PARAM, trace
 from autopar.zero import ZeroOption, param_cost
 
 
-MAX_MISSES = 4  # screened candidates the real planner may find not to fit before the search gives up
+MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
+SCREEN_MARGIN = 0.92  # the screen's memory runs a few percent under the real plan's: it must fit this share of the budget
 
 
 @dataclass(frozen=True)
@@ -132,29 +133,41 @@ def _proxy_model(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
     if found is None:
         return model, 0
     path, n = found
-    return (tr._truncated(model, path, 2), n) if n > 2 else (model, n)
+    return (tr._truncated(model, path, 1), n) if n > 1 else (model, n)
 
 
-def _profile(proxy, args: tuple, t: int, hw: Hardware, spans_nodes: bool, recompute: tuple[str, ...]) -> _Profile | None:
+def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tuple[str, ...]) -> _Profile | None:
+    """``tgs``: the proxy traced at one and two rows per rank of dp=2."""
     from autopar.planner import cost_model
 
-    mesh = Mesh({"dp": 2, "tp": t}, hw)
+    # no overlap in the proxy's ILP: the screen prices data-parallel communication itself, and the max() of an
+    # overlapped step makes the ILP's relaxation weak (seconds instead of a fraction of one)
+    mesh = Mesh({"dp": 2, "tp": t}, dataclasses.replace(hw, overlap=0.0))
     mesh._spans = {"dp": spans_nodes, "tp": False}
-    tgs = [trace(proxy, slice_batch(args, r)) for r in (2, 4)]  # one and two rows per rank of dp=2
     units = [graph_units(tg) for tg in tgs]
     cost0 = cost_model(tgs[0], mesh, "none")
     problem = build_problem(tgs[0], mesh, cost0)
     try:
-        choice = solve(tgs[0], mesh, cost0, problem, None, [])
+        choice = solve(tgs[0], mesh, cost0, problem, None, [ZeroPin("*", 0)])  # the screen prices ZeRO itself
     except InfeasibleError:
         return None
+    # the same strategies at two rows, found by value (which strategies exist may differ with the rows)
+    second = build_problem(tgs[1], mesh, cost_model(tgs[1], mesh, "none"))
+    index2 = {}
+    for n, st_ in choice.strategy.items():
+        cs = second.cands.get(n, [])
+        if st_ not in cs:
+            return None
+        index2[n] = cs.index(st_)
+    choices = [choice, dataclasses.replace(choice, index=index2)]
     out: dict[str, tuple[UnitCosts, UnitCosts]] = {}
     for rc in recompute:
         pair = []
-        for tg, un in zip(tgs, units):
+        for tg, un, pr, ch in zip(tgs, units, (problem, second), choices):
             cost = cost_model(tg, mesh, rc)
-            pr = build_problem(tg, mesh, cost)
-            pair.append(unit_costs(tg, pr, choice, cost, un, mesh))
+            if rc != "none":  # only the chosen strategies are priced again, under this recomputation
+                pr = recost(tg, pr, cost, ch.index)
+            pair.append(unit_costs(tg, pr, ch, cost, un, mesh))
         out[rc] = (pair[0], pair[1])
     tg, un = tgs[0], units[0]
     U = len(un.labels)
@@ -238,9 +251,10 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
         act += copies * zc.act if opt.stage in (1, 2) else 0.0
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
         comm += copies * (zc.comm + zc.copy)
-    if c.dp > 1:  # one bucket per block pays the latency (ZeRO-3: per parameter and pass)
+    if c.dp > 1:  # one bucket per block pays the latency (ZeRO-3: per pass, and per parameter unless per block)
         lat = collective_time("all_reduce", 0, c.dp, mesh.link(0))
-        comm += (L + 2) * lat * (3 * n_block_params if opt.stage == 3 else 1)
+        per_block = 3 * (1 if mesh.hardware.zero3_per_block else n_block_params) if opt.stage == 3 else 1
+        comm += (L + 2) * lat * per_block
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
     memory = state + max(act, grad) + transient
@@ -302,17 +316,24 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
 
 
 def _bound(prof: _Profile, c: Candidate, batch: int, L: int) -> float:
-    """A lower bound on a candidate's screened step: its compute on perfectly balanced stages, with the schedule's
-    bubble ((p - 1) microbatch slots, over v for interleaved); no communication."""
+    """A lower bound on a candidate's screened step: the schedule's analytic step (as ``_screen_pipeline`` prices
+    it) with the slowest stage at least the average, at least ceil(L / S) blocks and at least the embedding or the
+    head alone; no communication."""
     rows = batch / (c.dp * c.microbatches)
     a, b = prof.units[c.recompute]
     U = len(a.fwd)
     per = [max(x1 + (x2 - x1) * (rows - 1), 0.0) for x1, x2 in zip(
         [f + g for f, g in zip(a.fwd, a.bwd)], [f + g for f, g in zip(b.fwd, b.bwd)])]
-    work = per[0] + per[-1] + L * (per[U - 2] if U > 2 else 0.0)  # one microbatch through the whole model
+    blk = per[U - 2] if U > 2 else 0.0
+    work = per[0] + per[-1] + L * blk  # one microbatch through the whole model
     if c.pp == 1:
         return work
-    return work / c.pp * (c.microbatches + (c.pp - 1) / c.virtual)
+    p, v, m = c.pp, c.virtual, c.microbatches
+    S = p * v
+    slowest = max(work / S, math.ceil(L / S) * blk, per[0], per[-1])  # some stage holds ceil(L / S) blocks
+    if v == 1:
+        return (m - 1) * slowest + work
+    return m * max(work / p, slowest) + (p - 1) * slowest
 
 
 # --- the search ----------------------------------------------------------------------------------------------------
@@ -361,14 +382,16 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
     proxy, L = _proxy_model(model)
     if L == 0:
         return _plan_each(model, args, cluster, budget, t_start)
+    real_budget, budget = budget, budget * SCREEN_MARGIN
     timings = {"proxy": 0.0, "screen": 0.0, "plan": 0.0}
     profiles: dict[int, _Profile | None] = {}
     cands = candidates(cluster, B, max(L, 1), modes)
     screened: list[Screened] = []
     t0 = time.perf_counter()
+    tgs = [trace(proxy, slice_batch(args, r)) for r in (2, 4)]  # one and two rows per rank of the proxy's dp=2
     for c in cands:
         if c.tp not in profiles:
-            profiles[c.tp] = _profile(proxy, args, c.tp, hw, cluster.devices > cluster.gpus_per_node, modes) if L else None
+            profiles[c.tp] = _profile(tgs, c.tp, hw, cluster.devices > cluster.gpus_per_node, modes)
     timings["proxy"] = time.perf_counter() - t0
     # branch and bound: a candidate's step is at least its schedule's bubble-bound on perfectly balanced stages;
     # candidates are evaluated by that bound, and the rest dropped once the bound passes the best found
@@ -405,7 +428,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
             break
         c = s.candidate
         try:
-            plan = _real_plan(model, args, cluster, c, budget)
+            plan = _real_plan(model, args, cluster, c, real_budget)
         except InfeasibleError as e:
             errors.append(f"{c}: {e}")
             continue
@@ -416,7 +439,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
     if best is None:
         why = "; ".join(errors[:3]) or "no candidate fits the memory budget in the screen"
         raise InfeasibleError(
-            f"no plan for {model.__class__.__name__} on {cluster} ({cluster.devices} devices) fits {budget / 2**30:.1f} GiB per device: "
+            f"no plan for {model.__class__.__name__} on {cluster} ({cluster.devices} devices) fits {real_budget / 2**30:.1f} GiB per device: "
             f"{why}. Use more devices, a smaller global batch, or a larger budget"
         )
     best.search = screened
@@ -464,7 +487,9 @@ def _real_plan(model, args: tuple, cluster: Cluster, c: Candidate, budget: float
     if c.pp > 1:
         pin = PipelinePin(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual if c.virtual > 1 else None)
         return plan_pipeline(model, args, mesh, budget, [], pin, recompute=c.recompute)
-    return make_plan(trace(model, args), mesh, budget, [], c.recompute)
+    # the screened ZeRO stage, pinned: the screen chose it, and a free choice per group makes the ILP much larger
+    pins = [ZeroPin("*", c.zero)] if c.dp > 1 else []
+    return make_plan(trace(model, args), mesh, budget, pins, c.recompute)
 
 
 def search_table(plan: Plan, rows: int = 12) -> str:

@@ -9,8 +9,14 @@ for backward); ``edge_time`` per (tensor, source Spec, destination Spec): the se
 forward and, when the tensor carries a gradient, their transposes in backward.
 
 Models:
-- compute: roofline per op, ``max(flops / (peak * efficiency), bytes / (HBM bandwidth * efficiency))``; backward
-  costs 2x the forward FLOPs for contractions and attention, 2x the bytes for memory-bound ops.
+- compute: roofline per op, ``max(flops / (peak * efficiency), bytes / (HBM bandwidth * efficiency)) + launch``;
+  a matmul's efficiency falls with its thinnest dimension d as ``e * d / (d + d_half)`` (a width split eight ways
+  fills the tensor cores less well), attention has its own; backward costs 2x the forward FLOPs for
+  contractions and attention, 2x the bytes for memory-bound ops. The constants live in the hardware presets and
+  were calibrated on published runs (``benchmarks/plan_quality.py``).
+- activation recomputation (none / selective / full, on the repeated blocks): a recomputed op keeps nothing for
+  backward and runs its forward again there (full recomputation also its forward collectives); a block's input
+  stays kept. Selective keeps the matmuls' and attention's outputs (torchtitan's op-level selective AC).
 - collectives: alpha-beta on the axis's link, ring algorithms; ``wire`` bytes per device are
   all-reduce 2(n-1)/n B, all-gather and reduce-scatter (n-1)/n B, all-to-all (n-1)/n B (B = the full buffer).
 - inputs: each rank loads its share of the batch at the host-to-device bandwidth.

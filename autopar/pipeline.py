@@ -46,6 +46,7 @@ from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
 
 MAX_MICROBATCH_CANDIDATES = 6
+SQUEEZE = (1.0, 0.8, 0.6)  # the stages' ILP memory bound, tightened in turn while no stage cut fits the ranks
 
 
 @dataclass(frozen=True)
@@ -520,43 +521,54 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             n: [dataclasses.replace(c, act=c.act * p, comm=c.comm * w * (1 if n in in_block else p)) if tg.kinds.get(n) != INPUT else c for c in cs]
             for n, cs in raw.items()
         }
-        try:
-            choice = solve(tg, inner, cost, problem, budget * p, inner_pins)
-        except InfeasibleError as e:
+        scaled = problem.costs
+        # the stages' ILP bounds the whole model's memory (p ranks' worth); when no cut then fits each rank (the
+        # ILP spent the slack unevenly), it is solved again under a tighter bound
+        for squeeze in SQUEEZE:
+            problem.costs = scaled
+            try:
+                choice = solve(tg, inner, cost, problem, budget * p * squeeze, inner_pins)
+            except InfeasibleError as e:
+                problem.costs = raw
+                if squeeze == SQUEEZE[0]:
+                    tried.append(f"m={m}: the stages' own plans do not fit ({e})")
+                    if e.smallest_budget:
+                        smallest = min(smallest, e.smallest_budget / p)
+                break
             problem.costs = raw
-            tried.append(f"m={m}: the stages' own plans do not fit ({e})")
-            if e.smallest_budget:
-                smallest = min(smallest, e.smallest_budget / p)
             timings["solve"] += time.perf_counter() - t0
-            continue
-        problem.costs = raw
-        timings["solve"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        uc = unit_costs(tg, problem, choice, cost, units, inner)
-        for order, (name, v) in enumerate(options):
-            S = p * v
-            flights = sched.in_flight(name, p, m, v)
-            if pin.cuts is None:
-                cands = []
-                starts = balance(uc, units, S, p, flights, v, budget)
-                if starts is not None:
-                    cands.append(refine(uc, units, starts, p, m, v, flights, budget))
-                if L % S == 0:  # Megatron's even cut is always a candidate: the search never does worse
-                    cands.append(equal_starts(units, S))
-            else:
-                cands = [equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))]
-            fits = False
-            for starts in dict.fromkeys(cands):
-                ev = evaluate(uc, units, starts, name, p, m, v, mesh, axis, inner)
-                if max(ev.rank_memory) > budget * (1 + 1e-9):
-                    smallest = min(smallest, max(ev.rank_memory))
-                    continue
-                fits = True
-                key = (ev.total, m, order)
-                if best is None or key < best[0]:
-                    best = (key, m, name, v, ev, tg, problem, choice, cost, units)
-            if not fits:
-                tried.append(f"m={m} {name}{'' if v == 1 else f' v={v}'}: no cuts fit {_fmt_bytes(budget)} per device")
+            t0 = time.perf_counter()
+            uc = unit_costs(tg, problem, choice, cost, units, inner)
+            any_fit = False
+            for order, (name, v) in enumerate(options):
+                S = p * v
+                flights = sched.in_flight(name, p, m, v)
+                if pin.cuts is None:
+                    cands = []
+                    starts = balance(uc, units, S, p, flights, v, budget)
+                    if starts is not None:
+                        cands.append(refine(uc, units, starts, p, m, v, flights, budget))
+                    if L % S == 0:  # Megatron's even cut is always a candidate: the search never does worse
+                        cands.append(equal_starts(units, S))
+                else:
+                    cands = [equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))]
+                fits = False
+                for starts in dict.fromkeys(cands):
+                    ev = evaluate(uc, units, starts, name, p, m, v, mesh, axis, inner)
+                    if max(ev.rank_memory) > budget * (1 + 1e-9):
+                        smallest = min(smallest, max(ev.rank_memory))
+                        continue
+                    fits = True
+                    key = (ev.total, m, order)
+                    if best is None or key < best[0]:
+                        best = (key, m, name, v, ev, tg, problem, choice, cost, units)
+                if not fits and squeeze == SQUEEZE[-1]:
+                    tried.append(f"m={m} {name}{'' if v == 1 else f' v={v}'}: no cuts fit {_fmt_bytes(budget)} per device")
+                any_fit = any_fit or fits
+            if any_fit:
+                break
+            timings["cuts"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
         timings["cuts"] += time.perf_counter() - t0
     if best is None:
         why = "; ".join(tried[:6])

@@ -30,9 +30,14 @@ The ILP (OR-Tools, HiGHS; SCIP or CBC when HiGHS is missing) over the remaining 
 - Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters).
 - A parameter's gradient all-reduce is priced by its bandwidth alone: the planner buckets gradients per block,
   and a bucket pays the latency once (the plan's step time includes it; the objective leaves it out).
-- Objective: ``min sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]`` (time
-  includes followers, their forced redistributions, folded parameters; times in microseconds, memory in MB) +
-  a tie-breaker of 1e-9 s per MB: of two plans equally fast, the one with less memory.
+- Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
+  block's backward runs its activations are back: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``.
+- Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
+  (time includes followers, their forced redistributions, folded parameters; times in microseconds, memory in
+  MB) + D, the data-parallel communication (gradient buckets' bandwidth, ZeRO's extra bytes and latencies) +
+  a tie-breaker of 1e-9 s per MB: of two plans equally fast, the one with less memory. When the hardware's
+  runtime overlaps a share f of data-parallel communication with compute, ``min C + D - f h`` with
+  ``h <= C``, ``h <= D`` (h = min(C, D): the step is max(C, D) + (1 - f) min(C, D)).
 
 Deterministic: variables and constraints are created in graph order and the solver runs single-threaded to
 optimality; the time limit is a safety net whose hit is reported in the plan (``solver_status``).
@@ -41,6 +46,7 @@ optimality; the time limit is a safety net whose hit is reported in the plan (``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import functools
 import itertools
@@ -97,6 +103,7 @@ class Problem:
     main_slot: dict[str, int]  # follower -> the input slot its layout follows
     folded_use: dict[str, tuple[str, int]]  # folded placeholder -> (its only user, slot)
     timings: dict[str, float] = field(default_factory=dict)
+    saved: dict[str, tuple[bool, int]] = field(default_factory=dict)  # op -> (a backward keeps its output, bytes it keeps itself)
 
     def index(self, node: str, root_index: int) -> int:
         """The strategy index of ``node`` when its root runs strategy ``root_index``."""
@@ -273,7 +280,8 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     for p, (user, _slot) in folded_use.items():
         root[p] = root[user]
     problem = Problem(order, kind, root, cands, costs, {}, meta, rg, source, edges, outputs,
-                      [_output_specs(m, sizes) for _, m in outputs], tg.rep, main_slot, folded_use)
+                      [_output_specs(m, sizes) for _, m in outputs], tg.rep, main_slot, folded_use,
+                      saved={n: (saved_out.get(n, False), internal.get(n, 0)) for n in order})
     # derived strategies of followers (graph order: a follower's input is resolved before it) and folded nodes
     ins_of = {v: {} for v in order}
     for u, v, i, m in edges:
@@ -305,6 +313,25 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
         problem.derived[p] = d
     problem.timings["strategies"] = time.perf_counter() - t0
     return problem
+
+
+def recost(tg: TracedGraph, problem: Problem, cost: CostModel, index: dict[str, int]) -> Problem:
+    """``problem`` with the chosen strategy (``index``) of every op re-priced by ``cost`` (another recomputation mode
+    of the same graph and mesh); the other strategies keep their old prices. Cheaper than ``build_problem`` when
+    only the chosen plan is priced again."""
+    nodes = tg.nodes
+    costs = dict(problem.costs)
+    for n in problem.order:
+        node = nodes[n]
+        if node.op != "call_function" or (n not in cost.recompute and n not in cost.kept):
+            continue
+        saved_output, internal = problem.saved.get(n, (False, 0))
+        row = list(costs[n])
+        i = index[n]
+        row[i] = cost.op(op_info(node), problem.cands[n][i], problem.requires_grad.get(n, False),
+                         saved_output or n in cost.kept, internal, n)
+        costs[n] = row
+    return dataclasses.replace(problem, costs=costs)
 
 
 # --- pins ---------------------------------------------------------------------------------------------------------

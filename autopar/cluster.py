@@ -41,7 +41,7 @@ from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
 from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, balance, equal_starts, graph_units,
-                              microbatch_candidates, refine, slice_batch, trace_rows, unit_costs)
+                              microbatch_candidates, refine, slice_batch, unit_costs)
 from autopar.plan import Plan
 from autopar.solver import ZeroPin, build_problem, recost, solve
 from autopar.spec import Replicate

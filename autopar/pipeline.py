@@ -46,7 +46,7 @@ from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
 
 MAX_MICROBATCH_CANDIDATES = 6
-SQUEEZE = (1.0, 0.8, 0.6)  # the stages' ILP memory bound, tightened in turn while no stage cut fits the ranks
+SQUEEZE_ATTEMPTS = 3  # solves of the stages' ILP, its memory bound tightened each time no stage cut fits the ranks
 
 
 @dataclass(frozen=True)
@@ -524,13 +524,17 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         scaled = problem.costs
         # the stages' ILP bounds the whole model's memory (p ranks' worth); when no cut then fits each rank (the
         # ILP spent the slack unevenly), it is solved again under a tighter bound
-        for squeeze in SQUEEZE:
+        squeeze = 1.0
+        for attempt in range(SQUEEZE_ATTEMPTS):
+            last = attempt == SQUEEZE_ATTEMPTS - 1
+            worst = math.inf  # this attempt's smallest rank peak over the cuts tried
             problem.costs = scaled
             try:
-                choice = solve(tg, inner, cost, problem, budget * p * squeeze, inner_pins)
+                # after the first attempt the bound is known to be reachable: no separate feasibility solves
+                choice = solve(tg, inner, cost, problem, budget * p * squeeze, inner_pins, floor=attempt == 0)
             except InfeasibleError as e:
                 problem.costs = raw
-                if squeeze == SQUEEZE[0]:
+                if attempt == 0:
                     tried.append(f"m={m}: the stages' own plans do not fit ({e})")
                     if e.smallest_budget:
                         smallest = min(smallest, e.smallest_budget / p)
@@ -557,16 +561,19 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                     ev = evaluate(uc, units, starts, name, p, m, v, mesh, axis, inner)
                     if max(ev.rank_memory) > budget * (1 + 1e-9):
                         smallest = min(smallest, max(ev.rank_memory))
+                        worst = min(worst, max(ev.rank_memory))
                         continue
                     fits = True
                     key = (ev.total, m, order)
                     if best is None or key < best[0]:
                         best = (key, m, name, v, ev, tg, problem, choice, cost, units)
-                if not fits and squeeze == SQUEEZE[-1]:
+                if not fits and last:
                     tried.append(f"m={m} {name}{'' if v == 1 else f' v={v}'}: no cuts fit {_fmt_bytes(budget)} per device")
                 any_fit = any_fit or fits
-            if any_fit:
+            if any_fit or worst == math.inf:
                 break
+            # tighten by the overshoot of the best cut, and a margin (each solve of a large stage ILP takes seconds)
+            squeeze *= min(0.85, 0.9 * budget / worst)
             timings["cuts"] += time.perf_counter() - t0
             t0 = time.perf_counter()
         timings["cuts"] += time.perf_counter() - t0

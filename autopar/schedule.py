@@ -81,7 +81,21 @@ def actions(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
 
 
 def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
-    """Per rank, the most forwards whose backward has not run yet (each keeps one stage-microbatch of activations)."""
+    """Per rank, the most forwards whose backward has not run yet (each keeps one stage-microbatch of activations).
+
+    Closed forms (GPipe m; 1F1B min(m, p - r); interleaved min(m v, (v - 1) p + 2 (p - 1 - r) + 1)) -- the cluster
+    search asks this thousands of times -- which ``in_flight_simulated`` confirms over a grid in the tests."""
+    if schedule == "gpipe":
+        return [m] * p
+    if schedule == "1f1b":
+        return [min(m, p - r) for r in range(p)]
+    if schedule == "interleaved":
+        return [min(m * v, (v - 1) * p + 2 * (p - 1 - r) + 1) for r in range(p)]
+    return in_flight_simulated(schedule, p, m, v)
+
+
+def in_flight_simulated(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
+    """``in_flight`` counted on the schedule's own action order."""
     res = []
     for seq in actions(schedule, p, m, v):
         live = peak = 0

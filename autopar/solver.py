@@ -512,6 +512,7 @@ def solve(
     objective: str = "time",
     time_limit_s: float = 120.0,
     relax: bool = False,
+    floor: bool = True,
 ) -> Choice:
     from ortools.linear_solver import pywraplp
 
@@ -804,7 +805,7 @@ def solve(
         solver.Minimize(sum(c * v for c, v in terms + oterms if c))
     solver.SetTimeLimit(int(time_limit_s * 1000))
     floor_choice = None
-    if memory_budget is not None and objective == "time" and not relax:
+    if memory_budget is not None and objective == "time" and not relax and floor:
         # infeasibility first, cheaply: the relaxed problem's smallest peak bounds every plan's from below (proving
         # infeasibility with the time MIP can take long)
         lower = solve(tg, mesh, cost, P_, None, pins, objective="memory", relax=True).objective * US / MB

@@ -49,6 +49,30 @@ def main() -> None:
                          f"needs {e.smallest_budget / 2**30:.0f} GiB", "-"])
     print(tabulate.tabulate(rows, headers=["model", "mesh", "batch", "graph nodes", "ILP vars", "trace s", "strategies+cost s",
                                            "solve s", "price s", "total s", "step ms", "MFU %"]))
+    depth()
+
+
+def depth() -> None:
+    """The same GPT-3 175B layer at 2, 24 and 96 layers on dp=16 x tp=8: repeated layers are traced and solved once, so
+    the planning work barely grows with depth (what grows is building and pricing the untied graph)."""
+    from models.gpt import GPT, GPTConfig
+
+    rows = []
+    mesh = autopar.Mesh({"dp": 16, "tp": 8}, hardware="a100-80gb")
+    for layers in (2, 24, 96):
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=51200, block_size=2048, n_layer=layers, n_head=96, n_embd=12288)).to(torch.bfloat16)
+        ids = torch.empty(32, 2048, dtype=torch.long, device="meta")
+        t0 = time.perf_counter()
+        tg = trace(model, (ids, ids.clone()))
+        t_trace = time.perf_counter() - t0
+        plan = make_plan(tg, mesh, memory_budget=1e15)
+        tm = plan.timings
+        rows.append([layers, len(tg.gm.graph.nodes), tg.synthesized_blocks, int(tm["ilp variables"]), f"{t_trace:.2f}",
+                     f"{tm['strategies+cost']:.2f}", f"{tm['solve']:.2f}", f"{tm['price']:.2f}", f"{t_trace + tm['plan total']:.2f}"])
+    print("\nplanning work by depth (gpt3-175b layers, dp=16 x tp=8, batch 32 x 2048):")
+    print(tabulate.tabulate(rows, headers=["layers", "graph nodes", "layers grown (not traced)", "ILP vars", "trace s",
+                                           "strategies+cost s", "solve s", "price s", "total s"]))
 
 
 if __name__ == "__main__":

@@ -60,3 +60,12 @@ def test_text_timeline_and_unrunnable_schedules():
     assert schedule.check("1f1b", 4, 2, 1) and "at least as many microbatches" in schedule.check("1f1b", 4, 2, 1)
     assert "multiple of the ranks" in schedule.check("interleaved", 4, 6, 2)
     assert schedule.check("interleaved", 4, 8, 2) is None and schedule.check("nope", 2, 2, 1).startswith("unknown")
+
+
+def test_in_flight_closed_forms_equal_the_simulated_action_order():
+    for p in (2, 3, 4, 8):
+        for m in (1, 2, 4, 8, 12, 16):
+            for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3, 4))):
+                for v in vs:
+                    if schedule.check(name, p, m, v) is None:
+                        assert schedule.in_flight(name, p, m, v) == schedule.in_flight_simulated(name, p, m, v), (name, p, m, v)

@@ -7,6 +7,8 @@ Out: a Plan, or a ParallelModule ready to train on this rank. The user's model i
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import passes
@@ -76,8 +78,13 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
             return plan_pipeline(model, args, mesh, memory_budget, pins, pipe, recompute=recompute)
         if pipe is not None:
             raise AutoparError(f"a PipelinePin needs a mesh with a pp axis larger than 1; mesh {mesh} has none")
+        t0 = time.perf_counter()
         tg = trace(model, args)
-        return make_plan(tg, mesh, memory_budget, pins, recompute)
+        t_trace = time.perf_counter() - t0
+        out = make_plan(tg, mesh, memory_budget, pins, recompute)
+        out.timings = {"trace": t_trace, **out.timings}
+        out.timings["plan total"] += t_trace
+        return out
 
 
 def _split_pins(constraints) -> tuple[list, PipelinePin | None]:
@@ -128,5 +135,7 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
             if plan.mesh != mesh:
                 raise PlanMismatchError(f"the plan was made for mesh {plan.mesh}, not {mesh}; re-plan for this mesh")
             the_plan = plan
+        t0 = time.perf_counter()
         gm = passes.run_all(tg.gm, the_plan, mesh)
+        the_plan.timings["rewrite"] = time.perf_counter() - t0
     return ParallelModule(tg, the_plan, gm, mesh, model)

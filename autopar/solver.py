@@ -804,6 +804,8 @@ def solve(
     else:
         solver.Minimize(sum(c * v for c, v in terms + oterms if c))
     solver.SetTimeLimit(int(time_limit_s * 1000))
+    if objective == "time" and not relax:
+        P_.timings["ilp build"] = time.perf_counter() - t0
     floor_choice = None
     if memory_budget is not None and objective == "time" and not relax and floor:
         # infeasibility first, cheaply: the relaxed problem's smallest peak bounds every plan's from below (proving

@@ -12,10 +12,23 @@ of 128; FlashAttention-2 60%; collectives 65% of NVLink's and 90% of InfiniBand'
 presets reuse the A100's efficiencies (no published H100 run with an MFU was at hand to fit). The runtime
 fields (``overlap``, ``zero3_per_block``, ``grad_reduce_bytes``) describe autopar's runtime by default (no
 overlap, one ZeRO-3 parameter at a time, gradients in the parameter's dtype); the benchmark sets them to
-describe Megatron-LM, DeepSpeed and FSDP2 when it prices their published runs. ``cpu-gloo`` was
-measured on the 2-core development machine: ~100 GFLOP/s fp32 matmul on one thread, ~5 GB/s for an elementwise
-op, gloo over loopback ~0.3-1 GB/s bus bandwidth with 0.3-5 ms per collective when 4 processes share 2 cores
-(``benchmarks/calibrate_cpu.py`` re-measures them).
+describe Megatron-LM, DeepSpeed and FSDP2 when it prices their published runs.
+
+``cpu-gloo`` is one rank of 4 gloo processes (one thread each) sharing the 2-core development machine, the way the
+tests, benchmarks and demo run them: a "device" is what one rank gets there, not what one process gets alone (run
+with 2 ranks, a core each, a rank computes about twice as fast as this preset says). Measured with
+``benchmarks/calibrate_cpu.py`` (medians of 4 runs on a quiet machine; the script re-measures and says how busy
+the machine was), every time the slowest rank's:
+- compute with every rank running at once (each gets ~half a core): fp32 matmul ~50 GFLOP/s per rank (one process
+  alone ~100), bf16 ~225 GFLOP/s (alone ~460: AVX-512 BF16), elementwise ~2.4 GB/s (alone ~4.8); achieved rates,
+  so the efficiencies are 1.0.
+- per-op overhead ~11 us per ATen op and direction (charged in forward and again in backward), 4 ranks at once.
+- gloo over 127.0.0.1: all-reduce, all-gather and reduce-scatter of 4 KiB - 16 MiB on 4 ranks and on pairs, fitted
+  to ``launch + steps * latency + wire / bandwidth``: ~0.4 ms launch, ~0.65 ms per ring step, ~1.1 GB/s; the launch
+  also holds ~2.8 ms of late arrival (after compute rather than a barrier, the last of 4 ranks on 2 cores reaches
+  a collective ~1-4 ms after the first). One link model averages gloo's kinds: its reduce-scatter takes ~2x this
+  fit at 4-16 MiB, its all-gather a little less than it, its 1-element all-reduce (a special path) ~10x less.
+- no overlap: autopar's runtime does not run communication beside compute.
 """
 
 from __future__ import annotations
@@ -150,19 +163,19 @@ PRESETS: dict[str, Hardware] = {
         matmul_half_dim=128,
         attention_efficiency=0.6,  # FlashAttention-2 through SDPA: ~70% of peak forward, ~55% backward
     ),
-    "cpu-gloo": Hardware(
+    "cpu-gloo": Hardware(  # one rank of 4 sharing the 2-core machine; benchmarks/calibrate_cpu.py (module docstring)
         name="cpu-gloo",
-        peak_flops=(("bfloat16", 220e9), ("float32", 50e9)),
+        peak_flops=(("bfloat16", 225e9), ("float32", 50e9)),
         hbm_bandwidth=2.4 * _GB,
         memory=24 * _GB,
         devices_per_node=64,
-        intra_node=Link(bandwidth=1.35 * _GB, latency=620e-6, launch=1.2e-3),
-        inter_node=Link(bandwidth=1.35 * _GB, latency=620e-6, launch=1.2e-3),
+        intra_node=Link(bandwidth=1.1 * _GB, latency=650e-6, launch=3.2e-3),
+        inter_node=Link(bandwidth=1.1 * _GB, latency=650e-6, launch=3.2e-3),
         input_bandwidth=2.4 * _GB,
         matmul_efficiency=1.0,
         attention_efficiency=1.0,
         memory_efficiency=1.0,
-        op_overhead=8e-6,
+        op_overhead=11e-6,
     ),
 }
 

@@ -1,13 +1,37 @@
 """Measure this machine for the ``cpu-gloo`` hardware preset, next to the preset's numbers.
 
-Run: ``python benchmarks/calibrate_cpu.py [--nproc 4]``. Measures, per process with one thread: fp32 matmul
-FLOP/s, elementwise bandwidth; and with ``nproc`` gloo processes over 127.0.0.1: the time of an all-reduce and an
-all-gather at a small and a large size, from which a latency (small) and a bus bandwidth (large) follow.
+Run: ``python benchmarks/calibrate_cpu.py [--nproc 4]`` (~1 min; on a quiet machine: it prints how much of the CPU
+other work took meanwhile). The preset describes one device = one rank as it runs when ``nproc`` gloo ranks (one
+thread each) share this machine and train in step, so everything is measured with ``nproc`` processes running at
+once (torchrun, 127.0.0.1), and every time is the slowest rank's (a training step waits for it):
+
+- fp32 and bf16 matmul FLOP/s (1024^3) and elementwise bytes/s (``x * 2.0`` on 32 MiB), per rank, every rank
+  running the same loop (4 ranks on 2 cores get about half a core each); one process alone for reference.
+- per-op overhead: a chain of tiny ops (linear, gelu, add, mul, layer_norm, softmax on a (4, 16) tensor, whose
+  roofline time is ~0), forward and backward under autograd, called through ``torch.ops.aten`` as autopar's
+  graph modules call them; seconds per op, the mean of forward and backward (the cost model charges it in each).
+- collectives: all-reduce, all-gather and reduce-scatter at 4 KiB - 16 MiB (the cost model's buffer: all-gather
+  its output, the others their input) over all ranks, and over pairs of ranks (every pair at once, as on a
+  (dp=2, tp=2) mesh: two ranks per ring tell the launch from the per-step latency); mean of 25 calls after 3 warm-up calls with a barrier before each (the slowest 10%
+  dropped). A single-element all-reduce is printed for reference only: gloo runs it on a special, much faster
+  path, so it says nothing about the collectives a plan launches. The alpha-beta model
+  ``launch + steps * latency + wire / bandwidth`` (steps 2(n-1) for all-reduce, n-1 otherwise; wire as
+  autopar.cost.wire_bytes) is fitted to all of them by least squares on relative error.
+- late arrival: in a training step a collective follows each rank's compute, not a barrier, and with more ranks
+  than cores the last rank reaches it later than the first (the cores' scheduler decides). Measured as the time
+  of a small collective after 2, 8 and 32 ms of compute on every rank (the slowest rank's, iterations back to
+  back) minus that of the compute alone, less the same collective after a barrier, averaged over the three kinds
+  and lengths. On a quiet machine it is ~1, ~3 and ~4 ms: about half of a short compute, at most a scheduler
+  time slice or so after a long one, so a cost per collective rather than a slower compute rate; it is added
+  to the fitted launch, as every collective of a step pays it.
+- compute and overhead numbers are the best of 3 passes (other work on the machine only slows a pass down),
+  collectives the median of 3 sweeps over all points.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -17,6 +41,37 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._launch import torchrun  # noqa: E402
+
+SIZES = (4 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)  # bytes of the priced buffer
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+PASSES = 3
+SEGMENTS = (0.002, 0.008, 0.032)  # seconds of compute per rank before a collective, measured in place (the
+# spread of what plans run between two collectives: FSDP a few ms, Megatron ~10 ms, DDP tens of ms)
+
+
+def cpu_sample():
+    """(busy, total) CPU ticks of the whole machine, and the CPU seconds this process and its (waited-for)
+    descendants used so far."""
+    import resource
+
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    mine = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return sum(v) - v[3] - v[4], sum(v), mine
+
+
+def other_load(before) -> float | None:
+    """Fraction of the machine's CPU time used by processes other than the benchmark's own since ``before``."""
+    after = cpu_sample()
+    if before is None or after is None:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    busy, total = (after[0] - before[0]) / hz, (after[1] - before[1]) / hz
+    mine = after[2] - before[2]
+    return max(busy - mine, 0.0) / total if total else None
 
 
 def _best(fn, reps: int) -> float:
@@ -29,13 +84,106 @@ def _best(fn, reps: int) -> float:
     return best
 
 
-def compute() -> tuple[float, float]:
+def compute() -> tuple[float, float, float]:
+    """One process alone, one thread (for reference)."""
     torch.set_num_threads(1)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     flops = 2 * 1024**3 / _best(lambda: a @ b, 5)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    flops16 = 2 * 1024**3 / _best(lambda: a16 @ b16, 5)
     x = torch.randn(8 * 1024 * 1024)
     bw = 2 * x.numel() * 4 / _best(lambda: x * 2.0, 5)
-    return flops, bw
+    return flops, flops16, bw
+
+
+def _slowest(seconds: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _loop(fn, reps: int, after=None) -> float:
+    """Seconds per iteration of ``fn(); after()`` on the slowest rank, every rank running the loop from a barrier."""
+    import torch.distributed as dist
+
+    fn()
+    if after is not None:
+        after()
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+        if after is not None:
+            after()
+    return _slowest((time.perf_counter() - t) / reps)
+
+
+def op_overhead(n_ops: int = 300) -> tuple[float, float]:
+    """Seconds per tiny op, forward and backward (autograd), on the slowest rank, every rank running the chain."""
+    import torch.distributed as dist
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(4, 16, generator=g, requires_grad=True)
+    w = torch.randn(16, 16, generator=g, requires_grad=True)
+    ln_w, ln_b = torch.ones(16, requires_grad=True), torch.zeros(16, requires_grad=True)
+    ops = [
+        lambda x: aten.linear.default(x, w),
+        lambda x: aten.gelu.default(x),
+        lambda x: aten.add.Tensor(x, x0),
+        lambda x: aten.mul.Tensor(x, 0.5),
+        lambda x: aten.native_layer_norm.default(x, [16], ln_w, ln_b, 1e-5)[0],
+        lambda x: aten._softmax.default(x, -1, False),
+    ]
+
+    def chain():
+        x = x0
+        for i in range(n_ops):
+            x = ops[i % len(ops)](x)
+        return x.sum()
+
+    chain().backward()
+    dist.barrier()
+    fwd = bwd = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        y = chain()
+        t1 = time.perf_counter()
+        y.backward()
+        fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+    return _slowest(fwd / 5 / (n_ops + 1)), _slowest(bwd / 5 / (n_ops + 1))
+
+
+def _collective(kind: str, nbytes: int, n: int, group=None):
+    import torch.distributed as dist
+
+    numel = max(nbytes // 4, n)
+    if kind == "all_reduce":
+        x = torch.ones(numel)
+        return lambda: dist.all_reduce(x, group=group)
+    if kind == "all_gather":
+        x, y = torch.ones(numel // n), torch.empty(numel // n * n)
+        return lambda: dist.all_gather_into_tensor(y, x, group=group)
+    x, y = torch.ones(numel // n * n), torch.empty(numel // n)
+    return lambda: dist.reduce_scatter_tensor(y, x, group=group)
+
+
+def _timed(fn, reps: int = 25, warmup: int = 3) -> float:
+    """Mean seconds of ``fn`` after a barrier (the slowest 10% of calls dropped), on the slowest rank."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    ts = sorted(ts)[: max(1, int(0.9 * reps))]
+    return _slowest(sum(ts) / len(ts))
 
 
 def worker() -> None:
@@ -44,20 +192,77 @@ def worker() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     n = dist.get_world_size()
-    out = {}
-    for numel in (1, 4 * 1024 * 1024):
-        x = torch.ones(numel)
-        y = torch.empty(numel * n)
-        dist.barrier()
-        out[("all_reduce", numel)] = _best(lambda: dist.all_reduce(x), 5)
-        dist.barrier()
-        out[("all_gather", numel)] = _best(lambda: dist.all_gather_into_tensor(y, x), 5)
+    pair, _ = dist.new_subgroups(group_size=2) if n % 2 == 0 and n > 2 else (None, None)
+    res = {}
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    x = torch.randn(8 * 1024 * 1024)
+    for _ in range(PASSES):  # best of the passes: other work on the machine only ever slows a pass down
+        for key, value in (("flops", 2 * 1024**3 / _loop(lambda: a @ b, 10)),
+                           ("flops_bf16", 2 * 1024**3 / _loop(lambda: a16 @ b16, 20)),
+                           ("bandwidth", 2 * x.numel() * 4 / _loop(lambda: x * 2.0, 10))):
+            res[key] = max(res.get(key, 0.0), value)
+        fwd, bwd = op_overhead()
+        res["op_fwd"], res["op_bwd"] = min(res.get("op_fwd", fwd), fwd), min(res.get("op_bwd", bwd), bwd)
+
+    one = torch.ones(1)
+    res["all_reduce_1"] = _timed(lambda: dist.all_reduce(one))
+    groups = [(n, None)] + ([(2, pair)] if pair is not None else [])
+    sweeps = {}
+    for _ in range(PASSES):  # whole sweeps, so that drift on the shared machine falls on every point alike
+        for size, group in groups:
+            for kind in KINDS:
+                for nbytes in SIZES:
+                    sweeps.setdefault(f"{kind}_{size}_{nbytes}", []).append(_timed(_collective(kind, nbytes, size, group)))
+    # collectives as a training step meets them: right after each rank's share of some compute, no barrier
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    for _ in range(PASSES):
+        for seconds in SEGMENTS:
+            k = max(1, round(seconds * res["flops"] / (2 * 256**3)))
+
+            def segment(k=k):
+                for _ in range(k):
+                    a @ b
+
+            base = _loop(segment, 20)
+            sweeps.setdefault(f"segment_{seconds}", []).append(base)
+            for kind in KINDS:
+                sweeps.setdefault(f"situ_{kind}_{seconds}", []).append(_loop(segment, 20, _collective(kind, SIZES[0], n)) - base)
+    for key, ts in sweeps.items():
+        res[key] = sorted(ts)[len(ts) // 2]
     if dist.get_rank() == 0:
-        for (kind, numel), t in out.items():
-            print(f"RESULT {kind} {numel} {t}", flush=True)
+        print("RESULT " + json.dumps(res), flush=True)
     from autopar import _compat
 
     _compat.end_process(0)
+
+
+def fit_link(res: dict, sizes: list[int]) -> tuple[float, float, float]:
+    """(launch, latency, bandwidth) minimising the relative error of ``launch + steps*latency + wire/bandwidth`` over
+    every kind and buffer size measured on ``sizes`` ranks."""
+    import numpy as np
+
+    from autopar.cost import wire_bytes
+
+    rows = []
+    for n in sizes:
+        for kind in KINDS:
+            for nbytes in SIZES:
+                steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+                t = res[f"{kind}_{n}_{nbytes}"]
+                rows.append([1.0 / t, steps / t, wire_bytes(kind, nbytes, n) / t])
+    a, y = np.array(rows), np.ones(len(rows))
+    keep = [0, 1, 2]  # non-negative least squares: drop a negative coefficient and refit (3 unknowns: enough)
+    while True:
+        coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    full = [0.0, 0.0, 0.0]
+    for k, c in zip(keep, coef):
+        full[k] = max(float(c), 0.0)
+    launch, latency, inv_bw = full
+    return launch, latency, (1.0 / inv_bw if inv_bw > 0 else float("inf"))
 
 
 def main() -> None:
@@ -68,34 +273,68 @@ def main() -> None:
     if args.worker:
         worker()
         return
-    from autopar.hardware import PRESETS
     import tabulate
 
+    from autopar.cost import collective_time
+    from autopar.hardware import PRESETS, Link
+
     hw = PRESETS["cpu-gloo"]
-    flops, bw = compute()
-    out = torchrun(__file__, args.nproc, "--worker")
-    res = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT"):
-            _, kind, numel, t = line.split()
-            res[(kind, int(numel))] = float(t)
     n = args.nproc
-    big = 4 * 1024 * 1024 * 4
+    before = cpu_sample()
+    flops1, flops16, bw1 = compute()
+    out = torchrun(__file__, n, "--worker")
+    other = other_load(before)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        print("gloo workers failed: " + out.stderr[-2000:])
+        sys.exit(1)
+    res = json.loads(line[len("RESULT "):])
+    op = (res["op_fwd"] + res["op_bwd"]) / 2
     rows = [
-        ["fp32 matmul FLOP/s (1 thread)", f"{flops:.3g}", f"{hw.flops(torch.float32):.3g}"],
-        ["elementwise bytes/s (1 thread)", f"{bw:.3g}", f"{hw.hbm_bandwidth:.3g}"],
+        ["fp32 matmul FLOP/s, one process alone", f"{flops1:.3g}", ""],
+        [f"fp32 matmul FLOP/s per rank, {n} ranks at once", f"{res['flops']:.3g}", f"{hw.flops(torch.float32) * hw.matmul_efficiency:.3g}"],
+        ["bf16 matmul FLOP/s, one process alone", f"{flops16:.3g}", ""],
+        [f"bf16 matmul FLOP/s per rank, {n} ranks at once", f"{res['flops_bf16']:.3g}", f"{hw.flops(torch.bfloat16) * hw.matmul_efficiency:.3g}"],
+        ["elementwise bytes/s, one process alone", f"{bw1:.3g}", ""],
+        [f"elementwise bytes/s per rank, {n} ranks at once", f"{res['bandwidth']:.3g}", f"{hw.hbm_bandwidth * hw.memory_efficiency:.3g}"],
+        [f"per-op overhead, forward / backward (s), {n} ranks at once", f"{res['op_fwd']:.3g} / {res['op_bwd']:.3g}", ""],
+        ["per-op overhead, mean of the two (s)", f"{op:.3g}", f"{hw.op_overhead:.3g}"],
+        [f"all-reduce of 1 element (gloo's special path), {n} ranks (s)", f"{res['all_reduce_1']:.3g}", ""],
     ]
-    if res:
-        ar_small = res[("all_reduce", 1)]
-        rows.append([f"all-reduce of 4 B, {n} ranks (s)", f"{ar_small:.3g}",
-                     f"{hw.intra_node.launch + 2 * (n - 1) * hw.intra_node.latency:.3g}"])
-        busbw = 2 * (n - 1) / n * big / res[("all_reduce", 4 * 1024 * 1024)]
-        rows.append([f"all-reduce bus bandwidth, 16 MiB, {n} ranks (B/s)", f"{busbw:.3g}", f"{hw.intra_node.bandwidth:.3g}"])
-        agbw = (n - 1) / n * big * n / res[("all_gather", 4 * 1024 * 1024)]
-        rows.append([f"all-gather bus bandwidth, 16 MiB per rank, {n} ranks (B/s)", f"{agbw:.3g}", f"{hw.intra_node.bandwidth:.3g}"])
-    else:
-        rows.append(["gloo collectives", "failed: " + out.stderr[-300:], ""])
+    sizes = [n] + ([2] if f"all_reduce_2_{SIZES[0]}" in res else [])
+    launch_fit, latency, bw = fit_link(res, sizes)
+    # a collective after compute costs more than after a barrier: the ranks reach it as the cores' scheduler lets
+    # them, the last one late; on a quiet machine by about half of a short compute, by at most a scheduler time
+    # slice or so after a long one (a cost per collective, not a compute rate), so it joins the launch
+    lates = []
+    for sec in SEGMENTS:
+        late = sum(res[f"situ_{kind}_{sec}"] - res[f"{kind}_{n}_{SIZES[0]}"] for kind in KINDS) / len(KINDS)
+        lates.append(late)
+        rows.append([f"{SIZES[0] / 1024:g} KiB collective after {res[f'segment_{sec}'] * 1e3:.3g} ms of compute, {n} ranks (s): "
+                     + ", ".join(k.replace("_", "-") for k in KINDS), ", ".join(f"{res[f'situ_{k}_{sec}']:.3g}" for k in KINDS), ""])
+        rows.append(["  late arrival: minus after a barrier, mean of the kinds (s)", f"{late:.3g}", ""])
+    late = sum(lates) / len(lates)
+    launch = max(launch_fit + late, 0.0)
+    fitted = Link(bandwidth=bw, latency=latency, launch=launch_fit)
+    for size in sizes:
+        for kind in KINDS:
+            for nbytes in SIZES:
+                rows.append([f"{kind} {nbytes / 1024:g} KiB, {size} ranks, after a barrier (s)", f"{res[f'{kind}_{size}_{nbytes}']:.3g}",
+                             f"{collective_time(kind, nbytes, size, hw.intra_node):.3g} (fit: {collective_time(kind, nbytes, size, fitted):.3g})"])
+    rows += [
+        ["fit: launch after a barrier (s)", f"{launch_fit:.3g}", ""],
+        ["late arrival, mean over the compute lengths (s)", f"{late:.3g}", ""],
+        ["launch = fit + late arrival (s)", f"{launch:.3g}", f"{hw.intra_node.launch:.3g}"],
+        ["fit: latency per ring step (s)", f"{latency:.3g}", f"{hw.intra_node.latency:.3g}"],
+        ["fit: bandwidth (B/s)", f"{bw:.3g}", f"{hw.intra_node.bandwidth:.3g}"],
+    ]
     print(tabulate.tabulate(rows, headers=["quantity", "measured", "cpu-gloo preset"]))
+    if other is not None:
+        print(f"other work on this machine during the measurements: {100 * other:.0f}% of its CPU time"
+              + (" (numbers slower and noisier than on a quiet machine: measure again)" if other > 0.1 else ""))
+    print(f"\nas preset values (one rank of {n} on this machine): peak_flops=((\"bfloat16\", {res['flops_bf16']:.3g}), "
+          f"(\"float32\", {res['flops']:.3g})), hbm_bandwidth={res['bandwidth']:.3g}, op_overhead={op:.3g}, "
+          f"Link(bandwidth={bw:.3g}, latency={latency:.3g}, launch={launch:.3g})")
 
 
 if __name__ == "__main__":

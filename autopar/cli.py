@@ -5,6 +5,7 @@
   single-device training.
 - ``autopar plan MODEL --mesh dp=8,tp=8 --hardware h100-80gb [--batch B] [--seq S] [--memory-budget GiB]
   [--dtype bf16] [--json FILE] [--explain NAME]``: plan only (MODEL: a registry name or ``module:callable``).
+  ``--cluster 192x8`` instead of ``--mesh``: search the mesh too (dp x pp x tp, microbatches, recomputation).
 - ``autopar compare MODEL --mesh ... [--plans auto,megatron,fsdp]``: autopar's plan next to hand-written ones.
 - ``autopar demo [--nproc 4] [--steps 5]``: only the distributed half of the main job.
 """
@@ -80,9 +81,41 @@ def _handwritten_for(mesh) -> list:
     return ["ddp", "fsdp"] if data else []
 
 
+def _parse_cluster(text: str) -> tuple[int, int]:
+    nodes, _, gpus = text.lower().partition("x")
+    if not (nodes.strip().isdigit() and gpus.strip().isdigit()):
+        raise SystemExit(f"autopar: --cluster wants NODESxGPUS_PER_NODE like 192x8; got {text!r}")
+    return int(nodes), int(gpus)
+
+
+def cmd_plan_cluster(args) -> int:
+    import autopar
+    from autopar.cluster import search_table
+
+    t0 = time.perf_counter()
+    model, inputs = _load_model(args.model, DTYPES[args.dtype])
+    nodes, gpus = _parse_cluster(args.cluster)
+    cluster = autopar.Cluster(nodes, gpus, args.hardware)
+    print(f"planning {args.model} on {cluster} ({cluster.devices} devices; global batch {args.batch} x seq {args.seq}, {args.dtype}): "
+          "searching dp x pp x tp, microbatches, schedule, recomputation ...", flush=True)
+    budget = args.memory_budget * 2**30 if args.memory_budget else None
+    plan = autopar.plan(model, cluster, inputs(args.batch, args.seq), memory_budget=budget)
+    print(plan.table())
+    print("\nscreened (best first):")
+    print(search_table(plan))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan.to_json())
+        print(f"plan written to {args.json}")
+    print(f"planned in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def cmd_plan(args) -> int:
     import autopar
 
+    if args.cluster:
+        return cmd_plan_cluster(args)
     dtype = DTYPES[args.dtype]
     t0 = time.perf_counter()
     model, inputs = _load_model(args.model, dtype)
@@ -163,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd")
     p = sub.add_parser("plan", help="plan a model on a mesh (no devices needed)")
     p.add_argument("model")
-    p.add_argument("--mesh", required=True, help="axes outermost first, e.g. dp=8,tp=8")
+    p.add_argument("--mesh", default=None, help="axes outermost first, e.g. dp=8,tp=8")
+    p.add_argument("--cluster", default=None, help="NODESxGPUS, e.g. 192x8: search the mesh too (instead of --mesh)")
     p.add_argument("--hardware", default="h100-80gb")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per data-parallel rank; with pp, 8 x pp per rank)")
     p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {DEFAULT_SEQ}, or the model's context if shorter)")
@@ -186,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from autopar.errors import AutoparError
 
+    if args.cmd == "plan" and (args.mesh is None) == (args.cluster is None):
+        raise SystemExit("autopar plan: give --mesh (plan on that mesh) or --cluster (search the mesh too), one of them")
+    if args.cmd == "plan" and args.cluster and args.batch is None:
+        args.batch = math.prod(_parse_cluster(args.cluster))  # one sequence per device
     if getattr(args, "batch", 0) is None:  # one sequence per data-parallel rank by default; 8 per pipeline stage with pp
         axes = _parse_mesh(args.mesh)
         pp = axes.get("pp", 1)  # a pipeline needs microbatches to fill its stages

@@ -31,6 +31,18 @@ def test_plan_command_on_a_real_size_model_is_fast(capsys):
     assert seconds < 20
 
 
+def test_plan_command_searches_a_cluster(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "megatron-1.7b", "--cluster", "4x8", "--hardware", "a100-80gb", "--batch", "512", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "on 4 x 8 a100-80gb (32 devices" in text and "screened (best first)" in text and "planned in" in text
+    assert autopar.Plan.from_json(out.read_text()).mesh.size == 32
+    import pytest
+
+    with pytest.raises(SystemExit, match="one of them"):
+        main(["plan", "gpt-tiny", "--cluster", "1x4", "--mesh", "dp=4"])
+
+
 def test_demo_trains_on_local_gloo_ranks_like_one_device():
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-m", "autopar", "demo", "--nproc", "2", "--steps", "2"], env=env, cwd=ROOT,

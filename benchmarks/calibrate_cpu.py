@@ -328,7 +328,7 @@ def main() -> None:
         ["fit: latency per ring step (s)", f"{latency:.3g}", f"{hw.intra_node.latency:.3g}"],
         ["fit: bandwidth (B/s)", f"{bw:.3g}", f"{hw.intra_node.bandwidth:.3g}"],
     ]
-    print(tabulate.tabulate(rows, headers=["quantity", "measured", "cpu-gloo preset"]))
+    print(tabulate.tabulate(rows, headers=["quantity", "measured", "cpu-gloo preset (its launch holds late arrival)"]))
     if other is not None:
         print(f"other work on this machine during the measurements: {100 * other:.0f}% of its CPU time"
               + (" (numbers slower and noisier than on a quiet machine: measure again)" if other > 0.1 else ""))

@@ -12,7 +12,7 @@ Measurement: every plan is built once (``autopar.parallelize(model, mesh, batch,
 copy of the weights, one AdamW optimizer each) and warmed up; then 6 rounds each run 3 timed training steps
 (forward, backward, ``opt.step()``, between two barriers, as ``autopar.compare`` times them) of every plan, the
 plans in a rotated order each round, so that drift on the shared 2-core machine falls on all plans alike. The
-measured step time is the median of the 18; IQR is their inter-quartile range over the median (5-20% here;
+measured step time is the median of the 18; IQR is their inter-quartile range over the median (5-25% here;
 repeated runs on a quiet machine put a plan's median within ~5% of itself, hence 15% as "apart"). Plans with the
 same Strategies and ZeRO stages (auto may pick a hand-written plan) are one program: they get one measured time
 and tie. The last column is the loss each plan reaches after the same steps: equal, as they train the same thing.

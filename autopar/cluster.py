@@ -386,6 +386,12 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
     timings = {"proxy": 0.0, "screen": 0.0, "plan": 0.0}
     profiles: dict[int, _Profile | None] = {}
     cands = candidates(cluster, B, max(L, 1), modes)
+    if not cands:
+        raise AutoparError(
+            f"no factorisation of the {cluster.devices} devices of {cluster} splits the global batch of {B} rows: the data-"
+            f"parallel degree must divide it; use a global batch that is a multiple of {cluster.devices // math.gcd(cluster.devices, cluster.gpus_per_node)}"
+            " (or of the devices)"
+        )
     screened: list[Screened] = []
     t0 = time.perf_counter()
     tgs = [trace(proxy, slice_batch(args, r)) for r in (2, 4)]  # one and two rows per rank of the proxy's dp=2

@@ -65,6 +65,8 @@ def test_a_tight_budget_buys_recomputation_or_pipelining_and_the_plan_fits():
     assert tight.cost.step_time >= free.cost.step_time * (1 - 1e-9)  # memory is not free
     with pytest.raises(autopar.InfeasibleError, match="fits"):
         plan_cluster(model, inputs, cl, memory_budget=1e6)
+    with pytest.raises(autopar.AutoparError, match="global batch of 7 rows"):
+        plan_cluster(model, _ids(7), Cluster(4, 8))
 
 
 def test_autopar_plan_takes_a_cluster_and_an_inputs_function():

@@ -114,7 +114,7 @@ def cmd_plan_cluster(args) -> int:
 def cmd_plan(args) -> int:
     import autopar
 
-    if args.cluster:
+    if getattr(args, "cluster", None):
         return cmd_plan_cluster(args)
     dtype = DTYPES[args.dtype]
     t0 = time.perf_counter()

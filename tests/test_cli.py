@@ -43,6 +43,17 @@ def test_plan_command_searches_a_cluster(tmp_path, capsys):
         main(["plan", "gpt-tiny", "--cluster", "1x4", "--mesh", "dp=4"])
 
 
+def test_the_main_jobs_plan_step_runs_with_its_own_arguments(capsys):
+    import argparse
+
+    from autopar.cli import cmd_plan
+
+    # the fields cmd_main passes (no --cluster among them)
+    ns = argparse.Namespace(model="gpt-tiny", mesh="dp=2,tp=2", hardware="cpu-gloo", batch=4, seq=16, dtype="fp32",
+                            memory_budget=None, json=None, explain="h.0.attn.c_attn")
+    assert cmd_plan(ns) == 0 and "planned in" in capsys.readouterr().out
+
+
 def test_demo_trains_on_local_gloo_ranks_like_one_device():
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-m", "autopar", "demo", "--nproc", "2", "--steps", "2"], env=env, cwd=ROOT,

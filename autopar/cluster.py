@@ -10,17 +10,19 @@ schedule, its activation recomputation (none / selective / full) and its per-op 
 Two steps, because an ILP per candidate would take minutes at 1000+ devices:
 
 1. **Screen.** For each tensor-parallel degree t (a divisor of the GPUs per node) the intra-op ILP is solved once
-   on a proxy: the model traced with its repeated blocks cut to two, on a mesh ``dp=2 x tp=t``, at one row and at
-   two rows. Its chosen strategies, priced by the same cost model under each recomputation mode, give each unit
+   on a proxy: the model traced with its container of repeated layers cut to one, on a mesh ``dp=2 x tp=t``, at one
+   row and at two rows per rank. Its chosen strategies, priced by the same cost model under each recomputation mode, give each unit
    (embedding, one block, head) its forward and backward seconds, its kept activations (affine in the rows of a
    microbatch: measured at one and two rows), its parameters with their Specs, and the bytes crossing each unit
    boundary. Every candidate -- (dp, pp, tp), microbatches, schedule, recomputation, and without a pipeline the
-   ZeRO stage -- is then evaluated from those numbers alone: blocks repeated L times; a pipeline by the schedule
-   simulator and the stage cuts of ``autopar.pipeline`` (balanced under memory); without one, the step is compute
+   ZeRO stage -- is then evaluated from those numbers alone, in the order of a lower bound (the rest dropped once
+   the bound passes the best): blocks repeated L times; a pipeline by the stage cuts of ``autopar.pipeline``
+   (balanced under memory) and the schedule's analytic step; without one, the step is compute
    plus data-parallel communication (overlapped where the hardware's runtime overlaps it) and ZeRO's bytes come
    from ``autopar.zero.param_cost``. Candidates whose memory does not fit are dropped, with the reason kept.
-2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan``, or
-   ``plan_pipeline`` with the screened schedule and microbatch count pinned); the fastest real plan is returned.
+2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan`` with the
+   screened ZeRO stage, or ``plan_pipeline`` with the screened schedule and microbatch count pinned); the fastest
+   real plan is returned. A candidate the real plan finds too big gives way to the next.
    The screen is only a filter: the returned numbers are always the real plan's.
 
 Tensor parallel never crosses a node (t divides the GPUs per node), so its collectives stay on the fast links.
@@ -36,15 +38,14 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import RECOMPUTE, collective_time
+from autopar.cost import RECOMPUTE, collective_time, peak_memory
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
-from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, balance, equal_starts, graph_units,
-                              microbatch_candidates, refine, slice_batch, unit_costs)
+from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, analytic_step, balance, equal_starts, graph_units,
+                              microbatch_candidates, refine, slice_batch, unit_costs, unit_state)
 from autopar.plan import Plan
 from autopar.solver import ZeroPin, build_problem, recost, solve
-from autopar.spec import Replicate
 from autopar.trace import PARAM, trace
 from autopar.zero import ZeroOption, param_cost
 
@@ -95,7 +96,7 @@ class Candidate:
     microbatches: int = 1
     schedule: str = ""  # pipeline schedule; "" without a pipeline
     virtual: int = 1
-    zero: int = 0  # without a pipeline: the ZeRO stage the screen priced (the real plan chooses per group)
+    zero: int = 0  # without a pipeline: the ZeRO stage (every parameter group; the real plan is pinned to it)
 
     def __str__(self) -> str:
         s = f"dp={self.dp} pp={self.pp} tp={self.tp}"
@@ -120,13 +121,14 @@ class _Profile:
     """One tensor-parallel degree's unit costs at one and two rows, per recomputation mode, and its parameters."""
 
     units: dict[str, tuple[UnitCosts, UnitCosts]]  # recompute mode -> (costs at 1 row, at 2 rows)
-    params: dict[str, tuple[int, object, object, int]]  # param -> (0 embedding / 1 template block / 2 head, Spec, meta, copies)
+    params: dict[str, tuple[int, object, object]]  # param -> (0 embedding / 1 template block / 2 head, Spec, meta)
     memo: dict = dataclasses.field(default_factory=dict)  # (recompute, rows, L) -> expanded UnitCosts
 
 
 def _proxy_model(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
-    """The model with its repeated blocks cut to two (a shallow copy; the model is not touched), and how many
-    blocks the real one has (0 when it has no block container: the proxy is then the model itself)."""
+    """The model with its container of repeated layers cut to one (a shallow copy; the model is not touched), and
+    how many layers the real one has (0 when trace finds no such container, i.e. fewer than four identical layers:
+    the proxy is then the model itself and the search plans each mesh for real)."""
     from autopar import trace as tr
 
     found = tr._layer_container(model)
@@ -178,7 +180,7 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
         first = min(un.users_units.get(n) or {0})
         if 0 < first < U - 2:
             continue  # a parameter of a proxy block other than the template (the last): the template stands for all
-        params[n] = (0 if first == 0 else 1 if first == U - 2 else 2, choice.strategy[n].output, problem.meta[n], 1)
+        params[n] = (0 if first == 0 else 1 if first == U - 2 else 2, choice.strategy[n].output, problem.meta[n])
     return _Profile(out, params)
 
 
@@ -201,7 +203,7 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
 
     def expand(xs1, xs2) -> list[float]:
         vals = [lin(x1, x2) for x1, x2 in zip(xs1, xs2)]
-        block = vals[U - 2] if U > 2 else 0.0  # the second block: tied, with nothing of the embedding in it
+        block = vals[U - 2] if U > 2 else 0.0  # the template block: the proxy's last
         return [vals[0]] + [block] * L + [vals[-1]]
 
     fwd, bwd, act = expand(a.fwd, b.fwd), expand(a.bwd, b.bwd), expand(a.act, b.act)
@@ -243,7 +245,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
     state = grad = transient = comm = 0.0
     opt = ZeroOption(c.zero, (0,)) if c.zero and c.dp > 1 else ZeroOption(0)
     n_block_params = sum(1 for u, *_ in prof.params.values() if u == 1)
-    for name, (u, spec, meta, _) in prof.params.items():
+    for name, (u, spec, meta) in prof.params.items():
         copies = L if u == 1 else 1
         zc = param_cost(opt, spec, meta, mesh, copies, max(n_block_params, 1))
         state += copies * zc.state
@@ -257,7 +259,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
         comm += (L + 2) * lat * per_block
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
-    memory = state + max(act, grad) + transient
+    memory = peak_memory(state, grad, act, transient, transient)
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
 
 
@@ -279,11 +281,10 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     S = p * v
     flights = list(sched.in_flight(c.schedule, p, m, v))
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
-    st = [0.0] * U
+    st = unit_state(uc, U)
     unit_sync: list[dict[int, float]] = [dict() for _ in range(U)]  # unit -> axis -> gradient bytes it syncs
-    for uu, sg, local, axes, _n in uc.params.values():
+    for uu, _sg, local, axes, _n in uc.params.values():
         for u in uu:
-            st[u] += sg
             for ax in axes:
                 unit_sync[u][ax] = unit_sync[u].get(ax, 0.0) + local
     options = [equal_starts(units, S)] if L % S == 0 else []
@@ -295,11 +296,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         ends = list(starts[1:]) + [U]
         ts = [sum(t[i:j]) for i, j in zip(starts, ends)]
         hop = max(_p2p_seconds(uc.cross[j], link) for j in ends[:-1]) if S > 1 else 0.0
-        if v == 1:
-            step = (m - 1) * max(ts) + sum(ts) + 2 * (S - 1) * hop
-        else:
-            per_rank = [sum(ts[k] for k in range(r, S, p)) for r in range(p)]
-            step = m * max(per_rank) + (p - 1) * max(ts) + 2 * (S - 1) * hop
+        step = analytic_step(ts, p, m, v) + 2 * (S - 1) * hop
         sync = [0.0] * p
         for k, (i, j) in enumerate(zip(starts, ends)):
             for u in range(i, j):

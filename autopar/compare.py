@@ -135,7 +135,7 @@ def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int
     """Train ``row``'s plan for warmup + steps AdamW steps on the same batch as a single-device copy."""
     import torch.distributed as dist
 
-    from autopar import _compat, collectives
+    from autopar import _compat
     from autopar.api import parallelize
 
     reference = copy.deepcopy(model)

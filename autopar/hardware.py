@@ -75,7 +75,7 @@ class Hardware:
 
     def reduce_factor(self, dtype: torch.dtype) -> float:
         """Gradient bytes on the wire per byte of the parameter's dtype."""
-        return self.grad_reduce_bytes / torch.empty((), dtype=dtype).element_size() if self.grad_reduce_bytes else 1.0
+        return self.grad_reduce_bytes / dtype.itemsize if self.grad_reduce_bytes else 1.0
 
     def flops(self, dtype: torch.dtype) -> float:
         table = dict(self.peak_flops)

@@ -301,17 +301,33 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights))
 
 
+def unit_state(uc: UnitCosts, U: int) -> list[float]:
+    """Per unit, the bytes its parameters hold all step (a parameter read by several units counted in each:
+    conservative)."""
+    st = [0.0] * U
+    for uu, sg, *_ in uc.params.values():
+        for u in uu:
+            st[u] += sg
+    return st
+
+
+def analytic_step(ts: list[float], p: int, m: int, v: int) -> float:
+    """The schedule's step from its stages' seconds ``ts`` (stage s on rank s mod p), without transfers:
+    ``(m - 1) max_s t_s + sum_s t_s`` (one stage per rank: 1F1B / GPipe), ``m max_r T_r + (p - 1) max_s t_s``
+    (interleaved, T_r the rank's stages together: the steady state runs each rank's sum)."""
+    if v == 1:
+        return (m - 1) * max(ts) + sum(ts)
+    per_rank = [sum(ts[k] for k in range(r, len(ts), p)) for r in range(p)]
+    return m * max(per_rank) + (p - 1) * max(ts)
+
+
 def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: int, budget: float) -> tuple[int, ...] | None:
     """Starts of S stages minimising the slowest stage's seconds under each stage's memory bound (see module)."""
     U = len(units.labels)
     if U < S:
         return None
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
-    # per unit parameter state (a parameter read by several units counted in each: conservative)
-    st = [0.0] * U
-    for uu, sg, *_ in uc.params.values():
-        for u in uu:
-            st[u] += sg
+    st = unit_state(uc, U)
 
     def pack(limit: float) -> tuple[int, ...] | None:
         starts, i = [], 0
@@ -360,24 +376,16 @@ def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int
 
 
 def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:
-    """Move single cuts by one unit while the schedule's analytic step improves and every rank still fits:
-    ``(m - 1) max_s t_s + sum_s t_s`` (one stage per rank), ``m max_r T_r + (p - 1) max_s t_s`` (interleaved, T_r the
-    rank's stages together). Balancing the slowest stage is the whole story for one stage per rank; with several per
-    rank it is their sum per rank that the steady state runs."""
+    """Move single cuts by one unit while the schedule's analytic step (``analytic_step``) improves and every rank
+    still fits. Balancing the slowest stage is the whole story for one stage per rank; with several per rank it is
+    their sum per rank that the steady state runs."""
     U = len(units.labels)
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
-    st = [0.0] * U
-    for uu, sg, *_ in uc.params.values():
-        for u in uu:
-            st[u] += sg
+    st = unit_state(uc, U)
 
     def objective(cuts: tuple[int, ...]) -> float:
         ends = list(cuts[1:]) + [U]
-        ts = [sum(t[i:j]) for i, j in zip(cuts, ends)]
-        if v == 1:
-            return (m - 1) * max(ts) + sum(ts)
-        per_rank = [sum(ts[k] for k in range(r, len(ts), p)) for r in range(p)]
-        return m * max(per_rank) + (p - 1) * max(ts)
+        return analytic_step([sum(t[i:j]) for i, j in zip(cuts, ends)], p, m, v)
 
     cur, best = tuple(starts), objective(tuple(starts))
     for _ in range(4 * U):
@@ -530,7 +538,8 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             worst = math.inf  # this attempt's smallest rank peak over the cuts tried
             problem.costs = scaled
             try:
-                # after the first attempt the bound is known to be reachable: no separate feasibility solves
+                # the separate feasibility solves only word the first attempt's error; a tighter bound that cannot
+                # be met just ends the tightening
                 choice = solve(tg, inner, cost, problem, budget * p * squeeze, inner_pins, floor=attempt == 0)
             except InfeasibleError as e:
                 problem.costs = raw
@@ -538,6 +547,8 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                     tried.append(f"m={m}: the stages' own plans do not fit ({e})")
                     if e.smallest_budget:
                         smallest = min(smallest, e.smallest_budget / p)
+                else:
+                    tried.append(f"m={m}: no stage cut fits {_fmt_bytes(budget)} per device, and no tighter stage plan exists")
                 break
             problem.costs = raw
             timings["solve"] += time.perf_counter() - t0

@@ -22,7 +22,7 @@ from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, s
 from autopar.zero import ZeroOption, eligible, gather_priced, param_cost, scatter_priced, shard_factor, zero3_uses
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info
-from autopar.trace import INPUT, PARAM, TracedGraph
+from autopar.trace import INPUT, TracedGraph
 
 N_ALTERNATIVES = 6
 

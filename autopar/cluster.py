@@ -113,6 +113,7 @@ class Screened:
     step: float  # predicted seconds (screen), inf when it does not fit
     memory: float  # predicted peak bytes per device
     note: str = ""
+    balance: float = 1.0  # pipelines: the average rank's memory over the fullest rank's, at the screened cut
 
 
 # --- the proxy ---------------------------------------------------------------------------------------------------
@@ -291,6 +292,8 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     got = balance(uc, units, S, p, flights, v, budget)
     if got is not None:  # one stage per rank: the balanced cut is the answer; interleaved: the per-rank sums matter
         options.append(refine(uc, units, got, p, m, v, flights, budget) if v > 1 else got)
+    elif options:  # no balanced cut fits: repair the even one (as plan_pipeline does)
+        options.append(refine(uc, units, options[0], p, m, v, flights, budget))
     best = None
     for starts in options:
         ends = list(starts[1:]) + [U]
@@ -303,13 +306,14 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
                 for ax, nbytes in unit_sync[u].items():
                     sync[k % p] += collective_time("all_reduce", nbytes, inner.sizes[ax], inner.link(ax)) if inner.sizes[ax] > 1 else 0.0
         total = step + max(sync)
-        mem = max(_rank_memory(uc, st, starts, U, p, v, flights))
+        ranks = _rank_memory(uc, st, starts, U, p, v, flights)
+        mem = max(ranks)
         if best is None or (mem <= budget, -total) > (best[1] <= budget, -best[0]):
-            best = (total, mem)
+            best = (total, mem, sum(ranks) / (p * mem) if mem > 0 else 1.0)
     if best is None:
         return Screened(c, math.inf, math.inf, "no stage cut")
-    total, mem = best
-    return Screened(c, total if mem <= budget else math.inf, mem, "" if mem <= budget else "does not fit")
+    total, mem, even = best
+    return Screened(c, total if mem <= budget else math.inf, mem, "" if mem <= budget else "does not fit", even)
 
 
 def _bound(prof: _Profile, c: Candidate, batch: int, L: int) -> float:
@@ -392,26 +396,46 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
     screened: list[Screened] = []
     t0 = time.perf_counter()
     tgs = [trace(proxy, slice_batch(args, r)) for r in (2, 4)]  # one and two rows per rank of the proxy's dp=2
-    for c in cands:
-        if c.tp not in profiles:
-            profiles[c.tp] = _profile(tgs, c.tp, hw, cluster.devices > cluster.gpus_per_node, modes)
+    spans = cluster.devices > cluster.gpus_per_node
     timings["proxy"] = time.perf_counter() - t0
+
+    def profile(tp: int) -> "_Profile | None":
+        if tp not in profiles:
+            t1 = time.perf_counter()
+            profiles[tp] = _profile(tgs, tp, hw, spans, modes)
+            timings["proxy"] += time.perf_counter() - t1
+        return profiles[tp]
+
+    one = profile(1)
     # branch and bound: a candidate's step is at least its schedule's bubble-bound on perfectly balanced stages;
-    # candidates are evaluated by that bound, and the rest dropped once the bound passes the best found
+    # candidates are evaluated by that bound, and the rest dropped once the bound passes the best found. A tensor-
+    # parallel degree is profiled when its first candidate is reached: until then tp = 1's bound over tp stands in
+    # (a tp-way split at best divides each op's time: the bound is homogeneous in the units' times)
     bounded = []
     for c in cands:
-        prof = profiles[c.tp]
-        if prof is None:
+        if c.tp in profiles and profiles[c.tp] is None:
             screened.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen"))
             continue
-        bounded.append((_bound(prof, c, B, L), str(c), c))
+        if c.tp in profiles:
+            lb = _bound(profiles[c.tp], c, B, L)
+        else:
+            lb = _bound(one, c, B, L) / c.tp if one is not None else 0.0
+        bounded.append((lb, str(c), c))
     bounded.sort(key=lambda r: (r[0], r[1]))
     best_step = math.inf
     for lb, _, c in bounded:
         if lb > best_step:
             screened.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
             continue
-        prof = profiles[c.tp]
+        prof = profile(c.tp)
+        if prof is None:
+            screened.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen"))
+            continue
+        if c.tp != 1:
+            lb = _bound(prof, c, B, L)
+            if lb > best_step:
+                screened.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
+                continue
         if c.pp == 1:
             got = _screen_flat(prof, c, cluster, B // c.dp, L, budget)
         else:
@@ -431,7 +455,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
             break
         c = s.candidate
         try:
-            plan = _real_plan(model, args, cluster, c, real_budget)
+            plan = _real_plan(model, args, cluster, s, real_budget)
         except InfeasibleError as e:
             errors.append(f"{c}: {e}")
             continue
@@ -482,14 +506,17 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
     return best
 
 
-def _real_plan(model, args: tuple, cluster: Cluster, c: Candidate, budget: float) -> Plan:
+def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float) -> Plan:
     from autopar.pipeline import plan_pipeline
     from autopar.planner import make_plan
 
+    c = s.candidate
     mesh = cluster.mesh(c.dp, c.pp, c.tp)
     if c.pp > 1:
         pin = PipelinePin(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual if c.virtual > 1 else None)
-        return plan_pipeline(model, args, mesh, budget, [], pin, recompute=c.recompute)
+        # the stages' ILP bounds the average rank; the screen saw how much fuller the fullest rank is (the embedding's
+        # and the head's ranks), so the first solve already leaves that room instead of finding out and solving again
+        return plan_pipeline(model, args, mesh, budget, [], pin, recompute=c.recompute, squeeze=min(1.0, s.balance))
     # the screened ZeRO stage, pinned: the screen chose it, and a free choice per group makes the ILP much larger
     pins = [ZeroPin("*", c.zero)] if c.dp > 1 else []
     return make_plan(trace(model, args), mesh, budget, pins, c.recompute)

@@ -378,7 +378,9 @@ def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int
 def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:
     """Move single cuts by one unit while the schedule's analytic step (``analytic_step``) improves and every rank
     still fits. Balancing the slowest stage is the whole story for one stage per rank; with several per rank it is
-    their sum per rank that the steady state runs."""
+    their sum per rank that the steady state runs. From cuts that overflow a rank, moves that shrink the overflow
+    come first, whatever they do to the step (the balancer sizes stages, not the ranks that hold several of them:
+    the head's stage can take one block too many)."""
     U = len(units.labels)
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
@@ -387,7 +389,11 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
         ends = list(cuts[1:]) + [U]
         return analytic_step([sum(t[i:j]) for i, j in zip(cuts, ends)], p, m, v)
 
+    def over(cuts: tuple[int, ...]) -> float:
+        return max(max(_rank_memory(uc, st, cuts, U, p, v, flights)) - budget, 0.0)
+
     cur, best = tuple(starts), objective(tuple(starts))
+    excess = over(cur)
     for _ in range(4 * U):
         improved = False
         for k in range(1, len(cur)):
@@ -400,7 +406,11 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
                     continue
                 cand = tuple(c)
                 val = objective(cand)
-                if val < best * (1 - 1e-12) and max(_rank_memory(uc, st, cand, U, p, v, flights)) <= budget:
+                if excess > 0:  # repair first: (overflow, step) lexicographically
+                    e = over(cand)
+                    if (e, val) < (excess * (1 - 1e-12), math.inf) or (e == excess and val < best * (1 - 1e-12)):
+                        cur, best, excess, improved = cand, val, e, True
+                elif val < best * (1 - 1e-12) and over(cand) == 0.0:
                     cur, best, improved = cand, val, True
         if not improved:
             break
@@ -482,10 +492,11 @@ def trace_rows(model, args: tuple, rows: int, traces: dict | None = None) -> Tra
 
 
 def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, pins: list, pin: PipelinePin | None = None,
-                  label: str = "auto", traces: dict | None = None, recompute: str = "none") -> Plan:
+                  label: str = "auto", traces: dict | None = None, recompute: str = "none", squeeze: float = 1.0) -> Plan:
     from autopar.planner import cost_model, price
 
     t_start = time.perf_counter()
+    first_squeeze = squeeze
     pin = pin or PipelinePin()
     axis = mesh.pipe_axis()
     assert axis is not None
@@ -525,25 +536,33 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         w = 1.0 / (m + p - 1)
         in_block = {n for n, f in tg.fqns.items() if any(f.startswith(b.fqn + ".") for b in tg.blocks)}
         # a block's gradient sync is shared by the p ranks; the embedding's or head's lands on one rank whole
+        # gradients live beside the activations all step (microbatches accumulate them): one sum, not the max of
+        # the two peaks a step without a pipeline has (and the sum ``unit_costs`` / the cuts count per rank)
         problem.costs = {
-            n: [dataclasses.replace(c, act=c.act * p, comm=c.comm * w * (1 if n in in_block else p)) if tg.kinds.get(n) != INPUT else c for c in cs]
+            n: [dataclasses.replace(c, state=c.state + c.grad, grad=0.0, act=c.act * p, comm=c.comm * w * (1 if n in in_block else p))
+                if tg.kinds.get(n) != INPUT else c for c in cs]
             for n, cs in raw.items()
         }
         scaled = problem.costs
         # the stages' ILP bounds the whole model's memory (p ranks' worth); when no cut then fits each rank (the
-        # ILP spent the slack unevenly), it is solved again under a tighter bound
-        squeeze = 1.0
-        for attempt in range(SQUEEZE_ATTEMPTS):
-            last = attempt == SQUEEZE_ATTEMPTS - 1
+        # ILP spent the slack unevenly), it is solved again under a tighter bound. A caller's first squeeze (the
+        # cluster screen knows how uneven the ranks are) that no stage plan meets falls back to the plain bound.
+        squeeze, plain = first_squeeze, 0 if first_squeeze >= 1.0 else None  # plain: the attempt at the plain bound
+        for attempt in range(SQUEEZE_ATTEMPTS + (plain is None)):
+            last = attempt == SQUEEZE_ATTEMPTS - 1 + (plain is None)
             worst = math.inf  # this attempt's smallest rank peak over the cuts tried
             problem.costs = scaled
             try:
                 # the separate feasibility solves only word the first attempt's error; a tighter bound that cannot
                 # be met just ends the tightening
-                choice = solve(tg, inner, cost, problem, budget * p * squeeze, inner_pins, floor=attempt == 0)
+                # (a hinted first attempt comes from a screen that found the plan fits: no separate feasibility solves)
+                choice = solve(tg, inner, cost, problem, budget * p * squeeze, inner_pins, floor=attempt == plain)
             except InfeasibleError as e:
                 problem.costs = raw
-                if attempt == 0:
+                if plain is None:  # the hinted bound was too tight: start over from the plain one
+                    squeeze, plain = 1.0, attempt + 1
+                    continue
+                if attempt == plain:
                     tried.append(f"m={m}: the stages' own plans do not fit ({e})")
                     if e.smallest_budget:
                         smallest = min(smallest, e.smallest_budget / p)
@@ -565,6 +584,8 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                         cands.append(refine(uc, units, starts, p, m, v, flights, budget))
                     if L % S == 0:  # Megatron's even cut is always a candidate: the search never does worse
                         cands.append(equal_starts(units, S))
+                        if starts is None:  # no balanced cut fits: repair the even one
+                            cands.append(refine(uc, units, cands[-1], p, m, v, flights, budget))
                 else:
                     cands = [equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))]
                 fits = False

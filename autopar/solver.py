@@ -522,15 +522,20 @@ def solve(
     allowed = _allowed(tg, P_, mesh, pins)
     decisions = [n for n in P_.order if P_.kind[n] == DECISION and rep(n) == n]
     solver = _new_solver()
+
+    def S(items) -> object:  # one flat sum: Python's sum() nests an expression per term (slow to build and extract)
+        items = list(items)
+        return solver.Sum(items) if items else 0
+
     x: dict[str, list] = {}
     for vi, r in enumerate(decisions):
         ok = allowed.get(r)
         var = (lambda name: solver.NumVar(0.0, 1.0, name)) if relax else solver.BoolVar
         x[r] = [var(f"x{vi}_{si}") if (ok is None or si in ok) else None for si in range(len(P_.cands[r]))]
-        solver.Add(sum(v for v in x[r] if v is not None) == 1)
+        solver.Add(S(v for v in x[r] if v is not None) == 1)
 
     def xsum(xs, specs, want):
-        return sum(xv for xv, s in zip(xs, specs) if xv is not None and s == want)
+        return S(xv for xv, s in zip(xs, specs) if xv is not None and s == want)
 
     # per-strategy time and memory of each decision, with everything it fixes, canonicalised to representatives
     nstrat = {r: len(P_.cands[r]) for r in decisions}
@@ -610,7 +615,7 @@ def solve(
     zs = []
     for k, ((u, m), specs) in enumerate(zip(P_.outputs, P_.output_specs)):
         z = [(solver.NumVar(0.0, 1.0, f"o{k}_{j}") if relax else solver.BoolVar(f"o{k}_{j}")) for j in range(len(specs))]
-        solver.Add(sum(z) == 1)
+        solver.Add(S(z) == 1)
         zs.append(z)
         for a in range(mesh.ndim):
             partial = [zv for zv, s in zip(z, specs) if isinstance(s[a], Partial)]
@@ -619,8 +624,8 @@ def solve(
             split = 0
             if ins:
                 i0 = rep(ins[0])
-                split = sum(xv for xv, s in zip(x[i0], P_.cands[i0]) if xv is not None and isinstance(s.output[a], Shard))
-            solver.Add(sum(partial) <= split)
+                split = S(xv for xv, s in zip(x[i0], P_.cands[i0]) if xv is not None and isinstance(s.output[a], Shard))
+            solver.Add(S(partial) <= split)
     # Edges into decisions and outputs. Sources are grouped by (root, representative); within a group, sources
     # that feed the same set of (consumer, slot) keys form a class whose redistributions are shared: per class
     # and (o, d) one r >= every edge's indicator, weighted by the class size (exact, also across tied copies).
@@ -669,9 +674,9 @@ def solve(
                 n_aux += 1
                 y = {(o, d): solver.NumVar(0.0, 1.0, f"y{n_aux}_{oi}_{di}") for oi, o in enumerate(uo) for di, d in enumerate(vd)}
                 for o in uo:
-                    solver.Add(sum(y[o, d] for d in vd) == xsum(x[r], outs, o))
+                    solver.Add(S(y[o, d] for d in vd) == xsum(x[r], outs, o))
                 for d in vd:
-                    solver.Add(sum(y[o, d] for o in uo) == xsum(xs_v, specs_v, d))
+                    solver.Add(S(y[o, d] for o in uo) == xsum(xs_v, specs_v, d))
                 ind = y
             indicators[ek] = ind
         classes: dict[tuple, int] = {}
@@ -708,7 +713,7 @@ def solve(
         ok = pinned.get(g)
         zvar[g] = [(solver.NumVar(0.0, 1.0, f"g{gi}_{k}") if relax else solver.BoolVar(f"g{gi}_{k}")) if (ok is None or k in ok) else None
                    for k in range(len(zopts))]
-        solver.Add(sum(v for v in zvar[g] if v is not None) == 1)
+        solver.Add(S(v for v in zvar[g] if v is not None) == 1)
         for k, zv in enumerate(zvar[g]):
             dlat = copies * (group_latency(zopts[k], mesh, gparams, all_copies) - group_latency(zopts[0], mesh, gparams, all_copies))
             if zv is not None and dlat and objective != "memory":
@@ -737,8 +742,8 @@ def solve(
             mem_a.append(((ds + da) * MB, w))
             mem_g.append(((ds + dg) * MB, w))
         if ws:
-            solver.Add(sum(ws) <= xv)  # the stage-0 share, x - sum(w), is not negative
-        ind[(r, s, g, 0)] = xv - sum(ws) if ws else xv
+            solver.Add(S(ws) <= xv)  # the stage-0 share, x - sum(w), is not negative
+        ind[(r, s, g, 0)] = xv - S(ws) if ws else xv
     # w couples a decision's strategy with its group's stage, a joint distribution: over the stages it sums to x (above),
     # over the strategies to z (exact for binaries; it keeps the relaxation from counting a stage's savings twice)
     coupled: dict[tuple[str, str, int], list] = {}
@@ -746,7 +751,7 @@ def solve(
         if k > 0:
             coupled.setdefault((r, g, k), []).append(w)
     for (r, g, k), ws in coupled.items():
-        solver.Add(sum(ws) == zvar[g][k])
+        solver.Add(S(ws) == zvar[g][k])
     # transients: gradient buckets live in backward, as the gradients grow (the second peak); a ZeRO-2 bucket's
     # whole gradients also meet the activations (the last block's, before the other blocks' gathered parameters
     # are freed), and so does a ZeRO-3 parameter gathered again in backward (both peaks)
@@ -757,9 +762,9 @@ def solve(
             expr = [(buck[k][kind] * MB, ind[(r, s, gg, k)]) for (r, s, gg), buck in tbucket.items() if gg == g and x[r][s] is not None
                     for k in range(len(zopts)) if buck[k][kind] and (r, s, gg, k) in ind]
             if expr:
-                solver.Add(top_g >= sum(c * v for c, v in expr))
+                solver.Add(top_g >= S(c * v for c, v in expr))
                 if kind == 1:
-                    solver.Add(top_a >= sum(c * v for c, v in expr))
+                    solver.Add(top_a >= S(c * v for c, v in expr))
     for r, s, g, k, b in tparam:
         if (r, s, g, k) in ind:
             solver.Add(top_g >= b * MB * ind[(r, s, g, k)])
@@ -767,7 +772,7 @@ def solve(
     # recomputation: while one block's backward runs, what its forward kept not is alive again (blocks are tied:
     # the first stands for all)
     if any(any(row) for row in regen.values()):
-        solver.Add(top_a >= sum(regen[r][s] * MB * xv for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]))
+        solver.Add(top_a >= S(regen[r][s] * MB * xv for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]))
     mem_a.append((1.0, top_a))
     mem_g.append((1.0, top_g))
     # node terms and memory
@@ -781,8 +786,8 @@ def solve(
                 oterms.append((t_ovl[r][s] * US, xv))
             mem_a.append(((st + ac) * MB, xv))
             mem_g.append(((st + gr) * MB, xv))
-    peak_a = sum(c * v for c, v in mem_a if c)
-    peak_g = sum(c * v for c, v in mem_g if c)
+    peak_a = S(c * v for c, v in mem_a if c)
+    peak_g = S(c * v for c, v in mem_g if c)
     if objective == "memory":
         top = solver.NumVar(0.0, solver.infinity(), "peak")
         solver.Add(top >= peak_a)
@@ -795,14 +800,14 @@ def solve(
     if objective != "memory" and f > 0 and oterms:
         # step = max(C, D) + (1 - f) min(C, D) = C + D - f min(C, D): C the critical path, D the data-parallel
         # communication, f the share of the shorter one the runtime hides
-        crit = sum(c * v for c, v in terms if c)
-        ovl = sum(c * v for c, v in oterms if c)
+        crit = S(c * v for c, v in terms if c)
+        ovl = S(c * v for c, v in oterms if c)
         hidden = solver.NumVar(-solver.infinity(), solver.infinity(), "hidden")  # min(C, D)
         solver.Add(hidden <= crit)
         solver.Add(hidden <= ovl)
         solver.Minimize(crit + ovl - f * hidden)
     else:
-        solver.Minimize(sum(c * v for c, v in terms + oterms if c))
+        solver.Minimize(S(c * v for c, v in terms + oterms if c))
     solver.SetTimeLimit(int(time_limit_s * 1000))
     if objective == "time" and not relax:
         P_.timings["ilp build"] = time.perf_counter() - t0

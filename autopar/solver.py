@@ -527,15 +527,28 @@ def solve(
         items = list(items)
         return solver.Sum(items) if items else 0
 
+    def add_row(lb: float, ub: float, coefs) -> None:
+        # a constraint lb <= sum(c v) <= ub set coefficient by coefficient: the hot rows (thousands per solve) skip
+        # building and extracting expression trees; repeated variables add up
+        acc: dict = {}
+        for c, v in coefs:
+            acc[v] = acc.get(v, 0.0) + c
+        ct = solver.Constraint(lb, ub)
+        for v, c in acc.items():
+            if c:
+                ct.SetCoefficient(v, c)
+
+    inf = solver.infinity()
+
     x: dict[str, list] = {}
     for vi, r in enumerate(decisions):
         ok = allowed.get(r)
         var = (lambda name: solver.NumVar(0.0, 1.0, name)) if relax else solver.BoolVar
         x[r] = [var(f"x{vi}_{si}") if (ok is None or si in ok) else None for si in range(len(P_.cands[r]))]
-        solver.Add(S(v for v in x[r] if v is not None) == 1)
+        add_row(1.0, 1.0, ((1.0, v) for v in x[r] if v is not None))
 
-    def xsum(xs, specs, want):
-        return S(xv for xv, s in zip(xs, specs) if xv is not None and s == want)
+    def xsum(xs, specs, want) -> list:  # the indicator that ``want`` is chosen: a sum of variables, as a list
+        return [xv for xv, s in zip(xs, specs) if xv is not None and s == want]
 
     # per-strategy time and memory of each decision, with everything it fixes, canonicalised to representatives
     nstrat = {r: len(P_.cands[r]) for r in decisions}
@@ -674,10 +687,10 @@ def solve(
                 n_aux += 1
                 y = {(o, d): solver.NumVar(0.0, 1.0, f"y{n_aux}_{oi}_{di}") for oi, o in enumerate(uo) for di, d in enumerate(vd)}
                 for o in uo:
-                    solver.Add(S(y[o, d] for d in vd) == xsum(x[r], outs, o))
+                    add_row(0.0, 0.0, [(1.0, y[o, d]) for d in vd] + [(-1.0, v) for v in xsum(x[r], outs, o)])
                 for d in vd:
-                    solver.Add(S(y[o, d] for o in uo) == xsum(xs_v, specs_v, d))
-                ind = y
+                    add_row(0.0, 0.0, [(1.0, y[o, d]) for o in uo] + [(-1.0, v) for v in xsum(xs_v, specs_v, d)])
+                ind = {od: [yv] for od, yv in y.items()}
             indicators[ek] = ind
         classes: dict[tuple, int] = {}
         for sig in g["sig"].values():
@@ -695,12 +708,12 @@ def solve(
                 if c <= 0 or objective == "memory":
                     continue
                 if len(used) == 1:
-                    terms.append((size * c * US, used[0][0]))
+                    terms.extend((size * c * US, v) for v in used[0][0])
                 else:
                     n_aux += 1
                     rv = solver.NumVar(0.0, 1.0, f"r{n_aux}")
                     for iv, _ in used:
-                        solver.Add(rv >= iv)
+                        add_row(0.0, inf, [(1.0, rv)] + [(-1.0, v) for v in iv])
                     terms.append((size * c * US, rv))
     # ZeRO variables: one stage per group, w linearises (decision strategy) x (group stage) exactly
     zvar: dict[str, list] = {}
@@ -786,28 +799,30 @@ def solve(
                 oterms.append((t_ovl[r][s] * US, xv))
             mem_a.append(((st + ac) * MB, xv))
             mem_g.append(((st + gr) * MB, xv))
-    peak_a = S(c * v for c, v in mem_a if c)
-    peak_g = S(c * v for c, v in mem_g if c)
     if objective == "memory":
         top = solver.NumVar(0.0, solver.infinity(), "peak")
-        solver.Add(top >= peak_a)
-        solver.Add(top >= peak_g)
+        add_row(0.0, inf, [(1.0, top)] + [(-c, v) for c, v in mem_a if c])
+        add_row(0.0, inf, [(1.0, top)] + [(-c, v) for c, v in mem_g if c])
         terms.append((1.0, top))
     elif memory_budget is not None:
-        solver.Add(peak_a <= memory_budget * MB)
-        solver.Add(peak_g <= memory_budget * MB)
+        add_row(-inf, memory_budget * MB, [(c, v) for c, v in mem_a if c])
+        add_row(-inf, memory_budget * MB, [(c, v) for c, v in mem_g if c])
     f = mesh.hardware.overlap
+    goal = [(c, v) for c, v in terms + oterms if c]
     if objective != "memory" and f > 0 and oterms:
         # step = max(C, D) + (1 - f) min(C, D) = C + D - f min(C, D): C the critical path, D the data-parallel
         # communication, f the share of the shorter one the runtime hides
-        crit = S(c * v for c, v in terms if c)
-        ovl = S(c * v for c, v in oterms if c)
         hidden = solver.NumVar(-solver.infinity(), solver.infinity(), "hidden")  # min(C, D)
-        solver.Add(hidden <= crit)
-        solver.Add(hidden <= ovl)
-        solver.Minimize(crit + ovl - f * hidden)
-    else:
-        solver.Minimize(S(c * v for c, v in terms + oterms if c))
+        add_row(-inf, 0.0, [(1.0, hidden)] + [(-c, v) for c, v in terms if c])
+        add_row(-inf, 0.0, [(1.0, hidden)] + [(-c, v) for c, v in oterms if c])
+        goal.append((-f, hidden))
+    obj = solver.Objective()
+    acc: dict = {}
+    for c, v in goal:
+        acc[v] = acc.get(v, 0.0) + c
+    for v, c in acc.items():
+        obj.SetCoefficient(v, c)
+    obj.SetMinimization()
     solver.SetTimeLimit(int(time_limit_s * 1000))
     if objective == "time" and not relax:
         P_.timings["ilp build"] = time.perf_counter() - t0

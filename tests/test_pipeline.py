@@ -72,6 +72,39 @@ def test_cuts_balance_a_heavy_head_by_time_not_by_blocks():
     assert slowest(auto) < slowest(equal) and auto.cost.step_time < equal.cost.step_time
 
 
+def test_cuts_that_overflow_a_rank_are_repaired():
+    from autopar.pipeline import UnitCosts, Units, _rank_memory, equal_starts, refine, unit_state
+
+    # 4 blocks on 2 ranks x 2 chunks (interleaved): the even cut gives rank 1 a block and the head's stage (a
+    # block + the heavy head) and overflows it; moving the head into a stage of its own fits both ranks
+    L, p, v = 4, 2, 2
+    U = L + 2
+    units = Units(["embed"] + [f"block{k}" for k in range(L)] + ["head"], {}, set(), {}, L)
+    state = [5.0] + [10.0] * L + [20.0]
+    uc = UnitCosts([1.0] * U, [2.0] * U, [0.0] * U, {f"w{u}": ({u}, state[u], state[u], (), 1) for u in range(U)},
+                   [0] * (U + 1), [False] * (U + 1), {})
+    flights = [3, 1]
+    even = equal_starts(units, p * v)
+    assert even == (0, 2, 3, 4)
+    assert max(_rank_memory(uc, unit_state(uc, U), even, U, p, v, flights)) == 40.0
+    fixed = refine(uc, units, even, p, 8, v, flights, budget=36.0)
+    assert fixed == (0, 2, 3, 5)
+    assert max(_rank_memory(uc, unit_state(uc, U), fixed, U, p, v, flights)) <= 36.0
+    # cuts that fit are only moved to a faster step, never out of the budget
+    assert max(_rank_memory(uc, unit_state(uc, U), refine(uc, units, fixed, p, 8, v, flights, 36.0), U, p, v, flights)) <= 36.0
+
+
+def test_a_first_stage_bound_too_tight_falls_back_to_the_plain_one():
+    from autopar.pipeline import plan_pipeline
+
+    model, x = _gpt(), _batch()
+    mesh = autopar.Mesh({"pp": 2, "dp": 2}, hardware="h100-80gb")
+    pin = PipelinePin("1f1b", 2)
+    plain = plan_pipeline(model, x, mesh, None, [], pin)
+    hinted = plan_pipeline(model, x, mesh, None, [], pin, squeeze=1e-9)  # no stage plan fits: start over
+    assert hinted.cost.step_time == plain.cost.step_time and hinted.pipeline.stages == plain.pipeline.stages
+
+
 def test_plan_prints_stages_and_timeline_and_round_trips(tmp_path):
     model = _gpt(8)
     plan = autopar.plan(model, autopar.Mesh({"dp": 2, "pp": 4}), _batch(16), constraints=[PipelinePin("interleaved", 4, 2)])

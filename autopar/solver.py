@@ -495,8 +495,8 @@ def _new_solver():
         s = pywraplp.Solver.CreateSolver(name)
         if s is not None:
             s.SuppressOutput()
-            if name == "HIGHS":
-                s.SetSolverSpecificParametersAsString("output_flag=false")  # HiGHS prints a banner otherwise
+            # (solver-specific options are not passed: pywraplp's HiGHS wrapper rejects them -- the call returns False;
+            # _quiet() keeps HiGHS's banner off the terminal)
             s.SetNumThreads(1)
             return s
     raise AutoparError("OR-Tools has no MIP solver (HiGHS, SCIP or CBC); reinstall ortools")

@@ -45,7 +45,7 @@ from autopar.mesh import Mesh
 from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, analytic_step, balance, equal_starts, graph_units,
                               microbatch_candidates, refine, slice_batch, unit_costs, unit_state)
 from autopar.plan import Plan
-from autopar.solver import ZeroPin, build_problem, recost, solve
+from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.trace import PARAM, trace
 from autopar.zero import ZeroOption, param_cost
 
@@ -367,6 +367,7 @@ def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...])
     return out
 
 
+@gc_paused
 def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | None = None, *, top: int = 1,
                  recompute: "tuple[str, ...] | None" = None) -> Plan:
     t_start = time.perf_counter()
@@ -413,29 +414,21 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
     # (a tp-way split at best divides each op's time: the bound is homogeneous in the units' times)
     bounded = []
     for c in cands:
-        if c.tp in profiles and profiles[c.tp] is None:
-            screened.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen"))
-            continue
-        if c.tp in profiles:
-            lb = _bound(profiles[c.tp], c, B, L)
-        else:
-            lb = _bound(one, c, B, L) / c.tp if one is not None else 0.0
-        bounded.append((lb, str(c), c))
+        own = c.tp in profiles
+        ref = profiles[c.tp] if own else one
+        bounded.append((0.0 if ref is None else _bound(ref, c, B, L) / (1 if own else c.tp), str(c), c))
     bounded.sort(key=lambda r: (r[0], r[1]))
     best_step = math.inf
     for lb, _, c in bounded:
+        prof = profile(c.tp) if lb <= best_step else None
+        if prof is not None and c.tp != 1:
+            lb = _bound(prof, c, B, L)  # its own bound, now that it has a profile
         if lb > best_step:
             screened.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
             continue
-        prof = profile(c.tp)
         if prof is None:
             screened.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen"))
             continue
-        if c.tp != 1:
-            lb = _bound(prof, c, B, L)
-            if lb > best_step:
-                screened.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
-                continue
         if c.pp == 1:
             got = _screen_flat(prof, c, cluster, B // c.dp, L, budget)
         else:

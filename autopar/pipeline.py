@@ -41,7 +41,7 @@ from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, w
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
-from autopar.solver import Pin, ZeroPin, build_problem, solve
+from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, solve
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
 
@@ -408,7 +408,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
                 val = objective(cand)
                 if excess > 0:  # repair first: (overflow, step) lexicographically
                     e = over(cand)
-                    if (e, val) < (excess * (1 - 1e-12), math.inf) or (e == excess and val < best * (1 - 1e-12)):
+                    if e < excess * (1 - 1e-12) or (e == excess and val < best * (1 - 1e-12)):
                         cur, best, excess, improved = cand, val, e, True
                 elif val < best * (1 - 1e-12) and over(cand) == 0.0:
                     cur, best, improved = cand, val, True
@@ -491,6 +491,7 @@ def trace_rows(model, args: tuple, rows: int, traces: dict | None = None) -> Tra
     return tg
 
 
+@gc_paused
 def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, pins: list, pin: PipelinePin | None = None,
                   label: str = "auto", traces: dict | None = None, recompute: str = "none", squeeze: float = 1.0) -> Plan:
     from autopar.planner import cost_model, price
@@ -548,8 +549,9 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         # ILP spent the slack unevenly), it is solved again under a tighter bound. A caller's first squeeze (the
         # cluster screen knows how uneven the ranks are) that no stage plan meets falls back to the plain bound.
         squeeze, plain = first_squeeze, 0 if first_squeeze >= 1.0 else None  # plain: the attempt at the plain bound
-        for attempt in range(SQUEEZE_ATTEMPTS + (plain is None)):
-            last = attempt == SQUEEZE_ATTEMPTS - 1 + (plain is None)
+        attempts = SQUEEZE_ATTEMPTS + (plain is None)
+        for attempt in range(attempts):
+            last = attempt == attempts - 1
             worst = math.inf  # this attempt's smallest rank peak over the cuts tried
             problem.costs = scaled
             try:

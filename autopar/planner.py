@@ -18,7 +18,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
-from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, solve, zero_groups
+from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, gc_paused, solve, zero_groups
 from autopar.zero import ZeroOption, eligible, gather_priced, param_cost, scatter_priced, shard_factor, zero3_uses
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info
@@ -46,6 +46,7 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
     return CostModel(mesh, modes, frozenset(kept))
 
 
+@gc_paused
 def make_plan(tg: TracedGraph, mesh: Mesh, memory_budget: float | None = None, pins: list[Pin] | None = None,
               recompute: str = "none") -> Plan:
     t0 = time.perf_counter()

@@ -289,7 +289,10 @@ class CostModel:
         # loss, is whole on every rank while its kept softmax is split)
         big = max(range(len(ins)), key=lambda i: math.prod(info.inputs[i].shape), default=None)
         share = math.prod(ins[big]) / max(math.prod(info.inputs[big].shape), 1) if big is not None else 1.0
-        act = (local_out * isz if saved_output else 0.0) + internal * share
+        # selective recomputation's policy keeps every matmul's and attention's output, whether or not a backward
+        # reads it (a residual add's does not): the outputs are what the recomputation starts from
+        kept_anyway = heavy and requires_grad and self.recompute.get(node, "none") == "selective"
+        act = (local_out * isz if saved_output or kept_anyway else 0.0) + internal * share
         regen = 0.0
         if requires_grad and recomputes(self.recompute.get(node, "none"), info.target):
             bwd += fwd

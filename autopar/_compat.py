@@ -213,3 +213,21 @@ def count_collectives():
             yield mode.log
 
     return run()
+
+
+# activation recomputation: which dispatched ops are collectives, and on which process group
+_COLLECTIVE_GROUP_ARG = {  # op -> position of its group name
+    "all_gather_into_tensor": 2,
+    "reduce_scatter_tensor": 3,
+    "all_reduce": 2,
+    "all_reduce_": 2,
+    "all_to_all_single": 3,
+}
+
+
+def collective_group(op) -> int | None:
+    """For a functional collective's overload, where its group-name argument is; None for any other op."""
+    packet = getattr(op, "overloadpacket", None)
+    if packet is None or getattr(packet, "_qualified_op_name", "").split("::")[0] != "_c10d_functional":
+        return None
+    return _COLLECTIVE_GROUP_ARG.get(packet.__name__)

@@ -96,8 +96,12 @@ def _split_pins(constraints) -> tuple[list, PipelinePin | None]:
     return _pins(dict(rest) if isinstance(constraints, dict) else rest), (pipes[0] if pipes else None)
 
 
-def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory_budget: float | None = None, constraints=()) -> ParallelModule:
-    """Plan (or take ``plan``), rewrite the model into this rank's program, and wrap it in a ParallelModule."""
+def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory_budget: float | None = None, constraints=(),
+                recompute: str = "none") -> ParallelModule:
+    """Plan (or take ``plan``), rewrite the model into this rank's program, and wrap it in a ParallelModule.
+
+    ``recompute`` (none / selective / full), when planning here: the repeated blocks' activations are recomputed
+    in backward (a given ``plan`` carries its own)."""
     mesh = _as_mesh(mesh)
     mesh.to_device_mesh()  # checks the process group and its world size before any work
     if any(p.device.type == "meta" for p in model.parameters()):
@@ -106,7 +110,7 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
     pins, pipe = _split_pins(constraints)
     with _compat.no_local_tensor_mode():
         if plan is None and mesh.pipe_axis() is not None:
-            plan = plan_pipeline(model, args, mesh, memory_budget, pins, pipe)
+            plan = plan_pipeline(model, args, mesh, memory_budget, pins, pipe, recompute=recompute)
         elif plan is None and pipe is not None:
             raise AutoparError(f"a PipelinePin needs a mesh with a pp axis larger than 1; mesh {mesh} has none")
         if plan is not None and plan.pipeline is not None:  # the plan describes one microbatch's graph
@@ -117,15 +121,8 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
             tg = trace(model, slice_batch(args, pp.batch // pp.microbatches))
         else:
             tg = trace(model, args)
-        if plan is not None and plan.recompute != "none":
-            from autopar.handwritten import NotRealised
-
-            raise NotRealised(
-                f"the plan recomputes activations ({plan.recompute}); autopar's runtime does not run activation "
-                "recomputation yet. Plan with recompute='none' (a smaller batch or more devices if memory is short)"
-            )
         if plan is None:
-            the_plan = make_plan(tg, mesh, memory_budget, pins)
+            the_plan = make_plan(tg, mesh, memory_budget, pins, recompute)
         else:
             if plan.graph_hash != tg.hash:
                 raise PlanMismatchError(

@@ -27,7 +27,7 @@ class Launched:
     kind: str
     axis: str
     bytes: int  # the collective's buffer: all_reduce / reduce_scatter / all_to_all its input, all_gather its output
-    phase: str  # "forward" or "backward"
+    phase: str  # "forward", "backward", or "recompute" (a recomputed block's forward, run again in backward)
 
 
 _RECORDER: contextvars.ContextVar[list | None] = contextvars.ContextVar("autopar_recorder", default=None)
@@ -42,6 +42,11 @@ def record():
         yield log
     finally:
         _RECORDER.reset(token)
+
+
+def current_log() -> list | None:
+    """The list ``record()`` is filling, if any (a recomputed block relabels what its second run launched)."""
+    return _RECORDER.get()
 
 
 def _note(kind: str, axis: str, t: torch.Tensor, phase: str) -> None:

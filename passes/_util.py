@@ -48,3 +48,20 @@ def emit_step(graph: fx.Graph, x: fx.Node, step: Step, axes) -> fx.Node:
     if step.kind == "zero":
         return graph.call_function(collectives.keep_first, (x, names[a], sizes[a], strides[a]))
     raise ValueError(step.kind)
+
+
+PLACEHOLDER_KINDS = ("param", "buffer", "constant", "input")
+
+
+def block_members(plan) -> dict[str, str]:
+    """Planned op (node name) -> FQN of the repeated block it belongs to (the innermost, by module path)."""
+    fqns = sorted((b for b, _ in plan.blocks), key=len, reverse=True)
+    out = {}
+    for name, n in plan.nodes.items():
+        if n.op in PLACEHOLDER_KINDS:
+            continue
+        for b in fqns:
+            if n.path.startswith(b + ".") or n.path.startswith(b + ":"):
+                out[name] = b
+                break
+    return out

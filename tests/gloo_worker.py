@@ -1,6 +1,7 @@
 """Run by tests/test_gloo.py under torch's launcher: parity with single-device training in real gloo processes.
 
-Prints one line per case: ``PARITY <model> <mesh> <variant> <loss diff> <grad diff> <param diff>``.
+Prints one line per case: ``PARITY <model> <mesh> <variant> <loss diff> <grad diff> <param diff>`` (a variant
+ending in ``-ac`` recomputes the blocks' activations).
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from tests._util import train_beside
 from tests.test_parity import megatron_pins
 
 
-def case(name: str, axes: dict, pins) -> tuple[float, float, float]:
+def case(name: str, axes: dict, pins, recompute: str = "none") -> tuple[float, float, float]:
     torch.manual_seed(0)
     model = GPT(GPTConfig.tiny()) if name == "gpt" else Llama(LlamaConfig.tiny())
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 64, (4, 16), generator=g)
     y = torch.roll(x, -1, 1)
-    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=pins)
+    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=pins, recompute=recompute)
     return train_beside(pm, ref, (x, y))
 
 
@@ -85,14 +86,18 @@ def main() -> None:
             variants = [("auto", ())]
             if "tp" in axes:
                 variants.append(("megatron-sp", megatron_pins(name, axes, sequence_parallel=True)))
+            if axes == {"tp": 2}:  # activation recomputation (torch.utils.checkpoint) with collectives inside the blocks
+                variants.append(("megatron-sp+full-ac", megatron_pins(name, axes, sequence_parallel=True), "full"))
             if "dp" in axes and "tp" in axes:
                 variants.append(("zero3+megatron", megatron_pins(name, axes) + [autopar.ZeroPin("*", 3)]))
             if axes in ({"dp": 2}, {"dp": 4}):
                 variants = [(f"zero{k}", [autopar.ZeroPin("*", k)]) for k in (0, 1, 2, 3)]
+                if world == 2:  # ZeRO-3's gathers for backward come from the recomputation
+                    variants.append(("zero3+selective-ac", [autopar.ZeroPin("*", 3)], "selective"))
             if "dp_shard" in axes:
                 variants = [("hsdp-zero3", [autopar.ZeroPin("*", 3, ("dp_shard",))])]
-            for variant, pins in variants:
-                dl, dg, dp = case(name, axes, pins)
+            for variant, pins, *recompute in variants:
+                dl, dg, dp = case(name, axes, pins, *recompute)
                 if dist.get_rank() == 0:
                     mesh = "x".join(f"{k}{v}" for k, v in axes.items())
                     print(f"PARITY {name} {mesh} {variant} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)

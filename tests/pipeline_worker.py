@@ -1,7 +1,8 @@
 """Run by tests/test_pipeline.py under torch's launcher: pipeline parallel training in real gloo processes
 (torch.distributed.pipelining stages and schedules) against single-device training.
 
-Prints one line per case: ``PIPE <model> <mesh> <schedule> <stages> <loss diff> <grad diff> <param diff>``.
+Prints one line per case: ``PIPE <model> <mesh> <schedule> <stages> <loss diff> <grad diff> <param diff>``
+(``PIPE-AC``: the stages recompute their blocks' activations).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from models.llama import Llama, LlamaConfig
 from tests._util import train_beside
 
 
-def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | None) -> tuple[str, float, float, float]:
+def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | None, recompute: str = "none") -> tuple[str, float, float, float]:
     torch.manual_seed(0)
     if name == "gpt":
         model = GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=layers))
@@ -30,7 +31,7 @@ def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | 
     x = torch.randint(0, 64, (8, 16), generator=g)
     y = torch.roll(x, -1, 1)
     pin = autopar.PipelinePin(schedule=schedule, microbatches=microbatches)
-    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=[pin])
+    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=[pin], recompute=recompute)
     dl, dg, dp = train_beside(pm, ref, (x, y))
     stages = "|".join(str(len(s.units)) for s in pm.plan.pipeline.stages)
     return pm.plan.pipeline.label.replace(" ", "") + ":" + stages, dl, dg, dp
@@ -65,6 +66,11 @@ def main() -> None:
                 if dist.get_rank() == 0:
                     mesh = "x".join(f"{k}{v}" for k, v in axes.items())
                     print(f"PIPE {name} {mesh} {schedule} {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
+    if world == 2:  # stages that recompute their blocks, driven by torch.distributed.pipelining
+        for name in ("gpt", "llama"):
+            label, dl, dg, dp = case(name, {"pp": 2}, "1f1b", 4, 4, recompute="full")
+            if dist.get_rank() == 0:
+                print(f"PIPE-AC {name} pp2 1f1b {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
 
 
 if __name__ == "__main__":

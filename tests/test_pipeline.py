@@ -209,13 +209,17 @@ def pin_label(pin: PipelinePin) -> str:
 @pytest.mark.parametrize("nproc,meshes", [(2, {"pp2"}), (4, {"pp4", "pp2xtp2", "dp2xpp2"})])
 def test_pipelines_in_real_gloo_processes_match_single_device(nproc, meshes):
     lines = torchrun("tests.pipeline_worker", nproc)
-    rows = [line.split()[1:] for line in lines if line.startswith("PIPE")]
+    rows = [line.split()[1:] for line in lines if line.startswith("PIPE ")]
     if nproc == 4:  # autopar.compare on a pipeline mesh, measured: every plan trains like one device
         compared = {line.split()[1]: line.split()[2:] for line in lines if line.startswith("COMPARE")}
         assert set(compared) == {"auto", "megatron-3d(1f1b,m=4)", "megatron-3d(interleaved,m=2,v=2)"}, lines
         for name, (label, dl, dg, _t) in compared.items():
             assert max(float(dl), float(dg)) <= 1e-5, (name, dl, dg)
     assert len(rows) == 6 * len(meshes), rows  # gpt and llama x gpipe, 1f1b, interleaved on each mesh
+    recomputed = [line.split()[1:] for line in lines if line.startswith("PIPE-AC")]
+    assert len(recomputed) == (2 if nproc == 2 else 0), lines
+    for name, mesh, schedule, label, dl, dg, dp in recomputed:
+        assert label.startswith("1f1b(m=4)") and max(float(dl), float(dg), float(dp)) <= 1e-5, (name, label, dl, dg, dp)
     assert {r[1] for r in rows} == meshes
     for name, mesh, schedule, label, dl, dg, dp in rows:
         assert label.startswith(schedule + "(m=4") and (",v=2)" in label) == (schedule == "interleaved"), label

@@ -1,0 +1,100 @@
+"""Activation recomputation at run time: the module one recomputed block of the rewritten program runs in.
+
+In: a block's ops as a GraphModule (cut out of this rank's program by ``passes/recompute.py``), the plan's mode
+(``selective`` / ``full``) and the process groups whose collectives are ZeRO-3 parameter gathers.
+Out: the block's outputs; between forward and backward the block keeps only its inputs (and, selective, what the
+policy saves), and backward runs its forward again first (``torch.utils.checkpoint``, non-reentrant).
+
+What each mode keeps is what the cost model counts (``autopar.cost.recomputes``):
+- ``full``: nothing inside the block; every op runs again, collectives included (the plan lists those with phase
+  "recompute");
+- ``selective``: the outputs of matmuls, attention and the block's own collectives (torch's selective checkpoint
+  policy); the memory-bound ops between them run again, no collective does -- except ZeRO-3 parameter gathers,
+  which run again like in ``full`` (keeping them would keep every gathered weight; their bytes are the gather
+  ZeRO-3 pays in backward anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, set_checkpoint_early_stop
+
+from autopar import _compat, collectives
+
+aten = torch.ops.aten
+
+# what selective recomputation keeps: the outputs of the ops the planner's matmul and attention rules cover, as
+# autograd dispatches them (linear and matmul arrive as mm / addmm / bmm; attention as its fused kernels)
+SAVED_OPS = frozenset(
+    op
+    for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(aten, name)
+    for op in [getattr(aten, name).default]
+)
+
+
+class Recomputed(torch.nn.Module):
+    """One block of the program, run under activation checkpointing (see the module docstring)."""
+
+    def __init__(self, body: fx.GraphModule, mode: str, zero_groups: dict[str, str] | None = None):
+        """``zero_groups``: mesh axis -> this rank's process-group name, for the axes ZeRO-3 shards over."""
+        super().__init__()
+        if mode not in ("selective", "full"):
+            raise ValueError(f"recomputation mode {mode!r}")
+        self.body = body
+        self.mode = mode
+        self.zero_axes = frozenset(zero_groups or {})
+        self.zero_groups = frozenset((zero_groups or {}).values())
+
+    def _policy(self, ctx, op, *args, **kwargs):
+        if op in SAVED_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        at = _compat.collective_group(op)
+        if at is not None and len(args) > at and args[at] not in self.zero_groups:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _relabel(self, launched: list) -> list:
+        """What the second run of the block really launched: the ZeRO-3 gathers (the gather backward needs);
+        under ``full`` every other forward collective as "recompute"; under ``selective`` none of them (the policy
+        saved their outputs, so the second run reads those instead of launching)."""
+        out = []
+        for x in launched:
+            if x.phase != "forward":
+                out.append(x)
+            elif x.kind == "all_gather" and x.axis in self.zero_axes:
+                out.append(dataclasses.replace(x, phase="backward"))
+            elif self.mode == "full":
+                out.append(dataclasses.replace(x, phase="recompute"))
+        return out
+
+    def forward(self, *args):
+        if not torch.is_grad_enabled():
+            return self.body(*args)
+        calls = [0]
+
+        def run(*a):
+            # checkpoint calls this once in forward and once more when backward needs the block's activations; the
+            # collectives the second call launches are the plan's "recompute" ones
+            calls[0] += 1
+            log = collectives.current_log()
+            start = len(log) if log is not None else 0
+            try:
+                return self.body(*a)
+            finally:
+                if calls[0] > 1 and log is not None:
+                    log[start:] = self._relabel(log[start:])
+
+        # the whole forward runs again, to the block's last op (torch would stop after the last op whose saved tensors
+        # backward needs, skipping e.g. the block's final reduce-scatter): what the cost model prices, and what
+        # Megatron-LM's full recomputation, the runs it was calibrated on, does
+        with set_checkpoint_early_stop(False):
+            if self.mode == "full":
+                return checkpoint(run, *args, use_reentrant=False)
+            context = functools.partial(create_selective_checkpoint_contexts, self._policy)
+            return checkpoint(run, *args, use_reentrant=False, context_fn=context)

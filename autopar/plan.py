@@ -307,7 +307,7 @@ class Plan:
             cols = by_node.get(n.name, [])
             if n.rep != n.name or (not views and n.op in view_ops and not cols):
                 continue
-            block = _block_of(n.path, copies)
+            block = block_of_path(n.path, copies)
             if block != shown_block and block is not None:
                 rows.append([f"[{block}] x{copies[block]} (tied copies share this plan)" if copies[block] > 1 else f"[{block}]", "", "", "", "", ""])
                 shown_block = block
@@ -455,7 +455,8 @@ def _short_op(op: str) -> str:
     return op.replace("aten.", "").replace(".default", "")
 
 
-def _block_of(path: str, copies: dict[str, int]) -> str | None:
+def block_of_path(path: str, copies) -> str | None:
+    """The innermost of the block FQNs ``copies`` that a node's path (``module.fqn:node``) lies in, or None."""
     best = None
     for b in copies:
         if path.startswith(b + ".") or path.startswith(b + ":"):

@@ -7,6 +7,7 @@ import operator
 import torch.fx as fx
 
 from autopar import collectives
+from autopar.plan import block_of_path
 from autopar.redistribute import Step
 from autopar.spec import Spec
 
@@ -55,13 +56,6 @@ PLACEHOLDER_KINDS = ("param", "buffer", "constant", "input")
 
 def block_members(plan) -> dict[str, str]:
     """Planned op (node name) -> FQN of the repeated block it belongs to (the innermost, by module path)."""
-    fqns = sorted((b for b, _ in plan.blocks), key=len, reverse=True)
-    out = {}
-    for name, n in plan.nodes.items():
-        if n.op in PLACEHOLDER_KINDS:
-            continue
-        for b in fqns:
-            if n.path.startswith(b + ".") or n.path.startswith(b + ":"):
-                out[name] = b
-                break
-    return out
+    fqns = [b for b, _ in plan.blocks]
+    found = {name: block_of_path(n.path, fqns) for name, n in plan.nodes.items() if n.op not in PLACEHOLDER_KINDS}
+    return {name: b for name, b in found.items() if b is not None}

@@ -55,17 +55,17 @@ def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], zero_groups:
     for k, (fqn, ops) in enumerate(by_block.items()):
         span = nodes[position[ops[0]] : position[ops[-1]] + 1]
         hoisted = [n for n in span if n in static and not _regathered(n)]
-        inside = [n for n in span if n not in set(hoisted)]
+        inside_set = set(span) - set(hoisted)
         # the nodes the passes put just before the block's first op for it alone (the redistributions of its inputs,
         # its ZeRO-3 gathers) belong to it: full recomputation runs them again, and what the block keeps is the
         # planned producer's value
         i = position[ops[0]] - 1
         while i >= 0 and nodes[i].op == "call_function" and nodes[i].name not in plan.nodes:
             n = nodes[i]
-            if n.users and all(u in set(inside) for u in n.users) and (n not in static or _regathered(n)):
-                inside.insert(0, n)
+            if n.users and all(u in inside_set for u in n.users) and (n not in static or _regathered(n)):
+                inside_set.add(n)
             i -= 1
-        inside_set = set(inside)
+        inside = [n for n in nodes if n in inside_set]  # program order
         anchor = next(n for n in span if n in inside_set)
         for n in hoisted:
             anchor.prepend(n)

@@ -8,7 +8,7 @@ replicated axes). ZeRO-3: a linear that takes the parameter as its weight become
 the op, again in backward, keeps only the shard); any other use reads one shared ``zero_gather`` of it. The linears
 of a block the plan recomputes read a ``zero_gather`` of their own, marked ``meta["zero_recomputed"]``: the block's
 backward runs its forward again, that gather included, which is ZeRO-3's gather for backward (a fused linear would
-gather a third time). Every gather node's ``meta["zero_stage"]`` says its bucket's stage.
+gather a third time).
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
             with g.inserting_before(first_use):
                 z = g.call_function(collectives.zero_gather, (tuple(params), shapes, levels, reduce))
-                z.meta["zero_stage"] = bucket.stage
                 reads = [g.call_function(operator.getitem, (z, i)) for i in range(len(params))]
             for p, r in zip(params, reads):
                 p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not z)
@@ -79,7 +78,6 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
                 first = min(uses, key=lambda n: position.get(n, len(position)))
                 with g.inserting_before(first):
                     z = g.call_function(collectives.zero_gather, ((p,), (shape,), levels, ()))
-                    z.meta["zero_stage"] = 3
                     z.meta["zero_recomputed"] = recomputes  # gathered again when its block is recomputed
                     read = g.call_function(operator.getitem, (z, 0))
                 for u in uses:

@@ -11,12 +11,14 @@ forward and, when the tensor carries a gradient, their transposes in backward.
 Models:
 - compute: roofline per op, ``max(flops / (peak * efficiency), bytes / (HBM bandwidth * efficiency)) + launch``;
   a matmul's efficiency falls with its thinnest dimension d as ``e * d / (d + d_half)`` (a width split eight ways
-  fills the tensor cores less well), attention has its own; backward costs 2x the forward FLOPs for
+  fills the tensor cores less well), attention has its own, and a causal fused attention runs only the tiles on
+  and below the diagonal (its model FLOPs, what MFU counts, stay whole); backward costs 2x the forward FLOPs for
   contractions and attention, 2x the bytes for memory-bound ops. The constants live in the hardware presets and
   were calibrated on published runs (``benchmarks/plan_quality.py``).
 - activation recomputation (none / selective / full, on the repeated blocks): a recomputed op keeps nothing for
   backward and runs its forward again there (full recomputation also its forward collectives); a block's input
-  stays kept. Selective keeps the matmuls' and attention's outputs (torchtitan's op-level selective AC).
+  stays kept. Selective keeps the matmuls' and attention's outputs (autopar's runtime; a runtime that also
+  recomputes every k-th matmul, torchtitan's op-level selective AC with k = 2, is priced so).
 - collectives: alpha-beta on the axis's link, ring algorithms; ``wire`` bytes per device are
   all-reduce 2(n-1)/n B, all-gather and reduce-scatter (n-1)/n B, all-to-all (n-1)/n B (B = the full buffer).
 - inputs: each rank loads its share of the batch at the host-to-device bandwidth.
@@ -231,8 +233,9 @@ def recomputes(mode: str, target) -> bool:
     """Whether activation recomputation ``mode`` recomputes an op of a repeated block in backward instead of keeping
     what it saves: ``full`` recomputes every op of the block from the block's input (Megatron-LM's full
     recomputation, torchtitan's full AC); ``selective`` keeps the outputs of matmuls and attention and recomputes the
-    cheap memory-bound ops between them (torchtitan's op-level selective AC)."""
-    return mode == "full" or (mode == "selective" and target not in MATMUL_OPS and target not in ATTENTION_OPS)
+    cheap memory-bound ops between them (torchtitan's op-level selective AC); ``recomputed`` marks one op of a
+    selective block that its runtime's policy recomputes anyway (``Hardware.selective_recomputes_every``)."""
+    return mode in ("full", "recomputed") or (mode == "selective" and target not in MATMUL_OPS and target not in ATTENTION_OPS)
 
 
 class CostModel:
@@ -262,6 +265,18 @@ class CostModel:
         d = min(m, n, k)
         return hw.matmul_efficiency * d / (d + hw.matmul_half_dim)
 
+    def attention_work(self, info: OpInfo, ins: list[tuple[int, ...]]) -> float:
+        """Share of an op's FLOPs its kernel runs: a causal fused attention over as many keys as queries skips the
+        tiles above the diagonal (FlashAttention's 128 x 128 tiles: (n + 1) / 2n of them run, n = ceil(T / 128)) when
+        the hardware's kernel does (``attention_skips_masked``); 1 for everything else."""
+        if info.target not in ATTENTION_OPS or not self.hw.attention_skips_masked or not info.arg(5, "is_causal", False):
+            return 1.0
+        t, s = ins[0][2], ins[1][2]
+        if t != s:
+            return 1.0
+        n = -(-t // 128)
+        return (n + 1) / (2 * n)
+
     def op(self, info: OpInfo, st: Strategy, requires_grad: bool, saved_output: bool = False, internal: float = 0.0,
            node: str | None = None) -> NodeCost:
         """``saved_output``: some backward keeps this node's output; ``internal``: bytes the op keeps for itself
@@ -280,10 +295,11 @@ class CostModel:
         peak = self.hw.flops(dtype) * self.efficiency(info.target, ins, outs)
         bw = self.hw.hbm_bandwidth * self.hw.memory_efficiency
         launch = 0.0 if info.target in VIEW_OPS else self.hw.op_overhead
-        fwd = max(flops / peak, moved / bw) + launch
+        work = flops * self.attention_work(info, ins)  # the FLOPs the kernel runs; ``flops`` (MFU's count) stays whole
+        fwd = max(work / peak, moved / bw) + launch
         bwd = 0.0
         if requires_grad:
-            bwd = max(2 * flops / peak, 2 * moved / bw) + launch
+            bwd = max(2 * work / peak, 2 * moved / bw) + launch
         local_out = sum(math.prod(o) for o in outs)
         # what the op keeps of its own scales with its largest operand's local share (a reduction's output, e.g. a
         # loss, is whole on every rank while its kept softmax is split)

@@ -8,11 +8,13 @@ Sources: NVIDIA datasheets (dense tensor-core peaks, HBM); NVLink 3/4 per-GPU un
 (300 / 450 GB/s); one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100/H200) InfiniBand port per GPU. Efficiencies
 (calibrated with ``benchmarks/plan_quality.py`` against Megatron-LM's SC'21 GPT ladder and GPT-3 175B runs and
 torchtitan's Llama-3 runs on A100s): a large matmul reaches 68% of peak and half of that at a thinnest dimension
-of 128; FlashAttention-2 60%; collectives 65% of NVLink's and 90% of InfiniBand's line rate. The H100/H200
-presets reuse the A100's efficiencies (no published H100 run with an MFU was at hand to fit). The runtime
-fields (``overlap``, ``zero3_per_block``, ``grad_reduce_bytes``) describe autopar's runtime by default (no
-overlap, one ZeRO-3 parameter at a time, gradients in the parameter's dtype); the benchmark sets them to
-describe Megatron-LM, DeepSpeed and FSDP2 when it prices their published runs.
+of 128; FlashAttention-2 60% of the FLOPs it runs (causal: the tiles on and below the diagonal); collectives 65%
+of NVLink's and 90% of InfiniBand's line rate. The H100/H200 presets reuse the A100's efficiencies (no published
+H100 run with an MFU was at hand to fit). The runtime fields (``overlap``, ``zero3_per_block``,
+``grad_reduce_bytes``, ``attention_skips_masked``, ``selective_recomputes_every``) describe autopar's runtime by
+default (no overlap, one ZeRO-3 parameter at a time, gradients reduced in the parameter's dtype, SDPA's fused
+kernels, selective recomputation keeping every matmul's output); the benchmark sets them to describe Megatron-LM,
+DeepSpeed and FSDP2 when it prices their published runs.
 
 ``cpu-gloo`` is one rank of 4 gloo processes (one thread each) sharing the 2-core development machine, the way the
 tests, benchmarks and demo run them: a "device" is what one rank gets there, not what one process gets alone (run
@@ -62,6 +64,10 @@ class Hardware:
     matmul_efficiency: float = 0.7  # fraction of peak a large matmul reaches
     matmul_half_dim: float = 0.0  # a matmul whose smallest dim is this reaches half of matmul_efficiency
     attention_efficiency: float = 0.7  # fraction of peak fused attention (forward and backward) reaches
+    attention_skips_masked: bool = True  # a causal fused attention kernel skips the score tiles above the diagonal
+    # (FlashAttention, SDPA's flash/efficient kernels: about half the work); 2021's unfused attention computed the
+    # whole score matrix and masked it. The model FLOPs (and so MFU) count the whole matrix either way, as
+    # Megatron-LM's and torchtitan's MFU formulas do.
     memory_efficiency: float = 0.8  # fraction of HBM bandwidth an elementwise op reaches
     op_overhead: float = 0.0  # seconds per op launched (forward; backward pays it again), beyond its roofline time
     # How the runtime being priced behaves (autopar's own: no overlap, ZeRO-3 gathers one parameter at a time;
@@ -70,8 +76,10 @@ class Hardware:
     # ZeRO) hidden under the other: step = max(C, D) + (1 - overlap) min(C, D)
     zero3_per_block: bool = False  # ZeRO-3 gathers and reduce-scatters a block's parameters as one bucket (FSDP2's
     # unit), not one parameter at a time
-    grad_reduce_bytes: int = 0  # bytes per element gradients are all-reduced in (Megatron-LM's fp32 main grads: 4);
-    # 0: the parameter's own dtype
+    grad_reduce_bytes: int = 0  # bytes per element gradients are reduced in (Megatron-LM's fp32 main grads, FSDP2's
+    # reduce_dtype=float32 in torchtitan: 4); 0: the parameter's own dtype
+    selective_recomputes_every: int = 0  # selective recomputation also recomputes every k-th matmul of a block
+    # (torchtitan's op-level SAC saves every other mm: 2); 0: it keeps every matmul's output (autopar's)
 
     def reduce_factor(self, dtype: torch.dtype) -> float:
         """Gradient bytes on the wire per byte of the parameter's dtype."""
@@ -96,10 +104,12 @@ class Hardware:
             "memory_efficiency": self.memory_efficiency,
             "matmul_half_dim": self.matmul_half_dim,
             "attention_efficiency": self.attention_efficiency,
+            "attention_skips_masked": self.attention_skips_masked,
             "op_overhead": self.op_overhead,
             "overlap": self.overlap,
             "zero3_per_block": self.zero3_per_block,
             "grad_reduce_bytes": self.grad_reduce_bytes,
+            "selective_recomputes_every": self.selective_recomputes_every,
         }
 
     @staticmethod
@@ -117,10 +127,12 @@ class Hardware:
             memory_efficiency=d["memory_efficiency"],
             matmul_half_dim=d.get("matmul_half_dim", 0.0),
             attention_efficiency=d.get("attention_efficiency", 0.7),
+            attention_skips_masked=bool(d.get("attention_skips_masked", True)),
             op_overhead=d.get("op_overhead", 0.0),
             overlap=float(d.get("overlap", 0.0)),
             zero3_per_block=d.get("zero3_per_block", False),
             grad_reduce_bytes=int(d.get("grad_reduce_bytes", 0)),
+            selective_recomputes_every=int(d.get("selective_recomputes_every", 0)),
         )
 
 

@@ -660,11 +660,29 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
         per_rank[st.rank] += st.send_bytes * m  # forward activations out; the next stage sends gradients back alike
     c = inner_plan.cost
     step = ev.total
-    comm_bytes = {n: 0.0 for n in mesh.names}
-    for col in inner_plan.collective_list:  # per microbatch, but the gradient buckets once per step
-        if col.axis in comm_bytes:
-            n = inner.sizes[inner.names.index(col.axis)]
-            comm_bytes[col.axis] += wire_bytes(col.kind, col.bytes, n) * (1 if col.where.startswith("grads[") else m)
+    # bytes each device sends: a collective runs on the ranks of the stage holding the op it serves (per
+    # microbatch; a gradient bucket once per step, on the rank holding its block; the parameters outside the
+    # blocks sit with the embedding's and the head's stages)
+    rank_of_unit = {u: ev.stages[stage_of_unit(u)].rank for u in range(len(units.labels))}
+    unit_of_label = {lab: u for u, lab in enumerate(units.labels)}
+    sent = [{n: 0.0 for n in mesh.names} for _ in range(p)]
+    for col in inner_plan.collective_list:
+        if col.axis not in sent[0]:
+            continue
+        nbytes = wire_bytes(col.kind, col.bytes, inner.sizes[inner.names.index(col.axis)])
+        if col.where.startswith("grads["):
+            block = col.where[len("grads["):].split("]")[0]
+            units_at = [unit_of_label[block]] if block in unit_of_label else [0, len(units.labels) - 1]
+            ranks = {rank_of_unit[u] for u in units_at}
+        else:
+            ends = [e.strip() for e in col.where.split("<-")]
+            unit = next((units.unit_of[e] for e in ends if e in units.unit_of), None)
+            if unit is None:
+                unit = next((min(units.users_units[e]) for e in ends if units.users_units.get(e)), 0)
+            ranks, nbytes = {rank_of_unit[unit]}, nbytes * m
+        for r in ranks:
+            sent[r][col.axis] += nbytes
+    comm_bytes = {n: max(sent[r][n] for r in range(p)) for n in mesh.names}
     comm_bytes[mesh.names[axis]] = max(per_rank)
     flops = c.model_flops * m
     mfu = 0.0

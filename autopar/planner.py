@@ -29,17 +29,25 @@ N_ALTERNATIVES = 6
 
 def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostModel:
     """The cost model of ``tg`` on ``mesh`` with activation recomputation ``recompute`` (none / selective / full)
-    applied to the nodes of its repeated blocks; each block's inputs stay kept (recomputation starts from them)."""
+    applied to the nodes of its repeated blocks; each block's inputs stay kept (recomputation starts from them).
+    Under ``selective`` on a runtime that recomputes every k-th matmul of a block too
+    (``Hardware.selective_recomputes_every``), those matmuls are priced as recomputed."""
     if recompute not in RECOMPUTE:
         raise AutoparError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if recompute == "none" or not tg.blocks:
         return CostModel(mesh)
     nodes = tg.nodes
+    every = mesh.hardware.selective_recomputes_every if recompute == "selective" else 0
     modes, kept = {}, set()
     for b in tg.blocks:
         inside = set(b.nodes)
+        k = 0
         for name in b.nodes:
             modes[name] = recompute
+            if every and nodes[name].target in MATMUL_OPS:  # the policy counts a block's matmuls in program order
+                k += 1
+                if k % every == 0:
+                    modes[name] = "recomputed"  # this matmul runs again instead of being kept (its inputs' collectives do not)
             for a in nodes[name].all_input_nodes:
                 if a.name not in inside and a.op == "call_function":
                     kept.add(_storage_root(a).name)
@@ -147,7 +155,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             zname += f"+ar({','.join(mesh.names[a] for a in rest)})"
         full = sum(math.prod(strategy[n].output.local_shape(problem.meta[n].shape, mesh.sizes)) * itemsize(problem.meta[n].dtype) for n in members)
         zero_buckets.append(ZeroBucket(zname, stage, tuple(mesh.names[a] for a in shard_axes), tuple(mesh.names[a] for a in rest), tuple(members)))
-        add(gather_priced(full, shard_axes, mesh, "forward") + scatter_priced(full, shard_axes, rest, mesh), zname)
+        rf = mesh.hardware.reduce_factor(problem.meta[members[0]].dtype)  # gradients may be reduced in a wider dtype
+        add(gather_priced(full, shard_axes, mesh, "forward") + scatter_priced(rf * full, shard_axes, rest, mesh), zname)
         if stage == 2:  # a bucket's full gradients: beside the other buckets' gathered parameters as backward
             transient = max(transient, full)  # starts, and beside the gradients as it ends
             t_act = max(t_act, full)
@@ -161,21 +170,23 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if mesh.hardware.zero3_per_block:  # the runtime priced gathers a block's parameters as one bucket
             fqn = tg.fqns[name]
             block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "rest")
-            acc = per_block.setdefault((block, opt.shard_axes), [0.0, 0.0, []])
+            acc = per_block.setdefault((block, opt.shard_axes), [0.0, 0.0, [], 0.0])
             acc[0] += full * len(uses)
             acc[1] += full * uses.count("linear")
             acc[2].append(name)
+            acc[3] += full * len(uses) * mesh.hardware.reduce_factor(meta.dtype)
             continue
         zname = f"zero3[{tg.fqns[name]}]({','.join(mesh.names[a] for a in opt.shard_axes)})"
         zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in opt.shard_axes), (), (name,)))
         for use in uses:
             again = gather_priced(full, opt.shard_axes, mesh, "backward") if use == "linear" else []
-            add(gather_priced(full, opt.shard_axes, mesh, "forward") + again + scatter_priced(full, opt.shard_axes, (), mesh), zname)
-    for (block, shard_axes), (fwd_b, bwd_b, names) in per_block.items():
+            rf = mesh.hardware.reduce_factor(meta.dtype)
+            add(gather_priced(full, opt.shard_axes, mesh, "forward") + again + scatter_priced(rf * full, opt.shard_axes, (), mesh), zname)
+    for (block, shard_axes), (fwd_b, bwd_b, names, red_b) in per_block.items():
         zname = f"zero3[{block}]({','.join(mesh.names[a] for a in shard_axes)})"
         zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in shard_axes), (), tuple(names)))
         again = gather_priced(bwd_b, shard_axes, mesh, "backward") if bwd_b else []
-        add(gather_priced(fwd_b, shard_axes, mesh, "forward") + again + scatter_priced(fwd_b, shard_axes, (), mesh), zname)
+        add(gather_priced(fwd_b, shard_axes, mesh, "forward") + again + scatter_priced(red_b, shard_axes, (), mesh), zname)
     plan_in = [strategy[n].output for n in problem.order if tg.kinds.get(n) == INPUT]
     input_spec = plan_in[0] if plan_in else Spec.replicated(mesh.ndim)
     split = {a for a, p in enumerate(input_spec.placements) if isinstance(p, Shard)}

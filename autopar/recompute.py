@@ -9,7 +9,8 @@ What each mode keeps is what the cost model counts (``autopar.cost.recomputes``)
 - ``full``: nothing inside the block; every op runs again, collectives included (the plan lists those with phase
   "recompute");
 - ``selective``: the outputs of matmuls, attention and the block's own collectives (torch's selective checkpoint
-  policy); the memory-bound ops between them run again, no collective does -- except ZeRO-3 parameter gathers,
+  policy; on a runtime described with ``selective_recomputes_every = k``, every k-th matmul runs again too, as in
+  torchtitan's op-level policy); the memory-bound ops between them run again, no collective does -- except ZeRO-3 parameter gathers,
   which run again like in ``full`` (keeping them would keep every gathered weight; their bytes are the gather
   ZeRO-3 pays in backward anyway).
 """
@@ -36,22 +37,30 @@ SAVED_OPS = frozenset(
     if hasattr(aten, name)
     for op in [getattr(aten, name).default]
 )
+MATMUL_KERNELS = frozenset(getattr(aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm"))
 
 
 class Recomputed(torch.nn.Module):
     """One block of the program, run under activation checkpointing (see the module docstring)."""
 
-    def __init__(self, body: fx.GraphModule, mode: str, zero_groups: dict[str, str] | None = None):
-        """``zero_groups``: mesh axis -> this rank's process-group name, for the axes ZeRO-3 shards over."""
+    def __init__(self, body: fx.GraphModule, mode: str, zero_groups: dict[str, str] | None = None, every: int = 0):
+        """``zero_groups``: mesh axis -> this rank's process-group name, for the axes ZeRO-3 shards over;
+        ``every``: under ``selective``, recompute every ``every``-th matmul too (``Hardware.selective_recomputes_every``,
+        torchtitan's op-level policy: 2); 0 keeps them all."""
         super().__init__()
         if mode not in ("selective", "full"):
             raise ValueError(f"recomputation mode {mode!r}")
         self.body = body
         self.mode = mode
+        self.every = int(every)
         self.zero_axes = frozenset(zero_groups or {})
         self.zero_groups = frozenset((zero_groups or {}).values())
 
-    def _policy(self, ctx, op, *args, **kwargs):
+    def _policy(self, count: list, ctx, op, *args, **kwargs):
+        if op in MATMUL_KERNELS and self.every and not ctx.is_recompute:
+            count[0] += 1  # the cost model counts the block's matmuls in the same (program) order
+            if count[0] % self.every == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
         if op in SAVED_OPS:
             return CheckpointPolicy.MUST_SAVE
         at = _compat.collective_group(op)
@@ -96,5 +105,5 @@ class Recomputed(torch.nn.Module):
         with set_checkpoint_early_stop(False):
             if self.mode == "full":
                 return checkpoint(run, *args, use_reentrant=False)
-            context = functools.partial(create_selective_checkpoint_contexts, self._policy)
+            context = functools.partial(create_selective_checkpoint_contexts, functools.partial(self._policy, [0]))
             return checkpoint(run, *args, use_reentrant=False, context_fn=context)

@@ -125,9 +125,10 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
         return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm)
     n = shard_factor(opt, mesh)
     rest = tuple(a for a in synced if a not in opt.shard_axes)
-    on_shard = sum(bw("all_reduce", b / n, a) for a in rest)
+    rf = mesh.hardware.reduce_factor(meta.dtype)  # gradients may be reduced in a wider dtype than the parameter's
+    on_shard = sum(bw("all_reduce", rf * b / n, a) for a in rest)
     gathers = 2 if opt.stage == 3 else 1
-    comm = sum(gathers * bw("all_gather", b, a) + bw("reduce_scatter", b, a) for a in opt.shard_axes) + on_shard
+    comm = sum(gathers * bw("all_gather", b, a) + bw("reduce_scatter", rf * b, a) for a in opt.shard_axes) + on_shard
     copy = copies_bytes / hbm
     if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard (and its copy) at the end
         return ZeroCost(b / n + e * o / n, b, 2 * b + 2 * b / n, 0.0, comm, copy)

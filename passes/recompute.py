@@ -33,13 +33,13 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     zero_groups = {a: groups[names.index(a)] for a in sorted(zero_axes)}
     programs = [gm] if plan.pipeline is None else [getattr(gm, f"stage_{s}") for s in range(len(plan.pipeline.stages))]
     for program in programs:
-        _wrap_blocks(program, plan, members, zero_groups)
+        _wrap_blocks(program, plan, members, zero_groups, plan.mesh.hardware.selective_recomputes_every)
         program.graph.lint()
         program.recompile()
     return gm
 
 
-def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], zero_groups: dict[str, str]) -> None:
+def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], zero_groups: dict[str, str], every: int) -> None:
     g = gm.graph
     nodes = list(g.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -84,7 +84,7 @@ def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], zero_groups:
             env[n] = body.node_copy(n, lambda a: env[a])
         body.output(tuple(env[o] for o in outputs))
         name = f"recompute_{k}"
-        gm.add_submodule(name, Recomputed(fx.GraphModule(gm, body, class_name=f"Block_{fqn.replace('.', '_')}"), plan.recompute, zero_groups))
+        gm.add_submodule(name, Recomputed(fx.GraphModule(gm, body, class_name=f"Block_{fqn.replace('.', '_')}"), plan.recompute, zero_groups, every))
         with g.inserting_before(anchor):
             call = g.call_module(name, tuple(inputs))
             reads = [g.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]

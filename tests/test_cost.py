@@ -63,3 +63,23 @@ def test_edge_cost_is_zero_for_equal_specs_and_cheaper_inside_a_node():
     inter = cm.edge_time(meta, Spec.parse("S(0)R"), Spec.parse("RR"), True)
     intra = cm.edge_time(meta, Spec.parse("RS(0)"), Spec.parse("RR"), True)
     assert intra < inter
+
+
+def test_causal_fused_attention_runs_half_its_flops_and_mfu_still_counts_them_all():
+    import dataclasses
+
+    from autopar.hardware import get_hardware
+    from autopar.spec import Strategy
+    from autopar.strategies import OpInfo
+
+    q = TensorMeta((1, 8, 1024, 64), torch.bfloat16)
+    causal = OpInfo(aten.scaled_dot_product_attention.default, (None, None, None, None, 0.0, True), {}, (q, q, q), (q,))
+    whole = OpInfo(aten.scaled_dot_product_attention.default, (None, None, None), {}, (q, q, q), (q,))
+    st = Strategy.parse("(R, R, R) -> R")
+    hw = get_hardware("a100-80gb")
+    fused = CostModel(Mesh({"dp": 1}, hardware=hw))
+    unfused = CostModel(Mesh({"dp": 1}, hardware=dataclasses.replace(hw, attention_skips_masked=False)))
+    # 1024 tokens are 8 tiles of 128: the kernel runs the 36 of 64 tiles on or below the diagonal
+    assert fused.op(causal, st, True).compute == pytest.approx(fused.op(whole, st, True).compute * 9 / 16, rel=1e-3)
+    assert unfused.op(causal, st, True).compute == pytest.approx(unfused.op(whole, st, True).compute)
+    assert fused.op(causal, st, True).flops == fused.op(whole, st, True).flops == 3 * 4 * 8 * 1024 * 1024 * 64

@@ -13,6 +13,10 @@ import torch
 
 import autopar
 from autopar import PipelinePin, _compat, collectives
+from autopar.hardware import get_hardware
+from autopar.planner import cost_model
+from autopar.recompute import Recomputed
+from autopar.trace import trace
 from models.gpt import GPT, GPTConfig
 from tests._util import fake_world, parity
 from tests.test_parity import _inputs, _model, megatron_pins
@@ -85,16 +89,19 @@ def test_pipeline_stages_recompute_their_blocks():
 
 def test_recomputation_lowers_the_measured_peak_as_predicted():
     """One process (a mesh of one device): the peak MemTracker measures over a training step (forward, backward,
-    AdamW) against the plan's predicted peak, for each mode."""
+    AdamW) against the plan's predicted peak, for each mode -- and for selective recomputation on a runtime that
+    also recomputes every other matmul (torchtitan's op-level policy), between selective and full."""
     cfg = dataclasses.replace(GPTConfig.tiny(), n_layer=4, n_embd=128, n_head=4, block_size=256)
     x = torch.randint(0, cfg.vocab_size, (8, 256), generator=torch.Generator().manual_seed(1))
-    inputs, mesh = (x, torch.roll(x, -1, 1)), autopar.Mesh({"dp": 1}, hardware="cpu-gloo")
+    inputs = (x, torch.roll(x, -1, 1))
+    every_other = dataclasses.replace(get_hardware("cpu-gloo"), selective_recomputes_every=2)
     measured, predicted = {}, {}
-    for mode in ("none", "selective", "full"):
+    for mode, hw in (("none", "cpu-gloo"), ("selective", "cpu-gloo"), ("full", "cpu-gloo"), ("selective/2", every_other)):
+        mesh = autopar.Mesh({"dp": 1}, hardware=hw)
         torch.manual_seed(0)
         model = GPT(cfg)
         with fake_world(1):
-            pm = autopar.parallelize(model, mesh, inputs, recompute=mode)
+            pm = autopar.parallelize(model, mesh, inputs, recompute=mode.split("/")[0])
             del model
             opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)
             lx = pm.local_inputs(*inputs)
@@ -109,5 +116,51 @@ def test_recomputation_lowers_the_measured_peak_as_predicted():
             measured[mode] = _compat.mem_tracker_peak(tracker)["total"]
         predicted[mode] = pm.plan.cost.memory_per_device
     assert measured["full"] < 0.6 * measured["selective"] and measured["selective"] < 0.9 * measured["none"], measured
+    assert measured["full"] < measured["selective/2"] < 0.95 * measured["selective"], measured
     for mode in measured:
         assert measured[mode] == pytest.approx(predicted[mode], rel=0.15), (mode, measured, predicted)
+
+
+def test_every_kth_matmul_is_recomputed_where_the_cost_model_prices_it():
+    """A runtime described with ``selective_recomputes_every = 2``: the cost model marks a block's 2nd, 4th, ...
+    matmul recomputed, and the checkpointed module runs exactly those again in backward (counted at dispatch)."""
+    model, inputs = _model("llama"), _inputs()
+    hw = dataclasses.replace(get_hardware("cpu-gloo"), selective_recomputes_every=2)
+    tg = trace(model, inputs)
+    modes = cost_model(tg, autopar.Mesh({"dp": 1}, hardware=hw), "selective").recompute
+    for b in tg.blocks:
+        mms = [n for n in b.nodes if tg.nodes[n].target in (torch.ops.aten.linear.default, torch.ops.aten.mm.default)]
+        assert len(mms) >= 4
+        assert [modes[n] for n in mms] == ["selective", "recomputed"] * (len(mms) // 2) + ["selective"] * (len(mms) % 2)
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    ws = [g.placeholder(f"w{i}") for i in range(5)]
+    h = x
+    for w in ws:
+        h = g.call_function(torch.ops.aten.relu.default, (g.call_function(torch.ops.aten.mm.default, (h, w)),))
+    g.output((h,))
+    body = torch.fx.GraphModule(torch.nn.Module(), g)
+    args = [torch.randn(8, 8, requires_grad=True)] + [torch.randn(8, 8, requires_grad=True) for _ in ws]
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mm = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.mm += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    grads = {}
+    for every in (0, 2, 1):
+        (out,) = Recomputed(body, "selective", None, every)(*args)
+        with Count() as c:
+            out.sum().backward()
+        grads[every] = [a.grad.clone() for a in args]
+        for a in args:
+            a.grad = None
+        # backward's own two matmuls per mm, plus the ones the policy did not keep: none, the 2nd and 4th, all five
+        assert c.mm == 10 + {0: 0, 2: 2, 1: 5}[every], (every, c.mm)
+    for every in (2, 1):
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[every]))

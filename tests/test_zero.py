@@ -153,3 +153,22 @@ def test_a_slow_inter_node_axis_makes_hsdp_win_over_full_mesh_zero3():
     # sharded inside the node only (HSDP), never over the slow axis; stage 2 where the budget leaves room for it
     assert {tuple(a) for s, a in chosen.zero_stages.values()} == {("dp_shard",)}
     assert {s for s, a in chosen.zero_stages.values()} <= {2, 3} and 3 in {s for s, a in chosen.zero_stages.values()}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gradients_reduced_in_fp32_double_the_reduce_scatter_bytes(stage):
+    """FSDP2 in torchtitan reduces bf16 gradients in fp32 (``Hardware.grad_reduce_bytes = 4``): the plan prices
+    twice the bytes for the reduce-scatter, the gathers unchanged."""
+    import dataclasses
+
+    from autopar.hardware import get_hardware
+
+    sums = {}
+    for rb in (0, 4):
+        hw = dataclasses.replace(get_hardware("h100-80gb"), grad_reduce_bytes=rb)
+        plan = _regime_plan(autopar.Mesh({"dp": 8}, hardware=hw), 8, constraints=[autopar.ZeroPin("*", stage)])
+        cols = [c for c in plan.collectives() if c.where.startswith("zero")]
+        sums[rb] = (sum(c.bytes for c in cols if c.kind == "all_gather" and c.phase == "forward"),
+                    sum(c.bytes for c in cols if c.kind == "reduce_scatter"))
+    assert sums[0][0] == sums[4][0] == pytest.approx(sums[0][1], rel=1e-6)
+    assert sums[4][1] == pytest.approx(2 * sums[0][1], rel=1e-6)

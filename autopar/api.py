@@ -14,6 +14,7 @@ import torch
 import passes
 from autopar import _compat
 from autopar.errors import AutoparError, MeshError, PlanMismatchError
+from autopar.handwritten import NotRealised
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.pipeline import PipelinePin, plan_pipeline, slice_batch
@@ -103,6 +104,10 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
     ``recompute`` (none / selective / full), when planning here: the repeated blocks' activations are recomputed
     in backward (a given ``plan`` carries its own)."""
     mesh = _as_mesh(mesh)
+    if mesh.hardware.float8_linears:
+        raise NotRealised(f"hardware {mesh.hardware.name!r} describes a runtime that runs linears in float8 "
+                          "(float8_linears); autopar's runtime trains in the model's dtype. Plan with it (autopar.plan), "
+                          "or parallelize on hardware without float8_linears")
     mesh.to_device_mesh()  # checks the process group and its world size before any work
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AutoparError("parallelize needs the model's real weights (it is on the meta device); build it on cpu, or use autopar.plan to plan only")

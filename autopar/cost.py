@@ -240,13 +240,16 @@ def recomputes(mode: str, target) -> bool:
 
 class CostModel:
     """``recompute``: node name -> recomputation mode for the nodes of repeated blocks (absent: ``none``);
-    ``kept``: nodes whose output is kept whatever the mode (a block's input: recomputation starts from it)."""
+    ``kept``: nodes whose output is kept whatever the mode (a block's input: recomputation starts from it);
+    ``float8``: matmul nodes the runtime runs in float8 (``Hardware.float8_linears``)."""
 
-    def __init__(self, mesh: Mesh, recompute: dict[str, str] | None = None, kept: frozenset = frozenset()):
+    def __init__(self, mesh: Mesh, recompute: dict[str, str] | None = None, kept: frozenset = frozenset(),
+                 float8: frozenset = frozenset()):
         self.mesh = mesh
         self.hw = mesh.hardware
         self.recompute = dict(recompute or {})
         self.kept = kept
+        self.float8 = float8
         self._edge = lru_cache(maxsize=None)(self._edge_uncached)
 
     # --- nodes ------------------------------------------------------------------------------------------------
@@ -292,7 +295,8 @@ class CostModel:
         if info.target in VIEW_OPS:
             moved = 0
         heavy = info.target in MATMUL_OPS or info.target in ATTENTION_OPS
-        peak = self.hw.flops(dtype) * self.efficiency(info.target, ins, outs)
+        fp8 = node in self.float8 and info.target in MATMUL_OPS
+        peak = self.hw.flops("float8" if fp8 else dtype) * self.efficiency(info.target, ins, outs)
         bw = self.hw.hbm_bandwidth * self.hw.memory_efficiency
         launch = 0.0 if info.target in VIEW_OPS else self.hw.op_overhead
         work = flops * self.attention_work(info, ins)  # the FLOPs the kernel runs; ``flops`` (MFU's count) stays whole
@@ -300,6 +304,13 @@ class CostModel:
         bwd = 0.0
         if requires_grad:
             bwd = max(2 * work / peak, 2 * moved / bw) + launch
+        if fp8:
+            # dynamic scaling, memory-bound: forward reads each operand for its amax and again to cast it (2 + 2 + 1
+            # bytes an element); backward casts the output's gradient so, and both operands' transposes (3 bytes)
+            operands = sum(math.prod(s) for s in ins[:2])
+            fwd += 5 * operands / bw
+            if requires_grad:
+                bwd += (5 * sum(math.prod(o) for o in outs) + 3 * operands) / bw
         local_out = sum(math.prod(o) for o in outs)
         # what the op keeps of its own scales with its largest operand's local share (a reduction's output, e.g. a
         # loss, is whole on every rank while its kept softmax is split)

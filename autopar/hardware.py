@@ -80,14 +80,22 @@ class Hardware:
     # reduce_dtype=float32 in torchtitan: 4); 0: the parameter's own dtype
     selective_recomputes_every: int = 0  # selective recomputation also recomputes every k-th matmul of a block
     # (torchtitan's op-level SAC saves every other mm: 2); 0: it keeps every matmul's output (autopar's)
+    float8_linears: bool = False  # the repeated blocks' matmuls run in float8 with dynamic per-tensor scaling
+    # (torchao's Float8Linear as torchtitan applies it: every linear but the output head), at the "float8" peak;
+    # autopar's runtime does not (parallelize refuses such hardware)
+
+    def __post_init__(self):
+        if self.float8_linears and "float8" not in dict(self.peak_flops):
+            raise MeshError(f"hardware {self.name!r} has float8_linears set but no float8 peak in peak_flops; add "
+                            "(\"float8\", FLOP/s) or leave float8_linears off (an A100 has no float8 tensor cores)")
 
     def reduce_factor(self, dtype: torch.dtype) -> float:
         """Gradient bytes on the wire per byte of the parameter's dtype."""
         return self.grad_reduce_bytes / dtype.itemsize if self.grad_reduce_bytes else 1.0
 
-    def flops(self, dtype: torch.dtype) -> float:
+    def flops(self, dtype: "torch.dtype | str") -> float:
         table = dict(self.peak_flops)
-        key = str(dtype).replace("torch.", "")
+        key = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
         return table.get(key, table["float32"])
 
     def to_json(self) -> dict:
@@ -110,6 +118,7 @@ class Hardware:
             "zero3_per_block": self.zero3_per_block,
             "grad_reduce_bytes": self.grad_reduce_bytes,
             "selective_recomputes_every": self.selective_recomputes_every,
+            "float8_linears": self.float8_linears,
         }
 
     @staticmethod
@@ -133,6 +142,7 @@ class Hardware:
             zero3_per_block=d.get("zero3_per_block", False),
             grad_reduce_bytes=int(d.get("grad_reduce_bytes", 0)),
             selective_recomputes_every=int(d.get("selective_recomputes_every", 0)),
+            float8_linears=bool(d.get("float8_linears", False)),
         )
 
 
@@ -153,7 +163,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "h100-80gb": Hardware(
         name="h100-80gb",
-        peak_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)),
+        peak_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12), ("float8", 1979e12)),
         hbm_bandwidth=3.35e12,
         memory=80 * _GB,
         devices_per_node=8,
@@ -165,7 +175,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "h200": Hardware(
         name="h200",
-        peak_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)),
+        peak_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12), ("float8", 1979e12)),
         hbm_bandwidth=4.8e12,
         memory=141 * _GB,
         devices_per_node=8,

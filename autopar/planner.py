@@ -31,12 +31,14 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
     """The cost model of ``tg`` on ``mesh`` with activation recomputation ``recompute`` (none / selective / full)
     applied to the nodes of its repeated blocks; each block's inputs stay kept (recomputation starts from them).
     Under ``selective`` on a runtime that recomputes every k-th matmul of a block too
-    (``Hardware.selective_recomputes_every``), those matmuls are priced as recomputed."""
+    (``Hardware.selective_recomputes_every``), those matmuls are priced as recomputed. On a runtime that runs the
+    blocks' linears in float8 (``Hardware.float8_linears``), the blocks' matmuls are priced so."""
     if recompute not in RECOMPUTE:
         raise AutoparError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    if recompute == "none" or not tg.blocks:
-        return CostModel(mesh)
     nodes = tg.nodes
+    float8 = frozenset(n for b in tg.blocks for n in b.nodes if nodes[n].target in MATMUL_OPS) if mesh.hardware.float8_linears else frozenset()
+    if recompute == "none" or not tg.blocks:
+        return CostModel(mesh, float8=float8)
     every = mesh.hardware.selective_recomputes_every if recompute == "selective" else 0
     modes, kept = {}, set()
     for b in tg.blocks:
@@ -51,7 +53,7 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
             for a in nodes[name].all_input_nodes:
                 if a.name not in inside and a.op == "call_function":
                     kept.add(_storage_root(a).name)
-    return CostModel(mesh, modes, frozenset(kept))
+    return CostModel(mesh, modes, frozenset(kept), float8)
 
 
 @gc_paused

@@ -83,3 +83,38 @@ def test_causal_fused_attention_runs_half_its_flops_and_mfu_still_counts_them_al
     assert fused.op(causal, st, True).compute == pytest.approx(fused.op(whole, st, True).compute * 9 / 16, rel=1e-3)
     assert unfused.op(causal, st, True).compute == pytest.approx(unfused.op(whole, st, True).compute)
     assert fused.op(causal, st, True).flops == fused.op(whole, st, True).flops == 3 * 4 * 8 * 1024 * 1024 * 64
+
+
+def test_float8_linears_price_the_blocks_matmuls_at_the_float8_peak_and_are_only_planned():
+    import dataclasses
+
+    import autopar
+    import models
+    from autopar.errors import MeshError
+    from autopar.handwritten import NotRealised
+    from autopar.hardware import get_hardware
+    from autopar.planner import cost_model
+    from autopar.trace import trace
+
+    with pytest.raises(MeshError, match="no float8 peak"):
+        dataclasses.replace(get_hardware("a100-80gb"), float8_linears=True)
+    h100 = get_hardware("h100-80gb")
+    fp8 = dataclasses.replace(h100, float8_linears=True)
+    model, make = models.build("llama3-8b", dtype=torch.bfloat16)
+    model.layers = model.layers[:2]
+    tg = trace(model, make(1, 8192))
+    plain, eight = (cost_model(tg, Mesh({"dp": 1}, hardware=hw)) for hw in (h100, fp8))
+    block_mms = {n for b in tg.blocks for n in b.nodes if tg.nodes[n].target is aten.linear.default}
+    assert block_mms and eight.float8 == block_mms  # the head (outside the blocks) stays in bf16, as torchtitan leaves it
+    from autopar.spec import Strategy
+    from autopar.strategies import op_info
+
+    n = sorted(block_mms)[0]
+    info = op_info(tg.nodes[n])
+    st = Strategy.parse("(R, R) -> R")
+    a, b = plain.op(info, st, True, node=n), eight.op(info, st, True, node=n)
+    # twice the peak, plus the casts (memory-bound: they would outweigh the gain on a small matmul)
+    assert b.flops == a.flops and 0.5 * a.compute < b.compute < 0.8 * a.compute
+    mesh = autopar.Mesh({"dp": 1}, hardware=fp8)
+    with pytest.raises(NotRealised, match="float8"):
+        autopar.parallelize(torch.nn.Linear(2, 2), mesh, torch.randn(2, 2))

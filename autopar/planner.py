@@ -22,7 +22,7 @@ from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, g
 from autopar.zero import ZeroOption, eligible, gather_priced, param_cost, scatter_priced, shard_factor, zero3_uses
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info
-from autopar.trace import INPUT, TracedGraph
+from autopar.trace import INPUT, PARAM, TracedGraph
 
 N_ALTERNATIVES = 6
 
@@ -32,11 +32,15 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
     applied to the nodes of its repeated blocks; each block's inputs stay kept (recomputation starts from them).
     Under ``selective`` on a runtime that recomputes every k-th matmul of a block too
     (``Hardware.selective_recomputes_every``), those matmuls are priced as recomputed. On a runtime that runs the
-    blocks' linears in float8 (``Hardware.float8_linears``), the blocks' matmuls are priced so."""
+    blocks' linears in float8 (``Hardware.float8_linears``), the blocks' matmuls with a weight operand are priced so
+    (attention's matmuls of activations stay in the model's dtype, as torchao's Float8Linear leaves them)."""
     if recompute not in RECOMPUTE:
         raise AutoparError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE)}")
     nodes = tg.nodes
-    float8 = frozenset(n for b in tg.blocks for n in b.nodes if nodes[n].target in MATMUL_OPS) if mesh.hardware.float8_linears else frozenset()
+    float8 = frozenset()
+    if mesh.hardware.float8_linears:  # the blocks' linears: matmuls with a parameter operand (through its views)
+        float8 = frozenset(n for b in tg.blocks for n in b.nodes if nodes[n].target in MATMUL_OPS
+                           and any(tg.kinds.get(_storage_root(a).name) == PARAM for a in nodes[n].all_input_nodes))
     if recompute == "none" or not tg.blocks:
         return CostModel(mesh, float8=float8)
     every = mesh.hardware.selective_recomputes_every if recompute == "selective" else 0

@@ -9,10 +9,10 @@ What each mode keeps is what the cost model counts (``autopar.cost.recomputes``)
 - ``full``: nothing inside the block; every op runs again, collectives included (the plan lists those with phase
   "recompute");
 - ``selective``: the outputs of matmuls, attention and the block's own collectives (torch's selective checkpoint
-  policy; on a runtime described with ``selective_recomputes_every = k``, every k-th matmul runs again too, as in
-  torchtitan's op-level policy); the memory-bound ops between them run again, no collective does -- except ZeRO-3 parameter gathers,
-  which run again like in ``full`` (keeping them would keep every gathered weight; their bytes are the gather
-  ZeRO-3 pays in backward anyway).
+  policy; on hardware describing ``selective_recomputes_every = k``, every k-th matmul runs again too, as in
+  torchtitan's op-level policy); the memory-bound ops between them run again, no collective does -- except ZeRO-3
+  parameter gathers, which run again like in ``full`` (keeping them would keep every gathered weight; their bytes
+  are the gather ZeRO-3 pays in backward anyway).
 """
 
 from __future__ import annotations

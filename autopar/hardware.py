@@ -9,8 +9,9 @@ Sources: NVIDIA datasheets (dense tensor-core peaks, HBM); NVLink 3/4 per-GPU un
 (calibrated with ``benchmarks/plan_quality.py`` against Megatron-LM's SC'21 GPT ladder and GPT-3 175B runs and
 torchtitan's Llama-3 runs on A100s): a large matmul reaches 68% of peak and half of that at a thinnest dimension
 of 128; FlashAttention-2 60% of the FLOPs it runs (causal: the tiles on and below the diagonal); collectives 65%
-of NVLink's and 90% of InfiniBand's line rate. The H100/H200 presets reuse the A100's efficiencies (no published
-H100 run with an MFU was at hand to fit). The runtime fields (``overlap``, ``zero3_per_block``,
+of NVLink's and 90% of InfiniBand's line rate. The H100/H200 presets (700 W SXM) reuse the A100's efficiencies:
+torchtitan's published H100 runs were on 500 W parts, whose bf16 compute they over-predict ~1.65x (plan_quality's
+check rows), so those runs could not calibrate them. The runtime fields (``overlap``, ``zero3_per_block``,
 ``grad_reduce_bytes``, ``attention_skips_masked``, ``selective_recomputes_every``) describe autopar's runtime by
 default (no overlap, one ZeRO-3 parameter at a time, gradients reduced in the parameter's dtype, SDPA's fused
 kernels, selective recomputation keeping every matmul's output); the benchmark sets them to describe Megatron-LM,

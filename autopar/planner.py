@@ -29,7 +29,8 @@ N_ALTERNATIVES = 6
 
 def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostModel:
     """The cost model of ``tg`` on ``mesh`` with activation recomputation ``recompute`` (none / selective / full)
-    applied to the nodes of its repeated blocks; each block's inputs stay kept (recomputation starts from them).
+    applied to the nodes of its repeated blocks; each block's inputs and outputs stay kept (recomputation starts from
+    them, and a recomputed block does not bring its outputs back).
     Under ``selective`` on a runtime that recomputes every k-th matmul of a block too
     (``Hardware.selective_recomputes_every``), those matmuls are priced as recomputed. On a runtime that runs the
     blocks' linears in float8 (``Hardware.float8_linears``), the blocks' matmuls with a weight operand are priced so
@@ -57,6 +58,11 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
             for a in nodes[name].all_input_nodes:
                 if a.name not in inside and a.op == "call_function":
                     kept.add(_storage_root(a).name)
+            if any(user.name not in inside for user in nodes[name].users):
+                # the block's output: the next block's input, or what the head reads (and keeps) -- recomputation
+                # of this block does not bring it back. Counting it here, not only as the next block's input, keeps
+                # it with its own block, which the cluster's one-block proxy repeats L times
+                kept.add(_storage_root(nodes[name]).name)
     return CostModel(mesh, modes, frozenset(kept), float8)
 
 

@@ -68,12 +68,15 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
 
 @gc_paused
 def make_plan(tg: TracedGraph, mesh: Mesh, memory_budget: float | None = None, pins: list[Pin] | None = None,
-              recompute: str = "none") -> Plan:
+              recompute: str = "none", likely_fits: bool = False) -> Plan:
+    """``likely_fits``: the caller has estimated the plan's peak well under the budget (the cluster screen), so the
+    solver skips its infeasibility pre-check (two memory solves); an infeasible budget is still found and
+    explained, only more slowly."""
     t0 = time.perf_counter()
     cost = cost_model(tg, mesh, recompute)
     problem = build_problem(tg, mesh, cost)
     budget = mesh.hardware.memory if memory_budget is None else float(memory_budget)
-    choice = solve(tg, mesh, cost, problem, budget, list(pins or []))
+    choice = solve(tg, mesh, cost, problem, budget, list(pins or []), floor=not likely_fits)
     t1 = time.perf_counter()
     plan = price(tg, mesh, problem, choice, cost)
     plan.recompute = recompute

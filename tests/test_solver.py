@@ -199,3 +199,20 @@ def test_overlapped_step_is_solved_to_its_optimum_at_scale():
         pinned = autopar.handwritten(model, mesh, inputs, "fsdp", recompute="full") if not pins else \
             autopar.plan(model, mesh, inputs, recompute="full", constraints=pins)
         assert free.cost.step_time <= pinned.cost.step_time * (1 + 1e-3), (free.summary(), pinned.summary())
+
+
+def test_skipping_the_feasibility_precheck_still_explains_an_infeasible_budget():
+    from autopar.planner import make_plan
+    from autopar.trace import trace
+
+    model = GPT(GPTConfig.tiny())
+    x = torch.randint(0, 64, (8, 16))
+    tg = trace(model, (x, x))
+    mesh = autopar.Mesh({"dp": 2, "tp": 2})
+    need = None
+    for likely in (False, True):
+        with pytest.raises(autopar.InfeasibleError, match="smallest plan needs") as e:
+            make_plan(tg, mesh, 1e4, likely_fits=likely)
+        need = need or e.value.smallest_budget
+        assert e.value.smallest_budget == need
+    assert make_plan(tg, mesh, need * 1.01, likely_fits=True).cost.memory_per_device <= need * 1.01

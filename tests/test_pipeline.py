@@ -142,6 +142,17 @@ def test_megatron_3d_is_the_even_cut_with_1f1b():
         autopar.handwritten(model, mesh, _batch(8), "megatron-3d", zero=1)
 
 
+def test_each_device_reports_the_bytes_of_its_own_stages():
+    """A pipeline's per-device communication counts the collectives of the stages that device runs, not the whole
+    model's: with 8 equal blocks over pp = 4, each rank's tensor-parallel bytes are about a quarter of the same
+    model's on tp alone (same global batch)."""
+    model = _gpt(8)
+    flat = autopar.handwritten(model, autopar.Mesh({"tp": 2}), _batch(8), "megatron")
+    piped = autopar.handwritten(model, autopar.Mesh({"pp": 4, "tp": 2}), _batch(8), "megatron-3d")
+    ratio = piped.cost.comm_bytes["tp"] / flat.cost.comm_bytes["tp"]
+    assert 0.2 < ratio < 0.4, ratio
+
+
 def test_planning_gpt3_175b_on_1024_devices():
     model, inputs = build("gpt3-175b", dtype=torch.bfloat16)
     mesh = autopar.Mesh({"dp": 8, "pp": 16, "tp": 8}, hardware="a100-80gb")

@@ -251,6 +251,7 @@ class CostModel:
         self.kept = kept
         self.float8 = float8
         self._edge = lru_cache(maxsize=None)(self._edge_uncached)
+        self._kept = lru_cache(maxsize=None)(self._kept_uncached)
 
     # --- nodes ------------------------------------------------------------------------------------------------
     def efficiency(self, target, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]) -> float:
@@ -351,6 +352,26 @@ class CostModel:
         if src == dst:
             return 0.0
         return self._edge(meta.shape, meta.dtype, src, dst, requires_grad, self.again(consumer))
+
+    def kept_redistribution(self, meta: TensorMeta, src: Spec, dst: Spec, consumer: str | None, saved: bool) -> float:
+        """Bytes per device a redistribution into ``consumer`` adds to what is kept for backward, beyond the source's
+        own (counted at the source's Spec): a consumer that keeps this input keeps the redistributed value, e.g. a
+        matmul after a sequence-parallel all-gather keeps the gathered input (the local size of ``dst`` minus that of
+        ``src``); under selective recomputation the policy keeps every collective's output in the block whether or
+        not the consumer reads it in backward (all of ``dst``); under full recomputation nothing."""
+        if src == dst or meta is None:
+            return 0.0
+        return self._kept(meta.shape, meta.dtype, src, dst, self.recompute.get(consumer, "none"), saved)
+
+    def _kept_uncached(self, shape, dtype, src: Spec, dst: Spec, mode: str, saved: bool) -> float:
+        if mode == "full":
+            return 0.0
+        sizes, isz = self.mesh.sizes, itemsize(dtype)
+        out = math.prod(dst.local_shape(shape, sizes)) * isz
+        if mode in ("selective", "recomputed"):
+            launched = any(p.phase == "forward" for p in price_steps(redistribute(src, dst, shape, sizes), dtype, self.mesh, False, False))
+            return float(out) if launched else 0.0
+        return float(max(out - math.prod(src.local_shape(shape, sizes)) * isz, 0)) if saved else 0.0
 
     def edge_priced(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None) -> list[Priced]:
         return price_steps(redistribute(src, dst, meta.shape, self.mesh.sizes), meta.dtype, self.mesh, requires_grad, self.again(consumer))

@@ -106,8 +106,12 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         for p in priced:
             collectives.append(Collective(p.kind, p.axis, p.bytes, p.phase, where, p.seconds))
 
+    kept_edges: dict[tuple[str, str], float] = {}  # (source, Spec) -> bytes backward keeps of the redistributed value
     for u, v, i, m in problem.edges:
         src, dst = strategy[u].output, strategy[v].inputs[i]
+        if src != dst:
+            kb = cost.kept_redistribution(m, src, dst, v, (v, i) in problem.saved_in)
+            kept_edges[(u, str(dst))] = max(kept_edges.get((u, str(dst)), 0.0), kb)
         if src == dst or (u, str(dst)) in emitted:
             continue
         emitted[(u, str(dst))] = v
@@ -117,7 +121,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     # parameters: gradient all-reduce buckets (ZeRO-0, and ZeRO-3 shards over the axes they do not shard) and
     # ZeRO buckets (ZeRO-1/2: gathered at the start of forward, reduce-scattered in backward; ZeRO-3: per use)
     zgroups = zero_groups(tg, problem.order)
-    state = grad = act = 0.0
+    state = grad = 0.0
+    act = sum(kept_edges.values())
     transient = t_act = 0.0  # one-at-a-time buffers of the gradient peak, and of the activation peak
     copy_time = 0.0  # the runtime's copies around gradient and parameter communication
     group_memory: dict[str, list] = {}  # group -> [bytes held, gradient bytes, parameters]

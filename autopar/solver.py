@@ -125,6 +125,7 @@ class Problem:
     folded_use: dict[str, tuple[str, int]]  # folded placeholder -> (its only user, slot)
     timings: dict[str, float] = field(default_factory=dict)
     saved: dict[str, tuple[bool, int]] = field(default_factory=dict)  # op -> (a backward keeps its output, bytes it keeps itself)
+    saved_in: frozenset = frozenset()  # (op, tensor input slot) whose value the op's backward keeps
 
     def index(self, node: str, root_index: int) -> int:
         """The strategy index of ``node`` when its root runs strategy ``root_index``."""
@@ -187,8 +188,9 @@ def _storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool]) -> tuple[dict[str, bool], dict[str, int]]:
-    """Which nodes' outputs some backward keeps, and the bytes each op keeps of its own (single-device shapes).
+def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool]) -> tuple[dict[str, bool], dict[str, int], frozenset]:
+    """Which nodes' outputs some backward keeps, the bytes each op keeps of its own (single-device shapes), and
+    which (op, input slot) pairs it keeps.
 
     Each distinct op (target, shapes, arguments, which inputs need gradients) is run once on fake tensors under
     saved-tensor hooks (``cost.probe_saved``); a kept view counts at the node that owns its storage, once.
@@ -196,6 +198,7 @@ def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool]) -> tuple[dict[
     cache: dict[str, object] = {}
     saved_out: dict[str, bool] = {}
     internal: dict[str, int] = {}
+    slots: set[tuple[str, int]] = set()
     for n in nodes:
         if n.op != "call_function" or n.target is operator.getitem or not rg.get(n.name):
             continue
@@ -211,12 +214,13 @@ def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool]) -> tuple[dict[
         sv = cache[key]
         internal[n.name] = sv.internal
         for i in sv.inputs:
+            slots.add((n.name, i))
             root = _storage_root(ins[i])
             if root.op == "call_function":
                 saved_out[root.name] = True
         if sv.output:
             saved_out[_storage_root(n).name] = True
-    return saved_out, internal
+    return saved_out, internal, frozenset(slots)
 
 
 def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
@@ -237,7 +241,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             for a in n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]:
                 if isinstance(a, fx.Node):
                     uses.setdefault(a.name, []).append(("output", -1))
-    saved_out, internal = _saved_activations(graph_nodes, rg)
+    saved_out, internal, saved_in = _saved_activations(graph_nodes, rg)
     folded_use: dict[str, tuple[str, int]] = {}
     for n in graph_nodes:
         if n.op == "output":
@@ -302,7 +306,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
         root[p] = root[user]
     problem = Problem(order, kind, root, cands, costs, {}, meta, rg, source, edges, outputs,
                       [_output_specs(m, sizes) for _, m in outputs], tg.rep, main_slot, folded_use,
-                      saved={n: (saved_out.get(n, False), internal.get(n, 0)) for n in order})
+                      saved={n: (saved_out.get(n, False), internal.get(n, 0)) for n in order}, saved_in=saved_in)
     # derived strategies of followers (graph order: a follower's input is resolved before it) and folded nodes
     ins_of = {v: {} for v in order}
     for u, v, i, m in edges:
@@ -594,7 +598,9 @@ def solve(
             regen[r][s] += nc.regen * (n in first_block)
             if k == FOLLOWER:
                 u, m = ins_of[n][P_.main_slot[n]]
-                t += cost.edge_time(m, P_.strategy(u, s).output, P_.strategy(n, s).inputs[P_.main_slot[n]], P_.requires_grad.get(u, False), n)
+                o, d = P_.strategy(u, s).output, P_.strategy(n, s).inputs[P_.main_slot[n]]
+                t += cost.edge_time(m, o, d, P_.requires_grad.get(u, False), n)
+                m_act[r][s] += cost.kept_redistribution(m, o, d, n, (n, P_.main_slot[n]) in P_.saved_in)
             elif k == FOLDED:
                 user, slot = P_.folded_use[n]
                 t += cost.edge_time(P_.meta[n], P_.strategy(n, s).output, P_.strategy(user, s).inputs[slot], P_.requires_grad.get(n, False), user)
@@ -605,7 +611,7 @@ def solve(
     # ZeRO: per parameter group a stage (z), and how it changes each decision's parameters (w = x * z)
     zgroups = zero_groups(tg, P_.order)
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
-    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm]
+    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, copies]
     # one-at-a-time buffers, as their largest instance: a gradient bucket (stage 0: flat copy + cut gradients, 2x;
     # stage 2: 1x), one ZeRO-3 parameter gathered again with its full gradient (2x)
     tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2 bucket bytes], one copy
@@ -615,7 +621,8 @@ def solve(
         for s in range(nstrat[r]):
             spec, meta = P_.strategy(n, s).output, P_.meta[n]
             base = _zcost(zopts[0], spec, meta, mesh, copies, gparams)
-            row = zdelta.setdefault((r, s, g), [[0.0] * 4 for _ in zopts])
+            t_lin[r][s] += base.copy  # the runtime's copies run on the compute stream: the critical path, as priced
+            row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
             b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
             synced = bool(grad_sync_axes(spec, mesh))
@@ -634,11 +641,13 @@ def solve(
                 d[0] += c.state - base.state
                 d[1] += c.act - base.act
                 d[2] += c.grad - base.grad
-                d[3] += (c.comm + c.copy) - (base.comm + base.copy)
+                d[3] += c.comm - base.comm
+                d[4] += c.copy - base.copy
 
     terms = []  # the step's critical path: compute and the collectives between ops
     oterms = []  # data-parallel communication (gradient buckets, ZeRO): beside compute when the runtime overlaps it
     ties = []  # the tie-breaker: of two plans equally fast, the one with less memory
+    mem_a, mem_g = [], []  # terms of the two peaks: state + activations, state + gradients
     # user inputs of equal rank share one Spec
     ins = [n for n in P_.order if tg.kinds.get(n) == INPUT]
     for a, b in zip(ins, ins[1:]):
@@ -681,8 +690,11 @@ def solve(
     for k, (u, m) in enumerate(P_.outputs):
         note(u, (("output", k), 0), m)
     n_aux = 0
-    if objective == "memory":
-        groups = {}  # redistributions cost time, not memory: leave their variables out of a memory solve
+    memory_rows = objective == "memory" or memory_budget is not None  # else no memory row reads the edges' bytes
+    if objective == "memory" and relax:
+        # a lower bound on the peak: leave the redistributions' variables out (what backward keeps of a redistributed
+        # value only adds to it); the exact smallest plan keeps them
+        groups = {}
     for (r, ur), g in groups.items():
         u = g["src"]
         outs = [P_.strategy(u, s).output for s in range(len(P_.cands[r]))]
@@ -697,6 +709,7 @@ def solve(
             if v == r:  # the edge ends at the decision that fixes its source: its cost is a function of x[r]
                 for s, (o, d) in enumerate(zip(outs, specs_v)):
                     t_lin[r][s] += g["count"][ek] * cost.edge_time(m, o, d, rgrad, v)
+                    m_act[r][s] += g["count"][ek] * cost.kept_redistribution(m, o, d, v, (v, i) in P_.saved_in)
                 continue
             vd = list(dict.fromkeys(d for d, live in zip(specs_v, xs_v) if live is not None))
             ind = {}
@@ -724,20 +737,30 @@ def solve(
             demands: dict[tuple, list] = {}
             for ek in eks:
                 m, rgrad = g["info"][ek]
+                v, i = ek
+                consumer = None if isinstance(v, tuple) else v
+                saved = (v, i) in P_.saved_in
                 for od, iv in indicators[ek].items():
-                    demands.setdefault(od, []).append((iv, cost.edge_time(m, od[0], od[1], rgrad, None if isinstance(ek[0], tuple) else ek[0])))
+                    kb = cost.kept_redistribution(m, od[0], od[1], consumer, saved) if memory_rows else 0.0
+                    demands.setdefault(od, []).append((iv, cost.edge_time(m, od[0], od[1], rgrad, consumer), kb))
             for od, used in demands.items():
-                c = max(ci for _, ci in used)
-                if c <= 0 or objective == "memory":
+                # one redistributed value however many consumers read it: its time, and what backward keeps of it
+                c = max(ci for _, ci, _ in used) if objective != "memory" else 0.0
+                kb = max(ki for _, _, ki in used)
+                if c <= 0 and kb <= 0:
                     continue
                 if len(used) == 1:
-                    terms.extend((size * c * US, v) for v in used[0][0])
+                    on = list(used[0][0])
                 else:
                     n_aux += 1
                     rv = solver.NumVar(0.0, 1.0, f"r{n_aux}")
-                    for iv, _ in used:
+                    for iv, _, _ in used:
                         add_row(0.0, inf, [(1.0, rv)] + [(-1.0, v) for v in iv])
-                    terms.append((size * c * US, rv))
+                    on = [rv]
+                if c > 0:
+                    terms.extend((size * c * US, v) for v in on)
+                if kb > 0:
+                    mem_a.extend((size * kb * MB, v) for v in on)
     # ZeRO variables: one stage per group, w linearises (decision strategy) x (group stage) exactly
     zvar: dict[str, list] = {}
     pinned = _zero_allowed(zgroups, zopts, mesh, pins)
@@ -754,7 +777,6 @@ def solve(
             dlat = copies * (group_latency(zopts[k], mesh, gparams, all_copies) - group_latency(zopts[0], mesh, gparams, all_copies))
             if zv is not None and dlat and objective != "memory":
                 oterms.append((dlat * US, zv))
-    mem_a, mem_g = [], []  # terms of the two peaks: state + activations, state + gradients
     ind: dict[tuple[str, int, str, int], object] = {}  # (decision, strategy, group, option) -> x * z
     for (r, s, g), row in zdelta.items():
         xv = x[r][s]
@@ -772,9 +794,12 @@ def solve(
             solver.Add(w >= xv + zv - 1)
             ind[(r, s, g, k)] = w
             ws.append(w)
-            ds, da, dg, dc = row[k]
-            if objective != "memory" and dc:
-                oterms.append((dc * US, w))
+            ds, da, dg, dc, dcopy = row[k]
+            if objective != "memory":
+                if dc:
+                    oterms.append((dc * US, w))
+                if dcopy:
+                    terms.append((dcopy * US, w))
             mem_a.append(((ds + da) * MB, w))
             mem_g.append(((ds + dg) * MB, w))
         if ws:

@@ -118,3 +118,19 @@ def test_float8_linears_price_the_blocks_matmuls_at_the_float8_peak_and_are_only
     mesh = autopar.Mesh({"dp": 1}, hardware=fp8)
     with pytest.raises(NotRealised, match="float8"):
         autopar.parallelize(torch.nn.Linear(2, 2), mesh, torch.randn(2, 2))
+
+
+def test_a_consumer_that_keeps_a_gathered_input_keeps_the_gathered_bytes():
+    """Sequence parallel: a matmul after an all-gather keeps the gathered input for its weight gradient -- tp times
+    the sharded producer's bytes; selective recomputation's policy keeps every collective output; full keeps none."""
+    meta = TensorMeta((4, 128, 64), torch.float32)
+    mesh = Mesh({"tp": 4})
+    full_bytes = 4 * 128 * 64 * 4
+    src, dst = Spec.parse("S(1)"), Spec.parse("R")
+    cm = CostModel(mesh, {"mm_sel": "selective", "mm_full": "full", "add_sel": "selective"})
+    assert cm.kept_redistribution(meta, src, dst, "mm", True) == full_bytes - full_bytes / 4
+    assert cm.kept_redistribution(meta, src, dst, "mm", False) == 0
+    assert cm.kept_redistribution(meta, src, dst, "mm_full", True) == 0
+    assert cm.kept_redistribution(meta, src, dst, "mm_sel", False) == full_bytes
+    assert cm.kept_redistribution(meta, dst, src, "add_sel", True) == 0  # a local slice launches nothing to keep
+    assert cm.kept_redistribution(meta, src, src, "mm", True) == 0

@@ -25,7 +25,8 @@ Models:
 - memory, in three kinds: state held all step (parameters and AdamW state: two moments in the parameter's
   dtype, or for 16-bit parameters the ZeRO paper's 12 bytes of fp32 master copy and moments; buffers; inputs),
   gradients, and activations kept for backward (what autograd saves, found by running each op once on fake
-  tensors: kept outputs, scaled to the local share, and the op's own kept intermediates). The peak of a step
+  tensors: kept outputs, scaled to the local share, and the op's own kept intermediates; a redistributed input
+  an op keeps counts at its redistributed size, ``kept_redistribution``). The peak of a step
   is state + max(activations, gradients): activations peak as backward starts, gradients as it ends.
 """
 
@@ -359,7 +360,7 @@ class CostModel:
         matmul after a sequence-parallel all-gather keeps the gathered input (the local size of ``dst`` minus that of
         ``src``); under selective recomputation the policy keeps every collective's output in the block whether or
         not the consumer reads it in backward (all of ``dst``); under full recomputation nothing."""
-        if src == dst or meta is None:
+        if src == dst:
             return 0.0
         return self._kept(meta.shape, meta.dtype, src, dst, self.recompute.get(consumer, "none"), saved)
 

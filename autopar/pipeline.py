@@ -41,7 +41,7 @@ from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, w
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
-from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, solve
+from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, solve
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
 
@@ -190,13 +190,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         bwd[u] += nc.compute - f
         act[u] += nc.act + (nc.state if tg.kinds.get(n) == INPUT else 0.0)
     emitted = set()
-    kept: dict[tuple[str, str], tuple[int, float]] = {}  # (source, Spec) -> (unit, bytes backward keeps of the value)
     for u_, v, i, m in problem.edges:
         src, dst = strategy[u_].output, strategy[v].inputs[i]
-        if src != dst:
-            kb = cost.kept_redistribution(m, src, dst, v, (v, i) in problem.saved_in)
-            if kb > kept.get((u_, str(dst)), (0, 0.0))[1]:
-                kept[(u_, str(dst))] = (unit(v), kb)
         if src == dst or (u_, str(dst)) in emitted:
             continue
         emitted.add((u_, str(dst)))
@@ -204,8 +199,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         priced = cost.edge_priced(m, src, dst, rg, v)
         fwd[unit(v)] += sum(c.seconds for c in priced if c.phase == "forward")
         bwd[unit(v)] += sum(c.seconds for c in priced if c.phase != "forward")
-    for u_, kb in kept.values():
-        act[u_] += kb
+    for v, kb in kept_values(problem, strategy, cost).values():  # redistributed values backward keeps
+        act[unit(v)] += kb
     params = {}
     for n in problem.order:
         if tg.kinds.get(n) != PARAM:

@@ -18,7 +18,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
-from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, gc_paused, solve, zero_groups
+from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, solve, zero_groups
 from autopar.zero import ZeroOption, eligible, gather_priced, param_cost, scatter_priced, shard_factor, zero3_uses
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info
@@ -106,12 +106,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         for p in priced:
             collectives.append(Collective(p.kind, p.axis, p.bytes, p.phase, where, p.seconds))
 
-    kept_edges: dict[tuple[str, str], float] = {}  # (source, Spec) -> bytes backward keeps of the redistributed value
     for u, v, i, m in problem.edges:
         src, dst = strategy[u].output, strategy[v].inputs[i]
-        if src != dst:
-            kb = cost.kept_redistribution(m, src, dst, v, (v, i) in problem.saved_in)
-            kept_edges[(u, str(dst))] = max(kept_edges.get((u, str(dst)), 0.0), kb)
         if src == dst or (u, str(dst)) in emitted:
             continue
         emitted[(u, str(dst))] = v
@@ -122,7 +118,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     # ZeRO buckets (ZeRO-1/2: gathered at the start of forward, reduce-scattered in backward; ZeRO-3: per use)
     zgroups = zero_groups(tg, problem.order)
     state = grad = 0.0
-    act = sum(kept_edges.values())
+    act = sum(kb for _, kb in kept_values(problem, strategy, cost).values())  # redistributed values backward keeps
     transient = t_act = 0.0  # one-at-a-time buffers of the gradient peak, and of the activation peak
     copy_time = 0.0  # the runtime's copies around gradient and parameter communication
     group_memory: dict[str, list] = {}  # group -> [bytes held, gradient bytes, parameters]
@@ -175,8 +171,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             zname += f"+ar({','.join(mesh.names[a] for a in rest)})"
         full = sum(math.prod(strategy[n].output.local_shape(problem.meta[n].shape, mesh.sizes)) * itemsize(problem.meta[n].dtype) for n in members)
         zero_buckets.append(ZeroBucket(zname, stage, tuple(mesh.names[a] for a in shard_axes), tuple(mesh.names[a] for a in rest), tuple(members)))
-        rf = mesh.hardware.reduce_factor(problem.meta[members[0]].dtype)  # gradients may be reduced in a wider dtype
-        add(gather_priced(full, shard_axes, mesh, "forward") + scatter_priced(rf * full, shard_axes, rest, mesh), zname)
+        add(gather_priced(full, shard_axes, mesh, "forward") + scatter_priced(full, shard_axes, rest, mesh, problem.meta[members[0]].dtype), zname)
         if stage == 2:  # a bucket's full gradients: beside the other buckets' gathered parameters as backward
             transient = max(transient, full)  # starts, and beside the gradients as it ends
             t_act = max(t_act, full)
@@ -190,23 +185,21 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if mesh.hardware.zero3_per_block:  # the runtime priced gathers a block's parameters as one bucket
             fqn = tg.fqns[name]
             block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "rest")
-            acc = per_block.setdefault((block, opt.shard_axes), [0.0, 0.0, [], 0.0])
+            acc = per_block.setdefault((block, opt.shard_axes), [0.0, 0.0, []])
             acc[0] += full * len(uses)
             acc[1] += full * uses.count("linear")
             acc[2].append(name)
-            acc[3] += full * len(uses) * mesh.hardware.reduce_factor(meta.dtype)
             continue
         zname = f"zero3[{tg.fqns[name]}]({','.join(mesh.names[a] for a in opt.shard_axes)})"
         zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in opt.shard_axes), (), (name,)))
         for use in uses:
             again = gather_priced(full, opt.shard_axes, mesh, "backward") if use == "linear" else []
-            rf = mesh.hardware.reduce_factor(meta.dtype)
-            add(gather_priced(full, opt.shard_axes, mesh, "forward") + again + scatter_priced(rf * full, opt.shard_axes, (), mesh), zname)
-    for (block, shard_axes), (fwd_b, bwd_b, names, red_b) in per_block.items():
+            add(gather_priced(full, opt.shard_axes, mesh, "forward") + again + scatter_priced(full, opt.shard_axes, (), mesh, meta.dtype), zname)
+    for (block, shard_axes), (fwd_b, bwd_b, names) in per_block.items():
         zname = f"zero3[{block}]({','.join(mesh.names[a] for a in shard_axes)})"
         zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in shard_axes), (), tuple(names)))
         again = gather_priced(bwd_b, shard_axes, mesh, "backward") if bwd_b else []
-        add(gather_priced(fwd_b, shard_axes, mesh, "forward") + again + scatter_priced(red_b, shard_axes, (), mesh), zname)
+        add(gather_priced(fwd_b, shard_axes, mesh, "forward") + again + scatter_priced(fwd_b, shard_axes, (), mesh, problem.meta[names[0]].dtype), zname)
     plan_in = [strategy[n].output for n in problem.order if tg.kinds.get(n) == INPUT]
     input_spec = plan_in[0] if plan_in else Spec.replicated(mesh.ndim)
     split = {a for a, p in enumerate(input_spec.placements) if isinstance(p, Shard)}

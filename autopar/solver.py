@@ -27,14 +27,16 @@ The ILP (OR-Tools, HiGHS; SCIP or CBC when HiGHS is missing) over the remaining 
 - Outputs: ``z[k, spec]`` chooses how output k is handed out; a partial (``P``) output on axis a needs the
   batch split on a: ``sum_{spec[a] = P} z[k, spec] <= sum_{s: input spec(s)[a] is a split} x[input, s]``.
 - Tied inputs: user inputs of equal rank take the same Spec (a sampler splits all of them alike).
-- Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters).
+- Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters),
+  plus, in the activation peak, what backward keeps of each redistributed value, on the same y / r as its time
+  (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather).
 - A parameter's gradient all-reduce is priced by its bandwidth alone: the planner buckets gradients per block,
   and a bucket pays the latency once (the plan's step time includes it; the objective leaves it out).
 - Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
   block's backward runs its activations are back: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``.
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
-  (time includes followers, their forced redistributions, folded parameters; times in microseconds, memory in
-  MB) + D, the data-parallel communication (gradient buckets' bandwidth, ZeRO's extra bytes and latencies) +
+  (time includes followers, their forced redistributions, folded parameters, and the runtime's gradient and
+  parameter copies, which run on the compute stream; times in milliseconds, memory in MB) + D, the data-parallel communication (gradient buckets' bandwidth, ZeRO's extra bytes and latencies) +
   a tie-breaker of 1e-9 s per MB: of two plans equally fast, the one with less memory. When the hardware's
   runtime overlaps a share f of data-parallel communication with compute, the step is max(C, D) + (1 - f)
   min(C, D) = max(C + (1 - f) D, D + (1 - f) C): ``min T`` (+ the tie-breaker) with ``T >= C + (1 - f) D`` and
@@ -186,6 +188,21 @@ def _storage_root(node: fx.Node) -> fx.Node:
         else:
             break
     return node
+
+
+def kept_values(problem: Problem, strategy: dict, cost: CostModel) -> dict[tuple[str, str], tuple[str, float]]:
+    """What backward keeps of the redistributed values of a chosen plan (``strategy``: node -> Strategy): (source,
+    destination Spec) -> (the consumer keeping the most of it, bytes per device). One value however many consumers
+    read it, as the ILP counts it (``CostModel.kept_redistribution``)."""
+    out: dict[tuple[str, str], tuple[str, float]] = {}
+    for u, v, i, m in problem.edges:
+        src, dst = strategy[u].output, strategy[v].inputs[i]
+        if src == dst:
+            continue
+        kb = cost.kept_redistribution(m, src, dst, v, (v, i) in problem.saved_in)
+        if kb > out.get((u, str(dst)), ("", 0.0))[1]:
+            out[(u, str(dst))] = (v, kb)
+    return out
 
 
 def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool]) -> tuple[dict[str, bool], dict[str, int], frozenset]:

@@ -182,10 +182,12 @@ def gather_priced(full: float, shard_axes: tuple[int, ...], mesh: Mesh, phase: s
             for a, b in _levels(full, shard_axes, mesh, gather=True)]
 
 
-def scatter_priced(full: float, shard_axes: tuple[int, ...], rest: tuple[int, ...], mesh: Mesh) -> list:
-    """Backward: reduce-scatter ``full`` bytes of gradients to the shards, then all-reduce the shard over ``rest``."""
+def scatter_priced(full: float, shard_axes: tuple[int, ...], rest: tuple[int, ...], mesh: Mesh, dtype) -> list:
+    """Backward: reduce-scatter the gradients of ``full`` bytes of parameters of ``dtype`` to the shards, then
+    all-reduce the shard over ``rest`` -- in the dtype the runtime reduces in (``Hardware.reduce_factor``)."""
     from autopar.cost import Priced
 
+    full = full * mesh.hardware.reduce_factor(dtype)
     out = [Priced("reduce_scatter", mesh.names[a], int(b), "backward", collective_time("reduce_scatter", b, mesh.sizes[a], mesh.link(a)))
            for a, b in _levels(full, shard_axes, mesh, gather=False)]
     shard = full / shard_factor(ZeroOption(1, shard_axes), mesh)

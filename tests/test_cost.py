@@ -134,3 +134,32 @@ def test_a_consumer_that_keeps_a_gathered_input_keeps_the_gathered_bytes():
     assert cm.kept_redistribution(meta, src, dst, "mm_sel", False) == full_bytes
     assert cm.kept_redistribution(meta, dst, src, "add_sel", True) == 0  # a local slice launches nothing to keep
     assert cm.kept_redistribution(meta, src, src, "mm", True) == 0
+
+
+def test_a_sequence_parallel_plan_prices_the_gathered_inputs_its_linears_keep():
+    """Megatron-SP on tp=2: wherever the plan all-gathers the sequence-split residual stream for an op that keeps
+    its input (the norms' and linears' inputs), that op keeps the gathered value -- once per gathered value, however
+    many linears read it, half of it beyond the shard the producer holds; the plan's activations carry exactly that."""
+    import autopar
+    from autopar.planner import cost_model
+    from autopar.solver import build_problem, kept_values
+    from autopar.trace import trace
+    from tests._util import fake_world
+    from tests.test_parity import _inputs, _model, megatron_pins
+
+    model, inputs, axes = _model("llama"), _inputs(), {"tp": 2}
+    mesh = Mesh(axes)
+    with fake_world(2):
+        plan = autopar.plan(model, mesh, inputs, constraints=megatron_pins("llama", axes, sequence_parallel=True))
+    tg = trace(model, inputs)
+    cost = cost_model(tg, mesh)
+    problem = build_problem(tg, mesh, cost)
+    strategy = {n: plan.nodes[n].strategy for n in problem.order}
+    gathered = {u for u, v, i, m in problem.edges if (v, i) in problem.saved_in and m.shape == (4, 16, 32)
+                and str(strategy[u].output) == "S(1)" and str(strategy[v].inputs[i]) == "R"}
+    assert len(gathered) >= len(tg.blocks)  # at least one gather per block (q, k and v share one)
+    half = 4 * 16 * 32 * 4 / 2  # fp32 [4, 16, 32]: what the gathered value holds beyond the shard
+    kept = kept_values(problem, strategy, cost)
+    assert sorted(u for u, _ in kept) == sorted(gathered) and all(kb == half for _, kb in kept.values())
+    nodes = sum(problem.costs[n][problem.cands[n].index(strategy[n])].act for n in problem.order)
+    assert plan.cost.memory_breakdown["activations"] == pytest.approx(nodes + len(gathered) * half)

@@ -11,7 +11,8 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
 
 1. **Screen.** For each tensor-parallel degree t (a divisor of the GPUs per node) the intra-op ILP is solved once
    on a proxy: the model traced with its container of repeated layers cut to one, on a mesh ``dp=2 x tp=t``, at one
-   row and at two rows per rank. Its chosen strategies, priced by the same cost model under each recomputation mode, give each unit
+   row and at two rows per rank (the next degree the screen will reach is profiled ahead on a second thread: the
+   solver releases the GIL, so two degrees' ILPs run side by side). Its chosen strategies, priced by the same cost model under each recomputation mode, give each unit
    (embedding, one block, head) its forward and backward seconds, its kept activations (affine in the rows of a
    microbatch: measured at one and two rows), its parameters with their Specs, and the bytes crossing each unit
    boundary. Every candidate -- (dp, pp, tp), microbatches, schedule, recomputation, and without a pipeline the
@@ -33,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -400,42 +402,40 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
     spans = cluster.devices > cluster.gpus_per_node
     timings["proxy"] = time.perf_counter() - t0
 
-    def profile(tp: int) -> "_Profile | None":
+    # the next tp profiled ahead on a second thread: most of a profile is HiGHS, which releases the GIL, so the next
+    # degree's solve runs beside this one's (a profile is a pure function of its degree: same plans either way)
+    ahead: dict[int, Future] = {}
+    pool = ThreadPoolExecutor(max_workers=2)
+
+    def profile(tp: int, after: "list[int] | None" = None) -> "_Profile | None":
         if tp not in profiles:
             t1 = time.perf_counter()
-            profiles[tp] = _profile(tgs, tp, hw, spans, modes)
+            mine = ahead.pop(tp, None)
+            nxt = next((t for t in (after or []) if t not in profiles and t not in ahead and t != tp), None)
+            if nxt is not None and all(f.done() for f in ahead.values()):
+                ahead[nxt] = pool.submit(_profile, tgs, nxt, hw, spans, modes)
+            profiles[tp] = mine.result() if mine is not None else _profile(tgs, tp, hw, spans, modes)
             timings["proxy"] += time.perf_counter() - t1
         return profiles[tp]
 
-    one = profile(1)
-    # branch and bound: a candidate's step is at least its schedule's bubble-bound on perfectly balanced stages;
-    # candidates are evaluated by that bound, and the rest dropped once the bound passes the best found. A tensor-
-    # parallel degree is profiled when its first candidate is reached: until then tp = 1's bound over tp stands in
-    # (a tp-way split at best divides each op's time: the bound is homogeneous in the units' times)
-    bounded = []
-    for c in cands:
-        own = c.tp in profiles
-        ref = profiles[c.tp] if own else one
-        bounded.append((0.0 if ref is None else _bound(ref, c, B, L) / (1 if own else c.tp), str(c), c))
-    bounded.sort(key=lambda r: (r[0], r[1]))
-    best_step = math.inf
-    for lb, _, c in bounded:
-        prof = profile(c.tp) if lb <= best_step else None
-        if prof is not None and c.tp != 1:
-            lb = _bound(prof, c, B, L)  # its own bound, now that it has a profile
-        if lb > best_step:
-            screened.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
-            continue
-        if prof is None:
-            screened.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen"))
-            continue
-        if c.pp == 1:
-            got = _screen_flat(prof, c, cluster, B // c.dp, L, budget)
-        else:
-            got = _screen_pipeline(prof, c, cluster, B / (c.dp * c.microbatches), L, budget)
-        screened.append(got)
-        best_step = min(best_step, got.step)
-        timings["evaluated"] = timings.get("evaluated", 0) + 1
+    try:
+        one = profile(1)
+        # branch and bound: a candidate's step is at least its schedule's bubble-bound on perfectly balanced stages;
+        # candidates are evaluated by that bound, and the rest dropped once the bound passes the best found. A
+        # tensor-parallel degree is profiled when its first candidate is reached: until then tp = 1's bound over tp
+        # stands in (a tp-way split at best divides each op's time: the bound is homogeneous in the units' times)
+        bounded = []
+        for c in cands:
+            own = c.tp in profiles
+            ref = profiles[c.tp] if own else one
+            bounded.append((0.0 if ref is None else _bound(ref, c, B, L) / (1 if own else c.tp), str(c), c))
+        bounded.sort(key=lambda r: (r[0], r[1]))
+        order = list(dict.fromkeys(c.tp for _, _, c in bounded))  # the degrees, in the order the screen reaches them
+        screened += _screen(bounded, profile, order, cluster, B, L, budget, timings)
+    finally:
+        for f in ahead.values():  # a degree profiled ahead that the screen then pruned: not waited for twice
+            f.cancel()
+        pool.shutdown(wait=True)
     timings["screen"] = time.perf_counter() - t0
     screened.sort(key=lambda s: (s.step, s.memory, str(s.candidate)))
     t0 = time.perf_counter()
@@ -497,6 +497,31 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
     best.search = sorted(screened, key=lambda s: (s.step, str(s.candidate)))
     best.timings = {"plan total": time.perf_counter() - t_start, "candidates screened": float(len(screened))}
     return best
+
+
+def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, L: int, budget: float,
+            timings: dict) -> list[Screened]:
+    """Evaluate the candidates in the order of their bounds until the bound passes the best step found."""
+    out: list[Screened] = []
+    best_step = math.inf
+    for lb, _, c in bounded:
+        prof = profile(c.tp, order) if lb <= best_step else None
+        if prof is not None and c.tp != 1:
+            lb = _bound(prof, c, B, L)  # its own bound, now that it has a profile
+        if lb > best_step:
+            out.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
+            continue
+        if prof is None:
+            out.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen"))
+            continue
+        if c.pp == 1:
+            got = _screen_flat(prof, c, cluster, B // c.dp, L, budget)
+        else:
+            got = _screen_pipeline(prof, c, cluster, B / (c.dp * c.microbatches), L, budget)
+        out.append(got)
+        best_step = min(best_step, got.step)
+        timings["evaluated"] = timings.get("evaluated", 0) + 1
+    return out
 
 
 def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float) -> Plan:

@@ -56,6 +56,7 @@ import gc
 import itertools
 import math
 import operator
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -506,28 +507,48 @@ class Choice:
     zero: dict = field(default_factory=dict)  # parameter group -> ZeroOption
 
 
-@contextlib.contextmanager
-def _quiet():
-    """HiGHS prints some diagnostics straight to the process's stdout whatever its output flags say: send file
-    descriptor 1 to /dev/null while it solves."""
-    import os
-    import sys
+class _Quiet:
+    """HiGHS prints some diagnostics straight to the process's stdout whatever its output flags say: file
+    descriptor 1 goes to /dev/null while any solve runs. The descriptor is the process's, so this is the one piece
+    of process-wide state: solves on two threads at once (the cluster screen profiles two tp degrees side by side)
+    share one redirection, made by the first to enter and undone by the last to leave."""
 
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, ValueError, OSError):  # no real stdout (captured): nothing to guard
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(fd)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, fd)
-        yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)
-        os.close(devnull)
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved: "tuple[int, int, int] | None" = None  # (fd, its saved copy, /dev/null)
+
+    @contextlib.contextmanager
+    def __call__(self):
+        import os
+        import sys
+
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, ValueError, OSError):  # no real stdout (captured): nothing to guard
+            yield
+            return
+        with self.lock:
+            if self.depth == 0:
+                sys.stdout.flush()
+                saved, devnull = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, fd)
+                self.saved = (fd, saved, devnull)
+            self.depth += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.depth -= 1
+                if self.depth == 0 and self.saved is not None:
+                    fd, saved, devnull = self.saved
+                    os.dup2(saved, fd)
+                    os.close(saved)
+                    os.close(devnull)
+                    self.saved = None
+
+
+_quiet = _Quiet()
 
 
 def _new_solver():

@@ -216,3 +216,39 @@ def test_skipping_the_feasibility_precheck_still_explains_an_infeasible_budget()
         need = need or e.value.smallest_budget
         assert e.value.smallest_budget == need
     assert make_plan(tg, mesh, need * 1.01, likely_fits=True).cost.memory_per_device <= need * 1.01
+
+
+def test_quieting_the_solver_from_two_threads_gives_stdout_back(tmp_path, monkeypatch):
+    """HiGHS's stray prints are sent to /dev/null by redirecting file descriptor 1 while a solve runs; the cluster
+    screen solves on two threads at once. Interleaved entries and exits must leave the descriptor where it was:
+    a second solver that saved the already-redirected descriptor would put /dev/null back for good."""
+    import threading
+
+    from autopar.solver import _quiet
+
+    out = open(tmp_path / "stdout", "w")
+    monkeypatch.setattr(sys, "stdout", out)
+    fd = out.fileno()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with _quiet():
+            a_in.set()
+            b_in.wait()
+        a_out.set()
+
+    def second():
+        a_in.wait()
+        with _quiet():
+            b_in.set()
+            a_out.wait()
+            os.write(fd, b"during\n")  # still inside a solve: hidden
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    os.write(fd, b"after\n")
+    out.close()
+    assert (tmp_path / "stdout").read_text() == "after\n"

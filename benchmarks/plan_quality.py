@@ -13,6 +13,9 @@ For each published run it prints:
   pipeline, recomputation and per-op plan all searched -- its predicted step and the ratio to the published
   configuration's predicted step under the same cost model (<= 1.0 is as good or better), and what differs;
 - the wall time of autopar's planning (trace, screen, real plan), and the process's peak memory.
+- for Llama-3.1-70B on 256 H100s (the shape question: does tensor parallelism join inside the node, at what
+  degree?), autopar's per-op plan on each in-node tp degree, and what the tp axis carries in each, beside the
+  published Megatron layout on tp 8.
 
 Sources: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 (SC'21), Table 1 (GPT ladder, 2048 tokens, vocabulary 51200) and Table 2 (GPT-3 175B, PTD-P vs ZeRO-3); Liang et
@@ -222,12 +225,49 @@ def main() -> None:
         tp = dict(zip(auto.mesh.names, auto.mesh.sizes)).get("tp", 1)
         inside = tp <= auto.mesh.hardware.devices_per_node and not (tp > 1 and auto.mesh.spans_nodes("tp"))
         print(f"  {name} @{n}: autopar's tp = {tp} ({'inside a node' if inside else 'ACROSS NODES'}), mesh {_shape(auto)}")
+    for (name, n, strategy), (pub, auto) in seen.items():
+        if n == 256 and name == "llama3-70b":
+            _tp_sweep(pub, auto)
     for n in (384, 768, 1536):
         a, b = seen.get(("gpt3-175b", n, "fsdp")), seen.get(("gpt3-175b", n, "megatron-3d"))
         if a and b:
             print(f"  gpt3-175b @{n}: ZeRO-3 alone / TP 8 x PP 12, predicted step {a[0].cost.step_time / b[0].cost.step_time:.2f}x "
                   f"(published {dict(((384, 153 / 144), (768, 149 / 88), (1536, 141 / 44)))[n]:.2f}x)")
     print(f"peak process memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+def _tp_axis_use(plan) -> str:
+    """What the tp axis carries in a plan's repeated block: which linear weights it splits (tensor parallel); the
+    rest of the block then runs on a slice of the batch there."""
+    tp = plan.mesh.names.index("tp")
+    block = {b for b, t in plan.blocks if t is None}
+    split, whole = [], []
+    for node in plan.nodes.values():
+        if node.op != "param" or len(node.shape) != 2 or not any(node.path.startswith(b + ".") for b in block):
+            continue
+        short = ".".join(node.path.split(".")[-3:-1])
+        (split if node.strategy.output.placements[tp].is_shard() else whole).append(short)
+    if not split:
+        return "batch only (no weight split)"
+    return f"splits {', '.join(split)}" + (" (the batch elsewhere)" if whole else "")
+
+
+def _tp_sweep(pub, auto) -> None:
+    """The 256-H100 case's shape question (does TP join inside the node, and at what degree?): autopar's per-op plan
+    on each in-node tp degree, same global batch, full recomputation (what every fitting plan there needs), ZeRO-3."""
+    model, make = models.build("llama3-70b", dtype=torch.bfloat16)
+    inputs = make(512, 8192)
+    hw = auto.mesh.hardware
+    cluster = Cluster(32, 8, hw)
+    print("  llama3-70b @256, autopar's plan on each in-node tp degree (fixed mesh, full recomputation, ZeRO-3):")
+    rows = []
+    for tp in (1, 2, 4, 8):
+        p = autopar.plan(model, cluster.mesh(256 // tp, 1, tp), inputs, recompute="full", constraints=[autopar.ZeroPin("*", 3)])
+        rows.append([f"tp={tp}", f"{p.cost.step_time:.2f}", f"{p.cost.memory_per_device / 2**30:.1f}",
+                     ", ".join(f"{a} {b / 1e9:.0f}" for a, b in p.cost.comm_bytes.items() if b), _tp_axis_use(p) if tp > 1 else "-"])
+    rows.append(["published tp=8", f"{pub.cost.step_time:.2f}", f"{pub.cost.memory_per_device / 2**30:.1f}",
+                 ", ".join(f"{a} {b / 1e9:.0f}" for a, b in pub.cost.comm_bytes.items() if b), "Megatron TP + SP: " + _tp_axis_use(pub)])
+    print(tabulate.tabulate(rows, headers=["mesh", "pred step s", "GiB/device", "GB sent/device/step", "what tp carries"]))
 
 
 if __name__ == "__main__":

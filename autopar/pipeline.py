@@ -672,12 +672,12 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
         if col.axis not in sent[0]:
             continue
         nbytes = wire_bytes(col.kind, col.bytes, inner.sizes[inner.names.index(col.axis)])
-        if col.where.startswith("grads["):
-            block = col.where[len("grads["):].split("]")[0]
+        if col.bucket is not None:
+            block = col.bucket[1]
             units_at = [unit_of_label[block]] if block in unit_of_label else [0, len(units.labels) - 1]
             ranks = {rank_of_unit[u] for u in units_at}
         else:
-            ends = [e.strip() for e in col.where.split("<-")]
+            ends = list(col.edge or (col.where,))
             unit = next((units.unit_of[e] for e in ends if e in units.unit_of), None)
             if unit is None:
                 unit = next((min(units.users_units[e]) for e in ends if units.users_units.get(e)), 0)

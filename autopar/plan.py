@@ -27,12 +27,39 @@ VERSION = 1
 
 @dataclass(frozen=True)
 class Collective:
+    """One collective of a training step. ``where`` names what it serves, in one of three forms (the plan's JSON
+    keeps the text; the properties below are the one place that reads it): an edge ``consumer <- producer`` (a
+    redistribution), a bucket ``grads[block](axes)`` or ``zeroN[block](axes)`` (data-parallel communication of a
+    block's parameters; block ``rest`` / ``all`` for those outside the blocks, or a parameter's FQN), or a pipeline
+    transfer ``stage i -> j``."""
+
     kind: str
     axis: str
     bytes: int
     phase: str
     where: str  # the edge or parameter it serves
     seconds: float
+
+    @property
+    def edge(self) -> "tuple[str, str] | None":
+        """(consumer, producer) node names of a redistribution, else None."""
+        if " <- " not in self.where:
+            return None
+        consumer, producer = self.where.split(" <- ", 1)
+        return consumer.strip(), producer.strip()
+
+    @property
+    def bucket(self) -> "tuple[str, str] | None":
+        """(``grads`` / ``zero1`` / ``zero2`` / ``zero3``, block) of data-parallel parameter communication, else None."""
+        head, sep, rest = self.where.partition("[")
+        if not sep or not (head == "grads" or head.startswith("zero")) or "]" not in rest:
+            return None
+        return head, rest.split("]", 1)[0]
+
+    @property
+    def data_parallel(self) -> bool:
+        """Communication of parameters and their gradients (what a runtime may overlap with compute)."""
+        return self.bucket is not None
 
 
 @dataclass(frozen=True)
@@ -291,7 +318,7 @@ class Plan:
         """
         by_node: dict[str, list[Collective]] = {}
         for col in self.collective_list:
-            by_node.setdefault(col.where.split(" <- ")[0], []).append(col)
+            by_node.setdefault(col.edge[0] if col.edge else col.where, []).append(col)
         copies: dict[str, int] = {}
         for b, t in self.blocks:
             copies[t or b] = copies.get(t or b, 0) + 1

@@ -244,7 +244,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order) + copy_time
     comm = sum(c.seconds for c in collectives)
     # data-parallel communication (gradient buckets, ZeRO) runs beside the critical path when the runtime overlaps it
-    dp_comm = sum(c.seconds for c in collectives if c.where.startswith(("grads[", "zero")))
+    dp_comm = sum(c.seconds for c in collectives if c.data_parallel)
     crit, f = compute + comm - dp_comm, mesh.hardware.overlap
     step = max(crit, dp_comm) + (1 - f) * min(crit, dp_comm)
     first = next((b for b in tg.blocks), None)

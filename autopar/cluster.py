@@ -4,23 +4,27 @@ In: a model (any device, the meta device included), example inputs holding the g
 ``autopar.Cluster(nodes, gpus_per_node, hardware)``, an optional memory budget per device.
 Out: the fastest ``Plan`` found that fits, for a mesh ``pp x dp x tp`` over all the cluster's devices (``tp``
 innermost, so it fills a node before anything else; ``pp`` outermost), with its microbatch count and pipeline
-schedule, its activation recomputation (none / selective / full) and its per-op Specs and ZeRO stages; and
-``plan.search``: every candidate screened, with its predicted step and memory, or why it was dropped.
+schedule, its activation recomputation (none / selective / full) and its per-op Specs and ZeRO stages -- over all
+of dp, or (HSDP) over shard groups that fill part of a node or whole nodes, replicated across the rest of dp (mesh
+``dp x fsdp x tp``); and ``plan.search``: every candidate screened, with its predicted step and memory, or why it
+was dropped.
 
 Two steps, because an ILP per candidate would take minutes at 1000+ devices:
 
 1. **Screen.** For each tensor-parallel degree t (a divisor of the GPUs per node) the intra-op ILP is solved once
    on a proxy: the model traced with its container of repeated layers cut to one, on a mesh ``dp=2 x tp=t``, at one
    row and at two rows per rank (the next degree the screen will reach is profiled ahead on a second thread: the
-   solver releases the GIL, so two degrees' ILPs run side by side). Its chosen strategies, priced by the same cost model under each recomputation mode, give each unit
-   (embedding, one block, head) its forward and backward seconds, its kept activations (affine in the rows of a
-   microbatch: measured at one and two rows), its parameters with their Specs, and the bytes crossing each unit
-   boundary. Every candidate -- (dp, pp, tp), microbatches, schedule, recomputation, and without a pipeline the
-   ZeRO stage -- is then evaluated from those numbers alone, in the order of a lower bound (the rest dropped once
-   the bound passes the best): blocks repeated L times; a pipeline by the stage cuts of ``autopar.pipeline``
-   (balanced under memory) and the schedule's analytic step; without one, the step is compute
-   plus data-parallel communication (overlapped where the hardware's runtime overlaps it) and ZeRO's bytes come
-   from ``autopar.zero.param_cost``. Candidates whose memory does not fit are dropped, with the reason kept.
+   solver releases the GIL, so two degrees' ILPs run side by side). Its chosen strategies, priced by the same cost
+   model under each recomputation mode, give each unit (embedding, one block, head) its forward and backward
+   seconds, its kept activations (affine in the rows of a microbatch: measured at one and two rows), its parameters
+   with their Specs, and the bytes crossing each unit boundary. Every candidate -- (dp, pp, tp), microbatches,
+   schedule, recomputation, and without a pipeline the ZeRO stage and its shard group (all of dp, or HSDP's) -- is
+   then evaluated from those numbers alone, in the order of a lower bound (the rest dropped once the bound passes
+   the best): blocks repeated L times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory)
+   and the schedule's analytic step; without one, the step is compute plus data-parallel communication (overlapped
+   where the hardware's runtime overlaps it) and ZeRO's bytes come from ``autopar.zero.param_cost``. Candidates
+   whose memory does not fit are dropped, with the reason kept. HSDP is ranked as if 2% slower than it screens: it
+   holds more state and adds an axis, so it has to win by more than a near-tie.
 2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan`` with the
    screened ZeRO stage, or ``plan_pipeline`` with the screened schedule and microbatch count pinned); the fastest
    real plan is returned. A candidate the real plan finds too big gives way to the next.
@@ -47,6 +51,7 @@ from autopar.mesh import Mesh
 from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, analytic_step, balance, equal_starts, graph_units,
                               microbatch_candidates, refine, slice_batch, unit_costs, unit_state)
 from autopar.plan import Plan
+from autopar.spec import Spec
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.trace import PARAM, trace
 from autopar.zero import ZeroOption, param_cost
@@ -54,6 +59,10 @@ from autopar.zero import ZeroOption, param_cost
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
 SCREEN_MARGIN = 0.92  # the screen's memory runs a few percent under the real plan's: it must fit this share of the budget
+# HSDP keeps dp / shard copies of the sharded state and adds a mesh axis (a second process group, a larger ILP): it is
+# ranked as if this much slower, so it is taken when it beats sharding over all of dp by more than the model's own
+# resolution, not on a near-tie (on Llama-3-70B @64 A100 it screened 0.04% ahead)
+HSDP_RANK_PENALTY = 1.02
 
 
 @dataclass(frozen=True)
@@ -78,11 +87,17 @@ class Cluster:
     def hw(self) -> Hardware:
         return dataclasses.replace(get_hardware(self.hardware), devices_per_node=self.gpus_per_node)
 
-    def mesh(self, dp: int, pp: int, tp: int) -> Mesh:
-        """The mesh of a factorisation: pp outermost, then dp, tp innermost (axes of size 1 left out)."""
+    def mesh(self, dp: int, pp: int, tp: int, shard: int = 0) -> Mesh:
+        """The mesh of a factorisation: pp outermost, then dp, tp innermost (axes of size 1 left out). ``shard``
+        (HSDP): the data-parallel ranks split into ``dp / shard`` replicas (axis ``dp``) of ``shard`` ranks each (axis
+        ``fsdp``, inside the replicas: as close as the tp ranks allow)."""
         if dp * pp * tp != self.devices:
             raise AutoparError(f"dp={dp} x pp={pp} x tp={tp} is not the cluster's {self.devices} devices")
-        axes = {k: v for k, v in (("pp", pp), ("dp", dp), ("tp", tp)) if v > 1} or {"dp": 1}
+        if shard and (dp % shard or not 1 < shard < dp):
+            raise AutoparError(f"an HSDP shard group of {shard} does not split dp={dp} into replicas; use a divisor of dp "
+                               "between 2 and dp / 2")
+        data = (("dp", dp // shard), ("fsdp", shard)) if shard else (("dp", dp),)
+        axes = {k: v for k, v in (("pp", pp),) + data + (("tp", tp),) if v > 1} or {"dp": 1}
         return Mesh(axes, self.hw())
 
     def __str__(self) -> str:
@@ -99,13 +114,14 @@ class Candidate:
     schedule: str = ""  # pipeline schedule; "" without a pipeline
     virtual: int = 1
     zero: int = 0  # without a pipeline: the ZeRO stage (every parameter group; the real plan is pinned to it)
+    shard: int = 0  # with ZeRO: 0 shards over all of dp; s > 0 over groups of s ranks, replicated across them (HSDP)
 
     def __str__(self) -> str:
         s = f"dp={self.dp} pp={self.pp} tp={self.tp}"
         if self.pp > 1:
             s += f" {self.schedule}{'' if self.virtual == 1 else f' v={self.virtual}'} m={self.microbatches}"
         else:
-            s += f" zero={self.zero}"
+            s += f" zero={self.zero}" + (f" hsdp={self.dp // self.shard}x{self.shard}" if self.shard else "")
         return s + f" recompute={self.recompute}"
 
 
@@ -240,16 +256,23 @@ def _units(L: int) -> Units:
 
 # --- screening one candidate ---------------------------------------------------------------------------------------
 def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: int, budget: float) -> Screened:
-    """Without a pipeline: the whole model on every (dp, tp) rank, ZeRO stage ``c.zero`` over dp."""
+    """Without a pipeline: the whole model on every (dp, tp) rank, ZeRO stage ``c.zero`` over dp (HSDP: over groups
+    of ``c.shard`` ranks, the groups' shards all-reduced across the ``dp / shard`` replicas)."""
     uc = _at_rows(prof, c.recompute, rows, L)
-    mesh = Mesh({"dp": c.dp, "tp": c.tp}, cluster.hw())
+    if c.shard:
+        mesh = Mesh({"dp": c.dp // c.shard, "fsdp": c.shard, "tp": c.tp}, cluster.hw())
+        opt = ZeroOption(c.zero, (1,))
+    else:
+        mesh = Mesh({"dp": c.dp, "tp": c.tp}, cluster.hw())
+        opt = ZeroOption(c.zero, (0,)) if c.zero and c.dp > 1 else ZeroOption(0)
     compute = sum(uc.fwd) + sum(uc.bwd)
     act = sum(uc.act)
     state = grad = transient = comm = 0.0
-    opt = ZeroOption(c.zero, (0,)) if c.zero and c.dp > 1 else ZeroOption(0)
     n_block_params = sum(1 for u, *_ in prof.params.values() if u == 1)
     for name, (u, spec, meta) in prof.params.items():
         copies = L if u == 1 else 1
+        if c.shard:  # the proxy's Specs are on (dp, tp): the data placement holds on both data axes
+            spec = Spec((spec.placements[0],) + tuple(spec.placements))
         zc = param_cost(opt, spec, meta, mesh, copies, max(n_block_params, 1))
         state += copies * zc.state
         grad += copies * zc.grad
@@ -257,9 +280,11 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
         comm += copies * (zc.comm + zc.copy)
     if c.dp > 1:  # one bucket per block pays the latency (ZeRO-3: per pass, and per parameter unless per block)
-        lat = collective_time("all_reduce", 0, c.dp, mesh.link(0))
+        a = 1 if c.shard else 0
+        lat = collective_time("all_reduce", 0, mesh.sizes[a], mesh.link(a))
         per_block = 3 * (1 if mesh.hardware.zero3_per_block else n_block_params) if opt.stage == 3 else 1
-        comm += (L + 2) * lat * per_block
+        replicas = collective_time("all_reduce", 0, mesh.sizes[0], mesh.link(0)) if c.shard else 0.0  # HSDP's shard sync
+        comm += (L + 2) * (lat * per_block + replicas)
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
     memory = peak_memory(state, grad, act, transient, transient)
@@ -344,10 +369,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _rank_penalty(c: Candidate) -> float:
+    return HSDP_RANK_PENALTY if c.shard else 1.0
+
+
+def _hsdp_groups(cluster: Cluster, dp: int, tp: int) -> list[int]:
+    """HSDP shard-group sizes for dp ranks of tp devices each: groups that fill part of one node or whole nodes
+    (torchtitan's dp_shard), replicated across the rest of dp."""
+    g = cluster.gpus_per_node
+    return [s for s in _divisors(dp) if 1 < s < dp and (g % (s * tp) == 0 or (s * tp) % g == 0)]
+
+
 def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...]) -> list[Candidate]:
     """Every factorisation dp x pp x tp of the cluster (tp within a node, pp at most the blocks, dp dividing the
     batch), with each pipeline's microbatch counts and schedules, each recomputation mode, and without a pipeline
-    each ZeRO stage."""
+    each ZeRO stage, over all of dp or (HSDP) over shard groups inside it."""
     out = []
     for tp in _divisors(cluster.gpus_per_node):
         rest = cluster.devices // tp
@@ -359,6 +395,8 @@ def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...])
                 if pp == 1:
                     for z in (0, 1, 2, 3) if dp > 1 else (0,):
                         out.append(Candidate(dp, 1, tp, rc, zero=z))
+                        for s in _hsdp_groups(cluster, dp, tp) if z else ():
+                            out.append(Candidate(dp, 1, tp, rc, zero=z, shard=s))
                     continue
                 for m in microbatch_candidates(batch // dp, pp):
                     opts, _ = _schedules(PipelinePin(), pp, m, L, L + 2)
@@ -429,7 +467,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
             own = c.tp in profiles
             ref = profiles[c.tp] if own else one
             bounded.append((0.0 if ref is None else _bound(ref, c, B, L) / (1 if own else c.tp), str(c), c))
-        bounded.sort(key=lambda r: (r[0], r[1]))
+        bounded.sort(key=lambda r: (r[0] * _rank_penalty(r[2]), r[1]))
         order = list(dict.fromkeys(c.tp for _, _, c in bounded))  # the degrees, in the order the screen reaches them
         screened += _screen(bounded, profile, order, cluster, B, L, budget, timings)
     finally:
@@ -437,7 +475,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
             f.cancel()
         pool.shutdown(wait=True)
     timings["screen"] = time.perf_counter() - t0
-    screened.sort(key=lambda s: (s.step, s.memory, str(s.candidate)))
+    screened.sort(key=lambda s: (s.step * _rank_penalty(s.candidate), s.memory, str(s.candidate)))
     t0 = time.perf_counter()
     best: Plan | None = None
     tried = 0
@@ -503,12 +541,13 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
             timings: dict) -> list[Screened]:
     """Evaluate the candidates in the order of their bounds until the bound passes the best step found."""
     out: list[Screened] = []
-    best_step = math.inf
+    best_step = math.inf  # the best rank so far: a screened step, HSDP's times its penalty
     for lb, _, c in bounded:
-        prof = profile(c.tp, order) if lb <= best_step else None
+        pen = _rank_penalty(c)
+        prof = profile(c.tp, order) if lb * pen <= best_step else None
         if prof is not None and c.tp != 1:
             lb = _bound(prof, c, B, L)  # its own bound, now that it has a profile
-        if lb > best_step:
+        if lb * pen > best_step:
             out.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
             continue
         if prof is None:
@@ -519,7 +558,7 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
         else:
             got = _screen_pipeline(prof, c, cluster, B / (c.dp * c.microbatches), L, budget)
         out.append(got)
-        best_step = min(best_step, got.step)
+        best_step = min(best_step, got.step * pen)
         timings["evaluated"] = timings.get("evaluated", 0) + 1
     return out
 
@@ -535,8 +574,13 @@ def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float)
         # the stages' ILP bounds the average rank; the screen saw how much fuller the fullest rank is (the embedding's
         # and the head's ranks), so the first solve already leaves that room instead of finding out and solving again
         return plan_pipeline(model, args, mesh, budget, [], pin, recompute=c.recompute, squeeze=min(1.0, s.balance))
-    # the screened ZeRO stage, pinned: the screen chose it, and a free choice per group makes the ILP much larger
-    pins = [ZeroPin("*", c.zero)] if c.dp > 1 else []
+    # the screened ZeRO stage (and HSDP shard group), pinned: the screen chose it, and a free choice per group makes
+    # the ILP much larger
+    if c.shard:
+        mesh = cluster.mesh(c.dp, c.pp, c.tp, c.shard)
+        pins = [ZeroPin("*", c.zero, ("fsdp",))]
+    else:
+        pins = [ZeroPin("*", c.zero)] if c.dp > 1 else []
     # a screened peak well under the budget: skip the solver's infeasibility pre-check (0.6 s on Llama-3-70B)
     return make_plan(trace(model, args), mesh, budget, pins, c.recompute, likely_fits=s.memory < 0.8 * budget)
 

@@ -296,6 +296,13 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             weights = [i for i, a in enumerate(tensor_inputs(n)) if tg.kinds.get(a.name) == "param"]
             if data and weights:  # a data axis uses weights whole (no tensor parallel through the back door)
                 cs = [c for c in cs if all(isinstance(c.inputs[i][a], Replicate) for i in weights for a in data)] or cs
+            wide = [a for a in data if mesh.sizes[a] > 1]
+            if len(wide) > 1:
+                # several data axes (HSDP's replicas and shard groups) split the batch alike: one placement on all
+                # of them, or the product of their options multiplies the ILP (dp16 x fsdp4 x tp2 on a 7.5B GPT:
+                # 99k variables and 11 s to solve, against 6k and 0.6 s on dp64 x tp2)
+                alike = lambda sp: all(sp[a] == sp[wide[0]] for a in wide[1:])  # noqa: E731
+                cs = [c for c in cs if alike(c.output) and all(alike(i) for i in c.inputs)] or cs
             info = op_info(n)
             cands[n.name] = cs
             kept = saved_out.get(n.name, False) or n.name in cost.kept

@@ -7,7 +7,7 @@ device mesh; ``autopar.parallelize(...)`` also rewrites it into this rank's prog
 from autopar.api import parallelize, plan
 from autopar.compare import Comparison, compare
 from autopar.handwritten import handwritten
-from autopar.errors import AutoparError, InfeasibleError, MeshError, PlanMismatchError, ShardingError, TraceError
+from autopar.errors import AutoparError, InfeasibleError, MeshError, NotRealised, PlanMismatchError, ShardingError, TraceError
 from autopar.hardware import PRESETS, Hardware, Link
 from autopar.mesh import Mesh
 from autopar.pipeline import PipelinePin
@@ -20,5 +20,5 @@ from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 __all__ = [
     "parallelize", "plan", "compare", "Comparison", "handwritten", "Mesh", "Plan", "ParallelModule", "Pin", "ZeroPin", "PipelinePin", "Cluster", "Spec", "Strategy", "Shard", "Replicate",
     "Partial", "Hardware", "Link", "PRESETS", "AutoparError", "TraceError", "MeshError", "ShardingError",
-    "InfeasibleError", "PlanMismatchError",
+    "InfeasibleError", "PlanMismatchError", "NotRealised",
 ]

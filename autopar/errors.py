@@ -29,3 +29,7 @@ class InfeasibleError(AutoparError):
 
 class PlanMismatchError(AutoparError):
     """A plan was applied to a model, inputs or mesh it was not made for."""
+
+
+class NotRealised(AutoparError):
+    """A strategy, knob or hardware description autopar can plan or name but not run yet."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.errors import AutoparError, ShardingError
+from autopar.errors import AutoparError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.solver import Pin, ZeroPin
@@ -49,10 +49,6 @@ _MEGATRON = {
         ("*.moe.w[13]", "S(1)"), ("*.moe.w2", "S(2)"),
     ],
 }
-
-
-class NotRealised(AutoparError):
-    """A strategy or knob autopar cannot run yet."""
 
 
 def _family(fqns: list[str]) -> str | None:

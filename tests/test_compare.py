@@ -8,7 +8,7 @@ import torch
 
 import autopar
 from autopar import _compat
-from autopar.handwritten import NotRealised
+from autopar.errors import NotRealised
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 from tests._util import fake_world

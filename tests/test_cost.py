@@ -91,7 +91,7 @@ def test_float8_linears_price_the_blocks_matmuls_at_the_float8_peak_and_are_only
     import autopar
     import models
     from autopar.errors import MeshError
-    from autopar.handwritten import NotRealised
+    from autopar.errors import NotRealised
     from autopar.hardware import get_hardware
     from autopar.planner import cost_model
     from autopar.trace import trace

@@ -82,24 +82,29 @@ class Priced:
     seconds: float
 
 
-def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad: bool, again: bool = False) -> list[Priced]:
+def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad: bool, again: bool = False,
+                hidden: float = 0.0) -> list[Priced]:
     """The collectives of a redistribution: forward, once more when its consumer is recomputed (``again``), and
-    their transposes in backward when the tensor carries a gradient."""
+    their transposes in backward when the tensor carries a gradient. ``hidden``: the share of the time of those on
+    model axes (tp...) that runs under an adjacent linear (``Hardware.tp_overlap``); the bytes are the same."""
     isz = itemsize(dtype)
     out = []
+
+    def seconds(kind: str, b: int, axis: int) -> float:
+        t = collective_time(kind, b, mesh.sizes[axis], mesh.link(axis))
+        return t * (1 - hidden) if hidden and mesh.role(axis) == "model" else t
+
     for phase in ("forward", "recompute") if again and requires_grad else ("forward",):
         for st in steps:
             if st.is_collective:
-                n = mesh.sizes[st.axis]
-                b = step_buffer_bytes(st, n, isz)
-                out.append(Priced(st.kind, mesh.names[st.axis], b, phase, collective_time(st.kind, b, n, mesh.link(st.axis))))
+                b = step_buffer_bytes(st, mesh.sizes[st.axis], isz)
+                out.append(Priced(st.kind, mesh.names[st.axis], b, phase, seconds(st.kind, b, st.axis)))
     if requires_grad:
         for st in reversed(steps):
             tr = st.transpose(mesh.sizes[st.axis])
             if tr is not None:
-                n = mesh.sizes[tr.axis]
-                b = step_buffer_bytes(tr, n, isz)
-                out.append(Priced(tr.kind, mesh.names[tr.axis], b, "backward", collective_time(tr.kind, b, n, mesh.link(tr.axis))))
+                b = step_buffer_bytes(tr, mesh.sizes[tr.axis], isz)
+                out.append(Priced(tr.kind, mesh.names[tr.axis], b, "backward", seconds(tr.kind, b, tr.axis)))
     return out
 
 
@@ -242,15 +247,18 @@ def recomputes(mode: str, target) -> bool:
 class CostModel:
     """``recompute``: node name -> recomputation mode for the nodes of repeated blocks (absent: ``none``);
     ``kept``: nodes whose output is kept whatever the mode (a block's input: recomputation starts from it);
-    ``float8``: matmul nodes the runtime runs in float8 (``Hardware.float8_linears``)."""
+    ``float8``: matmul nodes the runtime runs in float8 (``Hardware.float8_linears``); ``linears``: matmul nodes with
+    a weight operand, under which a runtime with ``Hardware.tp_overlap`` hides the tensor-parallel collectives that
+    feed or follow them."""
 
     def __init__(self, mesh: Mesh, recompute: dict[str, str] | None = None, kept: frozenset = frozenset(),
-                 float8: frozenset = frozenset()):
+                 float8: frozenset = frozenset(), linears: frozenset = frozenset()):
         self.mesh = mesh
         self.hw = mesh.hardware
         self.recompute = dict(recompute or {})
         self.kept = kept
         self.float8 = float8
+        self.linears = linears
         self._edge = lru_cache(maxsize=None)(self._edge_uncached)
         self._kept = lru_cache(maxsize=None)(self._kept_uncached)
 
@@ -340,19 +348,28 @@ class CostModel:
         return NodeCost(0.0, 0.0, float(local * isz), 0.0, 0.0, 0.0)
 
     # --- edges ------------------------------------------------------------------------------------------------
-    def _edge_uncached(self, shape: tuple[int, ...], dtype: torch.dtype, src: Spec, dst: Spec, requires_grad: bool, again: bool) -> float:
+    def _edge_uncached(self, shape: tuple[int, ...], dtype: torch.dtype, src: Spec, dst: Spec, requires_grad: bool, again: bool,
+                       hidden: float = 0.0) -> float:
         steps = redistribute(src, dst, shape, self.mesh.sizes)
-        return sum(p.seconds for p in price_steps(steps, dtype, self.mesh, requires_grad, again))
+        return sum(p.seconds for p in price_steps(steps, dtype, self.mesh, requires_grad, again, hidden))
+
+    def hidden(self, consumer: str | None, producer: str | None) -> float:
+        """Share of a redistribution's tensor-parallel collectives a runtime hides under the linear it feeds (an
+        all-gather before a column-parallel linear) or follows (a reduce-scatter after a row-parallel one), and
+        under that linear's backward GEMM for their transposes (``Hardware.tp_overlap``)."""
+        f = self.hw.tp_overlap
+        return f if f and (consumer in self.linears or producer in self.linears) else 0.0
 
     def again(self, consumer: str | None) -> bool:
         """Whether a redistribution into ``consumer`` runs again in backward: full recomputation re-runs the block's
         forward with its collectives (selective keeps the matmuls' outputs, which the collectives feed or follow)."""
         return self.recompute.get(consumer, "none") == "full"
 
-    def edge_time(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None) -> float:
+    def edge_time(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None,
+                  producer: str | None = None) -> float:
         if src == dst:
             return 0.0
-        return self._edge(meta.shape, meta.dtype, src, dst, requires_grad, self.again(consumer))
+        return self._edge(meta.shape, meta.dtype, src, dst, requires_grad, self.again(consumer), self.hidden(consumer, producer))
 
     def kept_redistribution(self, meta: TensorMeta, src: Spec, dst: Spec, consumer: str | None, saved: bool) -> float:
         """Bytes per device a redistribution into ``consumer`` adds to what is kept for backward, beyond the source's
@@ -374,5 +391,7 @@ class CostModel:
             return float(out) if launched else 0.0
         return float(max(out - math.prod(src.local_shape(shape, sizes)) * isz, 0)) if saved else 0.0
 
-    def edge_priced(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None) -> list[Priced]:
-        return price_steps(redistribute(src, dst, meta.shape, self.mesh.sizes), meta.dtype, self.mesh, requires_grad, self.again(consumer))
+    def edge_priced(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None,
+                    producer: str | None = None) -> list[Priced]:
+        return price_steps(redistribute(src, dst, meta.shape, self.mesh.sizes), meta.dtype, self.mesh, requires_grad,
+                           self.again(consumer), self.hidden(consumer, producer))

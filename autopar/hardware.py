@@ -11,11 +11,12 @@ torchtitan's Llama-3 runs on A100s): a large matmul reaches 68% of peak and half
 of 128; FlashAttention-2 60% of the FLOPs it runs (causal: the tiles on and below the diagonal); collectives 65%
 of NVLink's and 90% of InfiniBand's line rate. The H100/H200 presets (700 W SXM) reuse the A100's efficiencies and
 are checked, not fitted (plan_quality's check rows): NVIDIA's DGX-H100 Llama3-8B FSDP run in FP8 is predicted
-within 2%; torchtitan's published H100 runs were on 500 W parts, whose bf16 compute they over-predict ~1.65x. The runtime fields (``overlap``, ``zero3_per_block``,
-``grad_reduce_bytes``, ``attention_skips_masked``, ``selective_recomputes_every``) describe autopar's runtime by
-default (no overlap, one ZeRO-3 parameter at a time, gradients reduced in the parameter's dtype, SDPA's fused
-kernels, selective recomputation keeping every matmul's output); the benchmark sets them to describe Megatron-LM,
-DeepSpeed and FSDP2 when it prices their published runs.
+within 2%; torchtitan's published H100 runs were on 500 W parts, whose bf16 compute they over-predict ~1.65x.
+The runtime fields (``overlap``, ``zero3_per_block``, ``grad_reduce_bytes``, ``attention_skips_masked``,
+``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``) describe autopar's runtime by default (no overlap, one ZeRO-3 parameter at a time, gradients reduced in the
+parameter's dtype, SDPA's fused kernels, selective recomputation keeping every matmul's output, the model's dtype,
+tensor-parallel collectives between the linears, not under them); the benchmark sets them to describe Megatron-LM,
+Megatron-Core, DeepSpeed and FSDP2 when it prices their published runs.
 
 ``cpu-gloo`` is one rank of 4 gloo processes (one thread each) sharing the 2-core development machine, the way the
 tests, benchmarks and demo run them: a "device" is what one rank gets there, not what one process gets alone (run
@@ -84,6 +85,9 @@ class Hardware:
     float8_linears: bool = False  # the repeated blocks' matmuls run in float8 with dynamic per-tensor scaling
     # (torchao's Float8Linear as torchtitan applies it: every linear but the output head), at the "float8" peak;
     # autopar's runtime does not (parallelize refuses such hardware)
+    tp_overlap: float = 0.0  # fraction of a tensor-parallel collective's time hidden behind the linear it feeds or
+    # follows (Transformer Engine's userbuffer overlap in Megatron-Core, torch's AsyncTP): all-gather + GEMM and
+    # GEMM + reduce-scatter run as one pipelined kernel pair; 0: autopar's runtime runs them one after the other
 
     def __post_init__(self):
         if self.float8_linears and "float8" not in dict(self.peak_flops):
@@ -120,6 +124,7 @@ class Hardware:
             "grad_reduce_bytes": self.grad_reduce_bytes,
             "selective_recomputes_every": self.selective_recomputes_every,
             "float8_linears": self.float8_linears,
+            "tp_overlap": self.tp_overlap,
         }
 
     @staticmethod
@@ -144,6 +149,7 @@ class Hardware:
             grad_reduce_bytes=int(d.get("grad_reduce_bytes", 0)),
             selective_recomputes_every=int(d.get("selective_recomputes_every", 0)),
             float8_linears=bool(d.get("float8_linears", False)),
+            tp_overlap=float(d.get("tp_overlap", 0.0)),
         )
 
 

@@ -196,7 +196,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             continue
         emitted.add((u_, str(dst)))
         rg = problem.requires_grad.get(u_, False)
-        priced = cost.edge_priced(m, src, dst, rg, v)
+        priced = cost.edge_priced(m, src, dst, rg, v, u_)
         fwd[unit(v)] += sum(c.seconds for c in priced if c.phase == "forward")
         bwd[unit(v)] += sum(c.seconds for c in priced if c.phase != "forward")
     for v, kb in kept_values(problem, strategy, cost).values():  # redistributed values backward keeps

@@ -38,12 +38,16 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
     if recompute not in RECOMPUTE:
         raise AutoparError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE)}")
     nodes = tg.nodes
+
+    def linear(n: str) -> bool:  # a matmul with a parameter operand (through its views)
+        return nodes[n].target in MATMUL_OPS and any(tg.kinds.get(_storage_root(a).name) == PARAM for a in nodes[n].all_input_nodes)
+
     float8 = frozenset()
-    if mesh.hardware.float8_linears:  # the blocks' linears: matmuls with a parameter operand (through its views)
-        float8 = frozenset(n for b in tg.blocks for n in b.nodes if nodes[n].target in MATMUL_OPS
-                           and any(tg.kinds.get(_storage_root(a).name) == PARAM for a in nodes[n].all_input_nodes))
+    if mesh.hardware.float8_linears:  # the blocks' linears (torchtitan leaves the output head in bf16)
+        float8 = frozenset(n for b in tg.blocks for n in b.nodes if linear(n))
+    linears = frozenset(n for n in nodes if linear(n)) if mesh.hardware.tp_overlap else frozenset()
     if recompute == "none" or not tg.blocks:
-        return CostModel(mesh, float8=float8)
+        return CostModel(mesh, float8=float8, linears=linears)
     every = mesh.hardware.selective_recomputes_every if recompute == "selective" else 0
     modes, kept = {}, set()
     for b in tg.blocks:
@@ -63,7 +67,7 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
                 # of this block does not bring it back. Counting it here, not only as the next block's input, keeps
                 # it with its own block, which the cluster's one-block proxy repeats L times
                 kept.add(_storage_root(nodes[name]).name)
-    return CostModel(mesh, modes, frozenset(kept), float8)
+    return CostModel(mesh, modes, frozenset(kept), float8, linears)
 
 
 @gc_paused
@@ -111,7 +115,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if src == dst or (u, str(dst)) in emitted:
             continue
         emitted[(u, str(dst))] = v
-        pr = cost.edge_priced(m, src, dst, problem.requires_grad.get(u, False), v)
+        pr = cost.edge_priced(m, src, dst, problem.requires_grad.get(u, False), v, u)
         add(pr, f"{v} <- {u}")
         edge_seconds[v] = edge_seconds.get(v, 0.0) + sum(p.seconds for p in pr)
     # parameters: gradient all-reduce buckets (ZeRO-0, and ZeRO-3 shards over the axes they do not shard) and
@@ -208,7 +212,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         rg = problem.requires_grad.get(u, False)
         if src != spec and (u, str(spec)) not in emitted:
             emitted[(u, str(spec))] = f"output{k}"
-            add(cost.edge_priced(m, src, spec, rg), f"output{k} <- {u}")
+            add(cost.edge_priced(m, src, spec, rg, None, u), f"output{k} <- {u}")
         # the output adapter sums a partial output over the axes that do not split the batch
         summed = [Step("all_reduce", a, shape=m.shape) for a, p in enumerate(spec.placements) if isinstance(p, Partial) and a not in split]
         add(price_steps(summed, m.dtype, mesh, rg), f"output{k}")
@@ -229,9 +233,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             for si, st in enumerate(problem.cands[name]):
                 t = problem.costs[name][si].time
                 for u, i, m in ins_of.get(name, []):
-                    t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False), name)
+                    t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False), name, u)
                 for v, i, m in outs_of.get(name, []):
-                    t += cost.edge_time(m, st.output, strategy[v].inputs[i], problem.requires_grad.get(name, False), v)
+                    t += cost.edge_time(m, st.output, strategy[v].inputs[i], problem.requires_grad.get(name, False), v, name)
                 scored.append((t, problem.costs[name][si].memory, si))
             scored.sort(key=lambda r: (r[0], r[1], r[2]))
             keep = scored[:N_ALTERNATIVES]

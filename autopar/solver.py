@@ -644,11 +644,11 @@ def solve(
             if k == FOLLOWER:
                 u, m = ins_of[n][P_.main_slot[n]]
                 o, d = P_.strategy(u, s).output, P_.strategy(n, s).inputs[P_.main_slot[n]]
-                t += cost.edge_time(m, o, d, P_.requires_grad.get(u, False), n)
+                t += cost.edge_time(m, o, d, P_.requires_grad.get(u, False), n, u)
                 m_act[r][s] += cost.kept_redistribution(m, o, d, n, (n, P_.main_slot[n]) in P_.saved_in)
             elif k == FOLDED:
                 user, slot = P_.folded_use[n]
-                t += cost.edge_time(P_.meta[n], P_.strategy(n, s).output, P_.strategy(user, s).inputs[slot], P_.requires_grad.get(n, False), user)
+                t += cost.edge_time(P_.meta[n], P_.strategy(n, s).output, P_.strategy(user, s).inputs[slot], P_.requires_grad.get(n, False), user, n)
             t_lin[r][s] += t
             m_state[r][s] += nc.state
             m_grad[r][s] += nc.grad
@@ -753,7 +753,7 @@ def solve(
                 specs_v, xs_v = [st.inputs[i] for st in P_.cands[v]], x[v]
             if v == r:  # the edge ends at the decision that fixes its source: its cost is a function of x[r]
                 for s, (o, d) in enumerate(zip(outs, specs_v)):
-                    t_lin[r][s] += g["count"][ek] * cost.edge_time(m, o, d, rgrad, v)
+                    t_lin[r][s] += g["count"][ek] * cost.edge_time(m, o, d, rgrad, v, g["src"])
                     m_act[r][s] += g["count"][ek] * cost.kept_redistribution(m, o, d, v, (v, i) in P_.saved_in)
                 continue
             vd = list(dict.fromkeys(d for d, live in zip(specs_v, xs_v) if live is not None))
@@ -787,7 +787,7 @@ def solve(
                 saved = (v, i) in P_.saved_in
                 for od, iv in indicators[ek].items():
                     kb = cost.kept_redistribution(m, od[0], od[1], consumer, saved) if memory_rows else 0.0
-                    demands.setdefault(od, []).append((iv, cost.edge_time(m, od[0], od[1], rgrad, consumer), kb))
+                    demands.setdefault(od, []).append((iv, cost.edge_time(m, od[0], od[1], rgrad, consumer, g["src"]), kb))
             for od, used in demands.items():
                 # one redistributed value however many consumers read it: its time, and what backward keeps of it
                 c = max(ci for _, ci, _ in used) if objective != "memory" else 0.0

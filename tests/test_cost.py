@@ -163,3 +163,47 @@ def test_a_sequence_parallel_plan_prices_the_gathered_inputs_its_linears_keep():
     assert sorted(u for u, _ in kept) == sorted(gathered) and all(kb == half for _, kb in kept.values())
     nodes = sum(problem.costs[n][problem.cands[n].index(strategy[n])].act for n in problem.order)
     assert plan.cost.memory_breakdown["activations"] == pytest.approx(nodes + len(gathered) * half)
+
+
+def test_tp_overlap_hides_the_tensor_parallel_collectives_next_to_linears_and_nothing_else():
+    """A runtime that pipelines all-gather + GEMM and GEMM + reduce-scatter (Transformer Engine, AsyncTP) hides a
+    share f of those collectives' time: one plan, priced again, sends the same collectives with the same bytes and
+    its step is shorter by f times their time -- and only theirs (collectives away from a linear, on data axes, the
+    gradient buckets stay)."""
+    import dataclasses
+
+    import autopar
+    from autopar.hardware import Hardware, get_hardware
+    from autopar.planner import cost_model, price
+    from autopar.solver import build_problem, solve
+    from autopar.trace import trace
+    from models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=1024, block_size=128, n_layer=2, n_head=4, n_embd=256))
+    ids = torch.empty(8, 128, dtype=torch.long, device="meta")
+    tg = trace(model, (ids, ids.clone()))
+    meshes = {}
+    for f in (0.0, 0.5, 1.0):
+        hw = dataclasses.replace(get_hardware("a100-80gb"), tp_overlap=f)
+        assert Hardware.from_json(hw.to_json()) == hw
+        meshes[f] = autopar.Mesh({"dp": 2, "tp": 4}, hardware=hw)
+    cost0 = cost_model(tg, meshes[0.0])
+    problem = build_problem(tg, meshes[0.0], cost0)
+    from autopar.handwritten import _MEGATRON
+
+    pins = [autopar.Pin(glob, "R" + placement) for glob, placement in _MEGATRON["gpt"]]  # Megatron on tp, the batch on dp
+    pins += [autopar.Pin(f"{b.fqn}:add*", "S(0)S(1)") for b in tg.blocks]  # and sequence parallel between the blocks
+    choice = solve(tg, meshes[0.0], cost0, problem, None, pins)
+    plans = {f: price(tg, m, problem, choice, cost_model(tg, m)) for f, m in meshes.items()}
+    cols = {f: p.collective_list for f, p in plans.items()}
+    assert [(c.kind, c.axis, c.bytes, c.where) for c in cols[0.0]] == [(c.kind, c.axis, c.bytes, c.where) for c in cols[1.0]]
+    linears = {n.name for n in plans[0.0].nodes.values() if n.op == "aten.linear.default"}
+    beside = [i for i, c in enumerate(cols[0.0]) if c.axis == "tp" and c.edge and set(c.edge) & linears]
+    assert linears and beside and any(i not in beside and c.seconds > 0 for i, c in enumerate(cols[0.0]))
+    for f in (0.5, 1.0):
+        for i, (a, b) in enumerate(zip(cols[0.0], cols[f])):
+            assert b.seconds == pytest.approx(a.seconds * (1 - f) if i in beside else a.seconds, rel=1e-9, abs=1e-15)
+    hidden = sum(cols[0.0][i].seconds for i in beside)
+    assert plans[0.0].cost.step_time - plans[1.0].cost.step_time == pytest.approx(hidden, rel=1e-6)
+    assert plans[0.0].cost.step_time - plans[0.5].cost.step_time == pytest.approx(hidden / 2, rel=1e-6)

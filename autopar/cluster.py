@@ -61,7 +61,7 @@ MAX_MISSES = 6  # screened candidates the real planner may find not to fit befor
 SCREEN_MARGIN = 0.92  # the screen's memory runs a few percent under the real plan's: it must fit this share of the budget
 # HSDP keeps dp / shard copies of the sharded state and adds a mesh axis (a second process group, a larger ILP): it is
 # ranked as if this much slower, so it is taken when it beats sharding over all of dp by more than the model's own
-# resolution, not on a near-tie (on Llama-3-70B @64 A100 it screened 0.04% ahead)
+# resolution, not on a near-tie (on Llama-3-70B @64 A100 its real plan came 0.04% ahead of FSDP-64's)
 HSDP_RANK_PENALTY = 1.02
 
 
@@ -471,7 +471,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
         order = list(dict.fromkeys(c.tp for _, _, c in bounded))  # the degrees, in the order the screen reaches them
         screened += _screen(bounded, profile, order, cluster, B, L, budget, timings)
     finally:
-        for f in ahead.values():  # a degree profiled ahead that the screen then pruned: not waited for twice
+        for f in ahead.values():  # degrees profiled ahead that the screen then pruned: dropped if not started yet
             f.cancel()
         pool.shutdown(wait=True)
     timings["screen"] = time.perf_counter() - t0

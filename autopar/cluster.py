@@ -13,8 +13,8 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
 
 1. **Screen.** For each tensor-parallel degree t (a divisor of the GPUs per node) the intra-op ILP is solved once
    on a proxy: the model traced with its container of repeated layers cut to one, on a mesh ``dp=2 x tp=t``, at one
-   row and at two rows per rank (the next degree the screen will reach is profiled ahead on a second thread: the
-   solver releases the GIL, so two degrees' ILPs run side by side). Its chosen strategies, priced by the same cost
+   row and at two rows per rank (the next degrees the screen will reach are profiled ahead on other threads: the
+   solver releases the GIL, so their ILPs run side by side). Its chosen strategies, priced by the same cost
    model under each recomputation mode, give each unit (embedding, one block, head) its forward and backward
    seconds, its kept activations (affine in the rows of a microbatch: measured at one and two rows), its parameters
    with their Specs, and the bytes crossing each unit boundary. Every candidate -- (dp, pp, tp), microbatches,
@@ -63,6 +63,7 @@ SCREEN_MARGIN = 0.92  # the screen's memory runs a few percent under the real pl
 # ranked as if this much slower, so it is taken when it beats sharding over all of dp by more than the model's own
 # resolution, not on a near-tie (on Llama-3-70B @64 A100 its real plan came 0.04% ahead of FSDP-64's)
 HSDP_RANK_PENALTY = 1.02
+AHEAD = 2  # tensor-parallel degrees profiled ahead of the one the screen waits for
 
 
 @dataclass(frozen=True)
@@ -440,17 +441,19 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
     spans = cluster.devices > cluster.gpus_per_node
     timings["proxy"] = time.perf_counter() - t0
 
-    # the next tp profiled ahead on a second thread: most of a profile is HiGHS, which releases the GIL, so the next
-    # degree's solve runs beside this one's (a profile is a pure function of its degree: same plans either way)
+    # the next degrees the screen will reach are profiled ahead on other threads: most of a profile is HiGHS, which
+    # releases the GIL, so their solves run beside this one's on the second core (a profile is a pure function of its
+    # degree: the same plans either way)
     ahead: dict[int, Future] = {}
-    pool = ThreadPoolExecutor(max_workers=2)
+    pool = ThreadPoolExecutor(max_workers=AHEAD + 1)
 
     def profile(tp: int, after: "list[int] | None" = None) -> "_Profile | None":
         if tp not in profiles:
             t1 = time.perf_counter()
             mine = ahead.pop(tp, None)
-            nxt = next((t for t in (after or []) if t not in profiles and t not in ahead and t != tp), None)
-            if nxt is not None and all(f.done() for f in ahead.values()):
+            for nxt in [t for t in (after or []) if t not in profiles and t not in ahead and t != tp]:
+                if sum(not f.done() for f in ahead.values()) >= AHEAD:
+                    break
                 ahead[nxt] = pool.submit(_profile, tgs, nxt, hw, spans, modes)
             profiles[tp] = mine.result() if mine is not None else _profile(tgs, tp, hw, spans, modes)
             timings["proxy"] += time.perf_counter() - t1

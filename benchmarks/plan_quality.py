@@ -15,7 +15,7 @@ For each published run it prints:
 - the wall time of autopar's planning (trace, screen, real plan), and the process's peak memory.
 - for Llama-3.1-70B on 256 H100s (the shape question: does tensor parallelism join inside the node, at what
   degree?), autopar's per-op plan on each in-node tp degree, and what the tp axis carries in each, beside the
-  published Megatron layout on tp 8.
+  published Megatron layout on tp 8; and autopar's cluster plan there at smaller global batches (32 ... 512 sequences).
 
 Sources: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 (SC'21), Table 1 (GPT ladder, 2048 tokens, vocabulary 51200) and Table 2 (GPT-3 175B, PTD-P vs ZeRO-3); Liang et
@@ -249,6 +249,7 @@ def main() -> None:
     for (name, n, strategy), (pub, auto) in seen.items():
         if n == 256 and name == "llama3-70b":
             _tp_sweep(pub, auto)
+            _batch_sweep(auto)
     for n in (384, 768, 1536):
         a, b = seen.get(("gpt3-175b", n, "fsdp")), seen.get(("gpt3-175b", n, "megatron-3d"))
         if a and b:
@@ -289,6 +290,20 @@ def _tp_sweep(pub, auto) -> None:
     rows.append(["published tp=8", f"{pub.cost.step_time:.2f}", f"{pub.cost.memory_per_device / 2**30:.1f}",
                  ", ".join(f"{a} {b / 1e9:.0f}" for a, b in pub.cost.comm_bytes.items() if b), "Megatron TP + SP: " + _tp_axis_use(pub)])
     print(tabulate.tabulate(rows, headers=["mesh", "pred step s", "GiB/device", "GB sent/device/step", "what tp carries"]))
+
+
+def _batch_sweep(auto) -> None:
+    """The same cluster search at smaller global batches: tensor parallelism is how a cluster keeps its devices busy
+    when the batch cannot feed more data-parallel replicas (at 32 sequences, 32 replicas of one sequence each)."""
+    model, make = models.build("llama3-70b", dtype=torch.bfloat16)
+    cluster = Cluster(32, 8, auto.mesh.hardware)
+    print("  llama3-70b @256, autopar's cluster plan by global batch (sequences of 8192 tokens; published: 512):")
+    rows = []
+    for batch in (32, 64, 128, 256, 512):
+        p = plan_cluster(model, make(batch, 8192), cluster)
+        tp = dict(zip(p.mesh.names, p.mesh.sizes)).get("tp", 1)
+        rows.append([batch, _shape(p), f"{p.cost.step_time:.2f}", f"{100 * p.cost.mfu:.1f}", _tp_axis_use(p) if tp > 1 else "-"])
+    print(tabulate.tabulate(rows, headers=["batch", "autopar plan", "pred step s", "pred MFU %", "what tp carries"]))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ import torch
 
 import passes
 from autopar import _compat
-from autopar.errors import AutoparError, MeshError, PlanMismatchError
-from autopar.errors import NotRealised
+from autopar.errors import AutoparError, MeshError, NotRealised, PlanMismatchError
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.pipeline import PipelinePin, plan_pipeline, slice_batch

@@ -320,7 +320,8 @@ class CostModel:
             # Priced on the operand as this linear receives it: after a sequence-parallel all-gather that is the
             # gathered input, cast once per linear and gathered in bf16 -- torchao's float8 tensor parallelism casts
             # before the gather (float8 on the wire) and q/k/v share one cast, so tensor-parallel layouts are
-            # over-charged here (Llama-3.1-70B TP 8 at 256 H100s: 19.06 s priced, 17.66 s with torchao's placement)
+            # over-charged here (Llama-3.1-70B TP 8 at 256 H100s: 19.06 s priced; 17.66 s when this cast was moved
+            # before the gather in a one-off experiment, not kept: see the closing note of issue 6)
             operands = sum(math.prod(s) for s in ins[:2])
             fwd += 5 * operands / bw
             if requires_grad:

@@ -13,10 +13,11 @@ of NVLink's and 90% of InfiniBand's line rate. The H100/H200 presets (700 W SXM)
 are checked, not fitted (plan_quality's check rows): NVIDIA's DGX-H100 Llama3-8B FSDP run in FP8 is predicted
 within 2%; torchtitan's published H100 runs were on 500 W parts, whose bf16 compute they over-predict ~1.65x.
 The runtime fields (``overlap``, ``zero3_per_block``, ``grad_reduce_bytes``, ``attention_skips_masked``,
-``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``) describe autopar's runtime by default (no overlap, one ZeRO-3 parameter at a time, gradients reduced in the
-parameter's dtype, SDPA's fused kernels, selective recomputation keeping every matmul's output, the model's dtype,
-tensor-parallel collectives between the linears, not under them); the benchmark sets them to describe Megatron-LM,
-Megatron-Core, DeepSpeed and FSDP2 when it prices their published runs.
+``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``) describe autopar's runtime by default (no
+overlap, one ZeRO-3 parameter at a time, gradients reduced in the parameter's dtype, SDPA's fused kernels,
+selective recomputation keeping every matmul's output, the model's dtype, tensor-parallel collectives between the
+linears, not under them); the benchmark sets them to describe Megatron-LM, Megatron-Core, DeepSpeed and FSDP2 when
+it prices their published runs.
 
 ``cpu-gloo`` is one rank of 4 gloo processes (one thread each) sharing the 2-core development machine, the way the
 tests, benchmarks and demo run them: a "device" is what one rank gets there, not what one process gets alone (run

@@ -39,11 +39,11 @@ The ILP (OR-Tools, HiGHS; SCIP or CBC when HiGHS is missing) over the remaining 
   block's backward runs its activations are back: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``.
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
   (time includes followers, their forced redistributions, folded parameters, and the runtime's gradient and
-  parameter copies, which run on the compute stream; times in milliseconds, memory in MB) + D, the data-parallel communication (gradient buckets' bandwidth, ZeRO's extra bytes and latencies) +
-  a tie-breaker of 1e-9 s per MB: of two plans equally fast, the one with less memory. When the hardware's
-  runtime overlaps a share f of data-parallel communication with compute, the step is max(C, D) + (1 - f)
-  min(C, D) = max(C + (1 - f) D, D + (1 - f) C): ``min T`` (+ the tie-breaker) with ``T >= C + (1 - f) D`` and
-  ``T >= D + (1 - f) C``.
+  parameter copies, which run on the compute stream; times in milliseconds, memory in MB) + D, the data-parallel
+  communication (gradient buckets' bandwidth, ZeRO's extra bytes and latencies) + a tie-breaker of 1e-9 s per MB:
+  of two plans equally fast, the one with less memory. When the hardware's runtime overlaps a share f of
+  data-parallel communication with compute, the step is max(C, D) + (1 - f) min(C, D) = max(C + (1 - f) D,
+  D + (1 - f) C): ``min T`` (+ the tie-breaker) with ``T >= C + (1 - f) D`` and ``T >= D + (1 - f) C``.
 
 Deterministic: variables and constraints are created in graph order and the solver runs single-threaded to
 optimality; the time limit is a safety net whose hit is reported in the plan (``solver_status``).

@@ -15,7 +15,8 @@ For each published run it prints:
 - the wall time of autopar's planning (trace, screen, real plan), and the process's peak memory.
 - for Llama-3.1-70B on 256 H100s (the shape question: does tensor parallelism join inside the node, at what
   degree?), autopar's per-op plan on each in-node tp degree, and what the tp axis carries in each, beside the
-  published Megatron layout on tp 8; and autopar's cluster plan there at smaller global batches (32 ... 512 sequences).
+  published Megatron layout on tp 8; and autopar's cluster plan there at smaller global batches (32 ... 512
+  sequences).
 
 Sources: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 (SC'21), Table 1 (GPT ladder, 2048 tokens, vocabulary 51200) and Table 2 (GPT-3 175B, PTD-P vs ZeRO-3); Liang et
@@ -24,12 +25,13 @@ al., "TorchTitan" (2024) and torchtitan's docs/performance.md: Llama-3 8B and 70
 (FSDP 32 x TP 8, local batch 16, full activation checkpointing, torch.compile + Float8: 829 tokens/s/GPU). That
 run is priced on the fsdp2 runtime with its blocks' linears in float8 (``float8_linears``); torch.compile's fusion
 of the memory-bound ops is not modelled, and its GPUs ran at 500 W, between an H100 SXM's and NVL's peak (the
-source says so), where the preset assumes an SXM. Its MFU here is its model FLOPs against the bf16 peak. The same page's
-Tables 1 and 3 (Llama-3.1 8B, FSDP on 8 and 128 of those GPUs, bf16, no compile) are printed apart as a check of the
+source says so), where the preset assumes an SXM. Its MFU here is its model FLOPs against the bf16 peak. The same
+page's Tables 1 and 3 (Llama-3.1 8B, FSDP on 8 and 128 of those GPUs, bf16, no compile) are printed apart as a check of the
 H100 preset (``--cases check``): they show the power limit, and that the 256-GPU agreement is one of compensating
 errors (the power limit against torch.compile's fusion left out and float8 casts priced after the tensor-parallel
-gather, where torchao casts before it -- see ``autopar/cost.py``). Beside them, two of NVIDIA's DGX-H100 (700 W) runs from Megatron-Bridge's performance summary (NeMo 25.11,
-FP8): Llama3 8B on FSDP 8 and Llama3 70B on TP 4 x PP 8 (interleaved, v=5), at 8192 tokens.
+gather, where torchao casts before it -- see ``autopar/cost.py``). Beside them, two of NVIDIA's DGX-H100 (700 W)
+runs from Megatron-Bridge's performance summary (NeMo 25.11, FP8): Llama3 8B on FSDP 8 and Llama3 70B on TP 4 x
+PP 8 (interleaved, v=5), at 8192 tokens.
 """
 
 from __future__ import annotations
@@ -239,9 +241,9 @@ def main() -> None:
         print("torchtitan's own H100s in bf16 without compile ran at 500 W: their compute is over-predicted. NVIDIA's DGX-H100s")
         print("(700 W) are not: their 8B FSDP run is predicted within a few percent, so the gap is the power limit, not the")
         print("preset; the 256-GPU torchtitan run above agrees with the preset because what the model over-charges there")
-        print("(torch.compile's fusion left out; float8 casts after the tensor-parallel gather, where torchao casts before it:")
-        print("17.66 s instead of 19.06 with its placement) and the power limit roughly cancel. NVIDIA's 70B TP 4 run is priced with Transformer")
-        print("Engine's overlap of the tensor-parallel collectives with the GEMMs (tp_overlap = 1; charged in full: -16.7%)")
+        print("(torch.compile's fusion left out; float8 casts after the tensor-parallel gather, where torchao casts before")
+        print("it) and the power limit roughly cancel. NVIDIA's 70B TP 4 run is priced with Transformer Engine's overlap of")
+        print("the tensor-parallel collectives with the GEMMs (tp_overlap = 1)")
         print(tabulate.tabulate(checks, headers=["case", "published configuration", "pub MFU %", "pred MFU %", "MFU err", "pred step s"]))
     print("\nshapes:")
     for (name, n, strategy), (pub, auto) in seen.items():
@@ -302,7 +304,7 @@ def _batch_sweep(auto) -> None:
     print("  llama3-70b @256, autopar's cluster plan by global batch (sequences of 8192 tokens; published: 512):")
     rows = []
     for batch in (32, 64, 128, 256, 512):
-        p = plan_cluster(model, make(batch, 8192), cluster)
+        p = auto if batch == 512 else plan_cluster(model, make(batch, 8192), cluster)  # 512: the case's own plan
         tp = dict(zip(p.mesh.names, p.mesh.sizes)).get("tp", 1)
         rows.append([batch, _shape(p), f"{p.cost.step_time:.2f}", f"{100 * p.cost.mfu:.1f}", _tp_axis_use(p) if tp > 1 else "-"])
     print(tabulate.tabulate(rows, headers=["batch", "autopar plan", "pred step s", "pred MFU %", "what tp carries"]))

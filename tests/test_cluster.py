@@ -164,7 +164,7 @@ def test_llama3_8b_on_four_a100_nodes_shards_inside_the_node_and_replicates_acro
     flat = min((s for s in plan.search if s.step < math.inf and not s.candidate.shard), key=lambda s: s.step)
     other = _real_plan(model, inputs, cl, flat, cl.hw().memory)
     assert plan.cost.step_time < other.cost.step_time, (plan.cost.step_time, flat.candidate, other.cost.step_time)
-    assert fsdp == plan.mesh.ndim - 1 or plan.mesh.names[-1] == "tp"  # the shard group is the inner data axis
+    assert plan.mesh.names.index("dp") < fsdp  # the shard group is the inner data axis: replicas hold whole groups
 
 
 def test_tensor_parallelism_grows_as_the_global_batch_caps_data_parallelism():
@@ -172,14 +172,10 @@ def test_tensor_parallelism_grows_as_the_global_batch_caps_data_parallelism():
     torchtitan's run): at 32 sequences of 8192 tokens the batch feeds at most 32 replicas, and the search fills each
     node with TP 8 -- Megatron on every linear, the published FSDP 32 x TP 8 layout's degrees; at the published 512
     sequences more replicas pay better and the TP degree falls."""
-    import dataclasses
+    from tests._util import fsdp2_h100
 
-    from autopar.hardware import get_hardware
-
-    hw = dataclasses.replace(get_hardware("h100-80gb"), overlap=1.0, zero3_per_block=True, grad_reduce_bytes=4,
-                             selective_recomputes_every=2, float8_linears=True)
     model, make = models.build("llama3-70b", dtype=torch.bfloat16)
-    cl = Cluster(32, 8, hw)
+    cl = Cluster(32, 8, fsdp2_h100())
     small = plan_cluster(model, make(32, 8192), cl)
     axes = dict(zip(small.mesh.names, small.mesh.sizes))
     assert axes.get("tp") == 8 and axes.get("pp", 1) == 1 and not small.mesh.spans_nodes("tp"), small.mesh

@@ -90,8 +90,7 @@ def test_float8_linears_price_the_blocks_matmuls_at_the_float8_peak_and_are_only
 
     import autopar
     import models
-    from autopar.errors import MeshError
-    from autopar.errors import NotRealised
+    from autopar.errors import MeshError, NotRealised
     from autopar.hardware import get_hardware
     from autopar.planner import cost_model
     from autopar.trace import trace
@@ -173,6 +172,7 @@ def test_tp_overlap_hides_the_tensor_parallel_collectives_next_to_linears_and_no
     import dataclasses
 
     import autopar
+    from autopar.handwritten import _MEGATRON
     from autopar.hardware import Hardware, get_hardware
     from autopar.planner import cost_model, price
     from autopar.solver import build_problem, solve
@@ -190,8 +190,6 @@ def test_tp_overlap_hides_the_tensor_parallel_collectives_next_to_linears_and_no
         meshes[f] = autopar.Mesh({"dp": 2, "tp": 4}, hardware=hw)
     cost0 = cost_model(tg, meshes[0.0])
     problem = build_problem(tg, meshes[0.0], cost0)
-    from autopar.handwritten import _MEGATRON
-
     pins = [autopar.Pin(glob, "R" + placement) for glob, placement in _MEGATRON["gpt"]]  # Megatron on tp, the batch on dp
     pins += [autopar.Pin(f"{b.fqn}:add*", "S(0)S(1)") for b in tg.blocks]  # and sequence parallel between the blocks
     choice = solve(tg, meshes[0.0], cost0, problem, None, pins)

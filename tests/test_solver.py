@@ -182,18 +182,14 @@ def test_overlapped_step_is_solved_to_its_optimum_at_scale():
     """With a runtime that overlaps data-parallel communication (FSDP2: step = max(C, D)), the free ILP is never
     worse than the same ILP restricted by pins. An earlier form (C + D - min(C, D) through a free variable, in
     microseconds) made HiGHS report a 16% worse plan as optimal on this 40-layer Llama-3-70B slice."""
-    import dataclasses
-
     import models
     from autopar.cluster import Cluster
-    from autopar.hardware import get_hardware
+    from tests._util import fsdp2_h100
 
     model, make = models.build("llama3-70b", dtype=torch.bfloat16)
     model.layers = model.layers[:40]
     inputs = make(512, 8192)
-    hw = dataclasses.replace(get_hardware("h100-80gb"), overlap=1.0, zero3_per_block=True, grad_reduce_bytes=4,
-                             float8_linears=True)
-    mesh = Cluster(32, 8, hw).mesh(128, 1, 2)
+    mesh = Cluster(32, 8, fsdp2_h100(selective_recomputes_every=0)).mesh(128, 1, 2)
     free = autopar.plan(model, mesh, inputs, recompute="full")
     for pins in ([autopar.ZeroPin("*", 3)], []):
         pinned = autopar.handwritten(model, mesh, inputs, "fsdp", recompute="full") if not pins else \

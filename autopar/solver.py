@@ -17,7 +17,8 @@ Keeping the ILP small (what makes a 32-layer, 2-D-mesh plan take seconds):
   one placement on all of them: they split the batch alike, and their options' product would multiply the problem
   (dp16 x fsdp4 x tp2: 99k variables instead of 6k, the same optimum).
 
-The ILP (OR-Tools, HiGHS; SCIP or CBC when HiGHS is missing) over the remaining *decision* nodes v, strategies s:
+The ILP (``autopar.milp``: HiGHS through highspy; OR-Tools when highspy is missing) over the remaining *decision*
+nodes v, strategies s:
 
 - ``x[v, s]`` in {0, 1}, ``sum_s x[v, s] = 1`` (pinned-out strategies get no variable).
 - Every tensor a decision node reads comes from a source node u whose Spec is a function ``spec_u(s)`` of its
@@ -51,7 +52,6 @@ optimality; the time limit is a safety net whose hit is reported in the plan (``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -59,7 +59,6 @@ import gc
 import itertools
 import math
 import operator
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -69,6 +68,7 @@ import torch.fx as fx
 from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_saved
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
+from autopar.milp import INF, Model, Solution
 from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
@@ -517,63 +517,6 @@ class Choice:
     zero: dict = field(default_factory=dict)  # parameter group -> ZeroOption
 
 
-class _Quiet:
-    """HiGHS prints some diagnostics straight to the process's stdout whatever its output flags say: file
-    descriptor 1 goes to /dev/null while any solve runs. The descriptor is the process's, so this is the one piece
-    of process-wide state: solves on two threads at once (the cluster screen profiles two tp degrees side by side)
-    share one redirection, made by the first to enter and undone by the last to leave."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.depth = 0
-        self.saved: "tuple[int, int, int] | None" = None  # (fd, its saved copy, /dev/null)
-
-    @contextlib.contextmanager
-    def __call__(self):
-        import os
-        import sys
-
-        try:
-            fd = sys.stdout.fileno()
-        except (AttributeError, ValueError, OSError):  # no real stdout (captured): nothing to guard
-            yield
-            return
-        with self.lock:
-            if self.depth == 0:
-                sys.stdout.flush()
-                saved, devnull = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, fd)
-                self.saved = (fd, saved, devnull)
-            self.depth += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.depth -= 1
-                if self.depth == 0 and self.saved is not None:
-                    fd, saved, devnull = self.saved
-                    os.dup2(saved, fd)
-                    os.close(saved)
-                    os.close(devnull)
-                    self.saved = None
-
-
-_quiet = _Quiet()
-
-
-def _new_solver():
-    from ortools.linear_solver import pywraplp
-
-    for name in ("HIGHS", "SCIP", "CBC"):
-        s = pywraplp.Solver.CreateSolver(name)
-        if s is not None:
-            s.SuppressOutput()
-            # no solver-specific options: pywraplp's HiGHS wrapper rejects them (the banner is kept off by _quiet())
-            s.SetNumThreads(1)
-            return s
-    raise AutoparError("OR-Tools has no MIP solver (HiGHS, SCIP or CBC); reinstall ortools")
-
-
 def solve(
     tg: TracedGraph,
     mesh: Mesh,
@@ -585,40 +528,21 @@ def solve(
     time_limit_s: float = 120.0,
     relax: bool = False,
     floor: bool = True,
+    backend: str | None = None,
 ) -> Choice:
-    from ortools.linear_solver import pywraplp
-
     t0 = time.perf_counter()
     P_ = problem
     rep = lambda n: P_.rep.get(n, n)  # noqa: E731
     allowed = _allowed(tg, P_, mesh, pins)
     decisions = [n for n in P_.order if P_.kind[n] == DECISION and rep(n) == n]
-    solver = _new_solver()
-
-    def S(items) -> object:  # one flat sum: Python's sum() nests an expression per term (slow to build and extract)
-        items = list(items)
-        return solver.Sum(items) if items else 0
-
-    def set_coefs(target, coefs) -> None:
-        # coefficient by coefficient (repeated variables add up): the hot rows (thousands per solve) and the
-        # objective skip building and extracting expression trees
-        acc: dict = {}
-        for c, v in coefs:
-            acc[v] = acc.get(v, 0.0) + c
-        for v, c in acc.items():
-            if c:
-                target.SetCoefficient(v, c)
-
-    def add_row(lb: float, ub: float, coefs) -> None:  # lb <= sum(c v) <= ub
-        set_coefs(solver.Constraint(lb, ub), coefs)
-
-    inf = solver.infinity()
+    model = Model()  # a variable is a column index; a linear form, a list of (coefficient, column)
+    add_row = model.row  # lb <= sum(c v) <= ub
+    inf = INF
 
     x: dict[str, list] = {}
-    for vi, r in enumerate(decisions):
+    for r in decisions:
         ok = allowed.get(r)
-        var = (lambda name: solver.NumVar(0.0, 1.0, name)) if relax else solver.BoolVar
-        x[r] = [var(f"x{vi}_{si}") if (ok is None or si in ok) else None for si in range(len(P_.cands[r]))]
+        x[r] = [model.binary(relax) if (ok is None or si in ok) else None for si in range(len(P_.cands[r]))]
         add_row(1.0, 1.0, ((1.0, v) for v in x[r] if v is not None))
 
     def xsum(xs, specs, want) -> list:  # the indicator that ``want`` is chosen: a sum of variables, as a list
@@ -703,22 +627,22 @@ def solve(
         if P_.meta[a].ndim == P_.meta[b].ndim and [s.output for s in ca] == [s.output for s in cb]:
             for va, vb in zip(x[rep(a)], x[rep(b)]):
                 if va is not None and vb is not None:
-                    solver.Add(va == vb)
+                    add_row(0.0, 0.0, [(1.0, va), (-1.0, vb)])
     # outputs
     zs = []
     for k, ((u, m), specs) in enumerate(zip(P_.outputs, P_.output_specs)):
-        z = [(solver.NumVar(0.0, 1.0, f"o{k}_{j}") if relax else solver.BoolVar(f"o{k}_{j}")) for j in range(len(specs))]
-        solver.Add(S(z) == 1)
+        z = [model.binary(relax) for _ in specs]
+        add_row(1.0, 1.0, [(1.0, zv) for zv in z])
         zs.append(z)
         for a in range(mesh.ndim):
             partial = [zv for zv, s in zip(z, specs) if isinstance(s[a], Partial)]
             if not partial:
                 continue
-            split = 0
+            split = []
             if ins:
                 i0 = rep(ins[0])
-                split = S(xv for xv, s in zip(x[i0], P_.cands[i0]) if xv is not None and isinstance(s.output[a], Shard))
-            solver.Add(S(partial) <= split)
+                split = [xv for xv, s in zip(x[i0], P_.cands[i0]) if xv is not None and isinstance(s.output[a], Shard)]
+            add_row(-inf, 0.0, [(1.0, zv) for zv in partial] + [(-1.0, xv) for xv in split])
     # Edges into decisions and outputs. Sources are grouped by (root, representative); within a group, sources
     # that feed the same set of (consumer, slot) keys form a class whose redistributions are shared: per class
     # and (o, d) one r >= every edge's indicator, weighted by the class size (exact, also across tied copies).
@@ -737,7 +661,6 @@ def solve(
             note(u, (rep(v), i), m)
     for k, (u, m) in enumerate(P_.outputs):
         note(u, (("output", k), 0), m)
-    n_aux = 0
     memory_rows = objective == "memory" or memory_budget is not None  # else no memory row reads the edges' bytes
     if objective == "memory" and relax:
         # a lower bound on the peak: leave the redistributions' variables out (what backward keeps of a redistributed
@@ -768,8 +691,7 @@ def solve(
                 for o in uo:
                     ind[(o, vd[0])] = xsum(x[r], outs, o)
             else:
-                n_aux += 1
-                y = {(o, d): solver.NumVar(0.0, 1.0, f"y{n_aux}_{oi}_{di}") for oi, o in enumerate(uo) for di, d in enumerate(vd)}
+                y = {(o, d): model.var(0.0, 1.0) for o in uo for d in vd}
                 for o in uo:
                     add_row(0.0, 0.0, [(1.0, y[o, d]) for d in vd] + [(-1.0, v) for v in xsum(x[r], outs, o)])
                 for d in vd:
@@ -800,8 +722,7 @@ def solve(
                 if len(used) == 1:
                     on = list(used[0][0])
                 else:
-                    n_aux += 1
-                    rv = solver.NumVar(0.0, 1.0, f"r{n_aux}")
+                    rv = model.var(0.0, 1.0)
                     for iv, _, _ in used:
                         add_row(0.0, inf, [(1.0, rv)] + [(-1.0, v) for v in iv])
                     on = [rv]
@@ -816,16 +737,15 @@ def solve(
     for g, copies, gparams in zgroups.values():
         group_meta[g] = (copies, gparams)
     all_copies = sum(c for c, _ in group_meta.values())
-    for gi, (g, (copies, gparams)) in enumerate(group_meta.items()):
+    for g, (copies, gparams) in group_meta.items():
         ok = pinned.get(g)
-        zvar[g] = [(solver.NumVar(0.0, 1.0, f"g{gi}_{k}") if relax else solver.BoolVar(f"g{gi}_{k}")) if (ok is None or k in ok) else None
-                   for k in range(len(zopts))]
-        solver.Add(S(v for v in zvar[g] if v is not None) == 1)
+        zvar[g] = [model.binary(relax) if (ok is None or k in ok) else None for k in range(len(zopts))]
+        add_row(1.0, 1.0, [(1.0, v) for v in zvar[g] if v is not None])
         for k, zv in enumerate(zvar[g]):
             dlat = copies * (group_latency(zopts[k], mesh, gparams, all_copies) - group_latency(zopts[0], mesh, gparams, all_copies))
             if zv is not None and dlat and objective != "memory":
                 oterms.append((dlat * US, zv))
-    ind: dict[tuple[str, int, str, int], object] = {}  # (decision, strategy, group, option) -> x * z
+    ind: dict[tuple[str, int, str, int], list] = {}  # (decision, strategy, group, option) -> x * z, a linear form
     for (r, s, g), row in zdelta.items():
         xv = x[r][s]
         if xv is None:
@@ -835,12 +755,11 @@ def solve(
             zv = zvar[g][k]
             if zv is None:
                 continue
-            n_aux += 1
-            w = solver.NumVar(0.0, 1.0, f"w{n_aux}")
-            solver.Add(w <= xv)
-            solver.Add(w <= zv)
-            solver.Add(w >= xv + zv - 1)
-            ind[(r, s, g, k)] = w
+            w = model.var(0.0, 1.0)
+            add_row(-inf, 0.0, [(1.0, w), (-1.0, xv)])  # w <= x
+            add_row(-inf, 0.0, [(1.0, w), (-1.0, zv)])  # w <= z
+            add_row(-1.0, inf, [(1.0, w), (-1.0, xv), (-1.0, zv)])  # w >= x + z - 1
+            ind[(r, s, g, k)] = [(1.0, w)]
             ws.append(w)
             ds, da, dg, dc, dcopy = row[k]
             if objective != "memory":
@@ -851,8 +770,8 @@ def solve(
             mem_a.append(((ds + da) * MB, w))
             mem_g.append(((ds + dg) * MB, w))
         if ws:
-            solver.Add(S(ws) <= xv)  # the stage-0 share, x - sum(w), is not negative
-        ind[(r, s, g, 0)] = xv - S(ws) if ws else xv
+            add_row(-inf, 0.0, [(1.0, w) for w in ws] + [(-1.0, xv)])  # the stage-0 share, x - sum(w), is not negative
+        ind[(r, s, g, 0)] = [(1.0, xv)] + [(-1.0, w) for w in ws]
     # w couples a decision's strategy with its group's stage, a joint distribution: over the stages it sums to x (above),
     # over the strategies to z (exact for binaries; it keeps the relaxation from counting a stage's savings twice)
     coupled: dict[tuple[str, str, int], list] = {}
@@ -860,28 +779,30 @@ def solve(
         if k > 0:
             coupled.setdefault((r, g, k), []).append(w)
     for (r, g, k), ws in coupled.items():
-        solver.Add(S(ws) == zvar[g][k])
+        add_row(0.0, 0.0, [t for form in ws for t in form] + [(-1.0, zvar[g][k])])
     # transients: gradient buckets live in backward, as the gradients grow (the second peak); a ZeRO-2 bucket's
     # whole gradients also meet the activations (the last block's, before the other blocks' gathered parameters
     # are freed), and so does a ZeRO-3 parameter gathered again in backward (both peaks)
-    top_g = solver.NumVar(0.0, solver.infinity(), "transient_g")
-    top_a = solver.NumVar(0.0, solver.infinity(), "transient_a")
+    top_g = model.var(0.0, inf)  # transient_g
+    top_a = model.var(0.0, inf)  # transient_a
     for g in zvar:
         for kind in (0, 1):
             expr = [(buck[k][kind] * MB, ind[(r, s, gg, k)]) for (r, s, gg), buck in tbucket.items() if gg == g and x[r][s] is not None
                     for k in range(len(zopts)) if buck[k][kind] and (r, s, gg, k) in ind]
             if expr:
-                solver.Add(top_g >= S(c * v for c, v in expr))
+                form = [(-c * cf, v) for c, f in expr for cf, v in f]
+                add_row(0.0, inf, [(1.0, top_g)] + form)
                 if kind == 1:
-                    solver.Add(top_a >= S(c * v for c, v in expr))
+                    add_row(0.0, inf, [(1.0, top_a)] + form)
     for r, s, g, k, b in tparam:
         if (r, s, g, k) in ind:
-            solver.Add(top_g >= b * MB * ind[(r, s, g, k)])
-            solver.Add(top_a >= b * MB * ind[(r, s, g, k)])
+            form = [(-b * MB * cf, v) for cf, v in ind[(r, s, g, k)]]
+            add_row(0.0, inf, [(1.0, top_g)] + form)
+            add_row(0.0, inf, [(1.0, top_a)] + form)
     # recomputation: while one block's backward runs, what its forward kept not is alive again (blocks are tied:
     # the first stands for all)
     if any(any(row) for row in regen.values()):
-        solver.Add(top_a >= S(regen[r][s] * MB * xv for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]))
+        add_row(0.0, inf, [(1.0, top_a)] + [(-regen[r][s] * MB, xv) for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]])
     mem_a.append((1.0, top_a))
     mem_g.append((1.0, top_g))
     # node terms and memory
@@ -897,7 +818,7 @@ def solve(
             mem_a.append(((st + ac) * MB, xv))
             mem_g.append(((st + gr) * MB, xv))
     if objective == "memory":
-        top = solver.NumVar(0.0, solver.infinity(), "peak")
+        top = model.var(0.0, inf)  # peak
         add_row(0.0, inf, [(1.0, top)] + [(-c, v) for c, v in mem_a])
         add_row(0.0, inf, [(1.0, top)] + [(-c, v) for c, v in mem_g])
         terms.append((1.0, top))
@@ -911,37 +832,31 @@ def solve(
         # data-parallel communication, f the share of the shorter one the runtime hides. As an epigraph (step above
         # both): the same optimum as C + D - f min(C, D) with a free min variable, which HiGHS (OR-Tools 9.15)
         # reported optimal at a 16% worse plan on Llama-3-70B dp128 x tp2 (SCIP agreed with this form's answer)
-        step = solver.NumVar(0.0, solver.infinity(), "step")
+        step = model.var(0.0, inf)
         add_row(0.0, inf, [(1.0, step)] + [(-c, v) for c, v in terms] + [(-(1 - f) * c, v) for c, v in oterms])
         add_row(0.0, inf, [(1.0, step)] + [(-c, v) for c, v in oterms] + [(-(1 - f) * c, v) for c, v in terms])
         goal = [(1.0, step)] + ties
-    obj = solver.Objective()
-    set_coefs(obj, goal)
-    obj.SetMinimization()
-    solver.SetTimeLimit(int(time_limit_s * 1000))
+    model.minimize(goal)
     if objective == "time" and not relax:
         P_.timings["ilp build"] = time.perf_counter() - t0
     floor_choice = None
+    sol = None
     if memory_budget is not None and objective == "time" and not relax and floor:
         # infeasibility first, cheaply: the relaxed problem's smallest peak bounds every plan's from below (proving
         # infeasibility with the time MIP can take long)
-        lower = solve(tg, mesh, cost, P_, None, pins, objective="memory", relax=True).objective * US / MB
+        lower = solve(tg, mesh, cost, P_, None, pins, objective="memory", relax=True, backend=backend).objective * US / MB
         if lower > 0.5 * memory_budget:  # not far off (the relaxation is loose): the smallest plan (quick to solve) decides
-            floor_choice = solve(tg, mesh, cost, P_, None, pins, objective="memory")
+            floor_choice = solve(tg, mesh, cost, P_, None, pins, objective="memory", backend=backend)
             lower = floor_choice.objective * US / MB
         if lower > memory_budget * (1 + 1e-9):
-            status = pywraplp.Solver.INFEASIBLE
-        else:
-            with _quiet():
-                status = solver.Solve()
-    else:
-        with _quiet():
-            status = solver.Solve()
+            sol = Solution("infeasible", (), math.nan)
+    if sol is None:
+        sol = model.solve(time_limit_s, backend)
     P_.timings["solve" if objective == "time" else "solve_memory"] = time.perf_counter() - t0
-    P_.timings["ilp_size"] = float(solver.NumVariables())
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None and objective == "time":
-            floor = floor_choice or solve(tg, mesh, cost, P_, None, pins, objective="memory")
+    P_.timings["ilp_size"] = float(model.num_vars)
+    if sol.status not in ("optimal", "feasible"):
+        if sol.status == "infeasible" and memory_budget is not None and objective == "time":
+            floor = floor_choice or solve(tg, mesh, cost, P_, None, pins, objective="memory", backend=backend)
             need = math.ceil(floor.objective * US / MB)
             raise InfeasibleError(
                 f"no plan fits the memory budget of {memory_budget / 2**30:.3f} GiB per device on mesh {mesh}: "
@@ -949,20 +864,16 @@ def solve(
                 "least that, add devices, or shrink the batch",
                 smallest_budget=need,
             )
-        raise InfeasibleError(f"the solver found no plan (status {status}); check the pins for conflicts")
-    chosen: dict[str, int] = {}
-    for r in decisions:
-        vals = [(-1.0 if v is None else v.solution_value()) for v in x[r]]
-        chosen[r] = max(range(len(vals)), key=lambda i: vals[i])
+        raise InfeasibleError(f"the solver found no plan (status {sol.status}); check the pins for conflicts")
+
+    def pick(columns) -> int:  # the chosen option: the column at 1 (the largest, with the relaxation's fractions)
+        vals = [(-1.0 if v is None else sol.values[v]) for v in columns]
+        return max(range(len(vals)), key=lambda i: vals[i])
+
+    chosen = {r: pick(x[r]) for r in decisions}
     index = {n: P_.index(n, chosen[rep(P_.root[n])]) for n in P_.order}
     strategy = {n: P_.cands[n][index[n]] for n in P_.order}
-    out_specs = []
-    for z, specs in zip(zs, P_.output_specs):
-        vals = [v.solution_value() for v in z]
-        out_specs.append(specs[max(range(len(vals)), key=lambda i: vals[i])])
-    zero = {}
-    for g, zs_g in zvar.items():
-        vals = [(-1.0 if v is None else v.solution_value()) for v in zs_g]
-        zero[g] = zopts[max(range(len(vals)), key=lambda i: vals[i])]
-    status_s = "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible (time limit hit)"
-    return Choice(strategy, index, out_specs, solver.Objective().Value() / US, status_s, zero)
+    out_specs = [specs[pick(z)] for z, specs in zip(zs, P_.output_specs)]
+    zero = {g: zopts[pick(zs_g)] for g, zs_g in zvar.items()}
+    status_s = "optimal" if sol.status == "optimal" else "feasible (time limit hit)"
+    return Choice(strategy, index, out_specs, sol.objective / US, status_s, zero)

@@ -220,7 +220,7 @@ def test_quieting_the_solver_from_two_threads_gives_stdout_back(tmp_path, monkey
     a second solver that saved the already-redirected descriptor would put /dev/null back for good."""
     import threading
 
-    from autopar.solver import _quiet
+    from autopar.milp import _quiet
 
     out = open(tmp_path / "stdout", "w")
     monkeypatch.setattr(sys, "stdout", out)

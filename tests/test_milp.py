@@ -1,0 +1,85 @@
+"""The MILP layer: both backends (HiGHS through highspy, OR-Tools) answer the same programs alike, the plan's ILP
+included, and report infeasibility and bad requests clearly."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import autopar
+from autopar.milp import INF, Model, backends
+
+BACKENDS = ("highs", "ortools")
+
+
+def _knapsack() -> tuple[Model, list[int], float]:
+    """max sum v x  s.t.  sum w x <= 10, x binary; as a minimisation, with its optimum by enumeration."""
+    values, weights = [6.0, 5.0, 8.0, 9.0, 6.0, 7.0, 3.0], [2.0, 3.0, 6.0, 7.0, 5.0, 9.0, 4.0]
+    m = Model()
+    xs = [m.binary() for _ in values]
+    m.row(-INF, 10.0, [(w, x) for w, x in zip(weights, xs)])
+    m.minimize([(-v, x) for v, x in zip(values, xs)])
+    best = max(sum(v for v, b in zip(values, bits) if b) for bits in itertools.product((0, 1), repeat=len(values))
+               if sum(w for w, b in zip(weights, bits) if b) <= 10.0)
+    return m, xs, -best
+
+
+def test_both_backends_are_installed():
+    assert set(BACKENDS) <= set(backends()) and backends()[0] == "highs"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_knapsack_is_solved_to_its_enumerated_optimum(backend):
+    m, xs, best = _knapsack()
+    sol = m.solve(backend=backend)
+    assert sol.status == "optimal" and sol.objective == pytest.approx(best)
+    assert all(sol.value(x) in (pytest.approx(0.0), pytest.approx(1.0)) for x in xs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_relaxation_is_no_worse_and_repeated_columns_add_up(backend):
+    m, xs, best = _knapsack()
+    relaxed = Model()
+    ys = [relaxed.binary(relax=True) for _ in xs]
+    relaxed.row(-INF, 10.0, [(w, y) for w, y in zip([2.0, 3.0, 6.0, 7.0, 5.0, 9.0], ys)] + [(2.0, ys[6]), (2.0, ys[6])])
+    relaxed.minimize([(-v, y) for v, y in zip([6.0, 5.0, 8.0, 9.0, 6.0, 7.0, 3.0], ys)])
+    sol = relaxed.solve(backend=backend)
+    assert sol.status == "optimal" and sol.objective < best - 1e-6  # fractional items beat the integer optimum
+    assert relaxed.num_rows == 1 and relaxed.index.count(ys[6]) == 1  # one coefficient: 2 + 2 for the last item
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_infeasible_program_says_so(backend):
+    m = Model()
+    a, b = m.binary(), m.binary()
+    m.row(3.0, INF, [(1.0, a), (1.0, b)])
+    m.minimize([(1.0, a)])
+    sol = m.solve(backend=backend)
+    assert sol.status == "infeasible" and sol.values == ()
+
+
+def test_an_unknown_backend_is_refused_with_the_ones_there_are():
+    m, _, _ = _knapsack()
+    with pytest.raises(autopar.AutoparError, match="'gurobi' is not installed here .*highs"):
+        m.solve(backend="gurobi")
+
+
+def test_the_plan_ilp_has_one_optimum_on_both_backends():
+    """The solver's own ILP (a 2-D mesh, ZeRO options, a memory budget), solved by each backend: the same optimum."""
+    from autopar.planner import cost_model
+    from autopar.solver import build_problem, solve
+    from autopar.trace import trace
+    from models.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.tiny()).to(torch.bfloat16)
+    x = torch.empty(8, 16, dtype=torch.long, device="meta")
+    tg = trace(model, (x, x))
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, hardware="h100-80gb")
+    cost = cost_model(tg, mesh, "none")
+    problem = build_problem(tg, mesh, cost)
+    got = {b: solve(tg, mesh, cost, problem, 2**30, [], backend=b) for b in BACKENDS}
+    assert all(c.status == "optimal" for c in got.values())
+    assert got["highs"].objective == pytest.approx(got["ortools"].objective, rel=1e-4)

@@ -262,7 +262,9 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             for a in n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]:
                 if isinstance(a, fx.Node):
                     uses.setdefault(a.name, []).append(("output", -1))
-    saved_out, internal, saved_in = _saved_activations(graph_nodes, rg)
+    if "saved_activations" not in tg.memo:  # the graph's own fact: the same on every mesh
+        tg.memo["saved_activations"] = _saved_activations(graph_nodes, rg)
+    saved_out, internal, saved_in = tg.memo["saved_activations"]
     folded_use: dict[str, tuple[str, int]] = {}
     for n in graph_nodes:
         if n.op == "output":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -67,6 +67,23 @@ class Spec:
     """One placement per mesh axis (outermost axis first)."""
 
     placements: tuple[Placement, ...]
+    # derived once: the planner hashes, compares and measures Specs hundreds of thousands of times per plan
+    _hash: int = field(init=False, repr=False, compare=False)
+    _axes: dict = field(init=False, repr=False, compare=False)  # tensor dim -> the mesh axes that shard it
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(self.placements))
+        axes: dict[int, tuple[int, ...]] = {}
+        for a, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                axes[p.dim] = axes.get(p.dim, ()) + (a,)
+        object.__setattr__(self, "_axes", axes)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (type(other) is Spec and self._hash == other._hash and self.placements == other.placements)
 
     def __str__(self) -> str:
         return "".join(placement_str(p) for p in self.placements)
@@ -100,19 +117,22 @@ class Spec:
 
     def axes_sharding(self, dim: int) -> tuple[int, ...]:
         """Mesh axes that shard tensor dim ``dim``, outermost first."""
-        return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)
+        return self._axes.get(dim, ())
 
     def shard_factor(self, dim: int, sizes: tuple[int, ...]) -> int:
-        return math.prod(sizes[a] for a in self.axes_sharding(dim))
+        axes = self._axes.get(dim)
+        return math.prod(sizes[a] for a in axes) if axes else 1
 
     def divides(self, shape: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
         """Every sharded dim exists and is divisible by the product of the axes that shard it."""
-        for p in self.placements:
-            if isinstance(p, Shard) and p.dim >= len(shape):
+        for d, axes in self._axes.items():
+            if d >= len(shape) or shape[d] % math.prod(sizes[a] for a in axes):
                 return False
-        return all(shape[d] % self.shard_factor(d, sizes) == 0 for d in range(len(shape)))
+        return True
 
     def local_shape(self, shape: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
+        if not self._axes:
+            return tuple(shape)
         return tuple(s // self.shard_factor(d, sizes) for d, s in enumerate(shape))
 
 
@@ -122,6 +142,17 @@ class Strategy:
 
     inputs: tuple[Spec, ...]
     output: Spec
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.inputs, self.output)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (type(other) is Strategy and self._hash == other._hash and self.inputs == other.inputs
+                                 and self.output == other.output)
 
     def __str__(self) -> str:
         return "(" + ", ".join(str(s) for s in self.inputs) + ") -> " + str(self.output)

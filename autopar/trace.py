@@ -86,6 +86,9 @@ class TracedGraph:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # lifted constant name -> value
     hash: str = ""
     synthesized_blocks: int = 0  # repeated layers copied from a traced one instead of traced (0: the full export)
+    # facts derived from the graph alone, computed once however many meshes it is planned on (the cluster search
+    # plans one graph on four tp degrees): solver._saved_activations
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nodes(self) -> dict[str, fx.Node]:

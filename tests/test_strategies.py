@@ -554,3 +554,16 @@ def test_squeeze_never_splits_a_dim_it_may_squeeze():
     assert _strs(op_candidates(one, (2,))) == {"(S(0)) -> S(0)", "(S(2)) -> S(2)", "(P) -> P", "(R) -> R"}
     dims = _info(aten.squeeze.dims, (_tm(4, 1, 6), [1]), {}, [(4, 6)])
     assert _strs(op_candidates(dims, (2,))) == {"(S(0)) -> S(0)", "(S(2)) -> S(1)", "(P) -> P", "(R) -> R"}
+
+
+def test_specs_and_strategies_compare_and_hash_by_value_and_measure_nested_splits():
+    """Specs and Strategies cache their hashes and split axes: equal by value, across construction paths, and
+    local shapes / divisibility as DTensor's nested sharding gives them."""
+    a, b = Spec.parse("S(0)S(0)R"), Spec((Shard(0), Shard(0), Partial()))
+    assert a != b and Spec.parse("S(0)S(0)P") == b and hash(Spec.parse("S(0)S(0)P")) == hash(b)
+    assert len({Spec.parse("RS(1)"), Spec.parse("RS(1)"), Spec.parse("S(1)R")}) == 2
+    assert a.axes_sharding(0) == (0, 1) and a.axes_sharding(1) == () and a.shard_factor(0, (2, 4, 3)) == 8
+    assert a.local_shape((16, 5), (2, 4, 3)) == (2, 5) and a.divides((16, 5), (2, 4, 3)) and not a.divides((12, 5), (2, 4, 3))
+    assert not Spec.parse("RS(2)").divides((4, 4), (2, 2)) and Spec.parse("RR").local_shape((3, 5), (2, 2)) == (3, 5)
+    s, t = Strategy.parse("(S(0)R, RS(1)) -> S(0)S(1)"), Strategy((Spec.parse("S(0)R"), Spec.parse("RS(1)")), Spec.parse("S(0)S(1)"))
+    assert s == t and hash(s) == hash(t) and s != Strategy.parse("(S(0)R, RS(1)) -> S(0)R") and s != a

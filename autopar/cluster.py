@@ -297,7 +297,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     refined), priced by the schedule's analytic step -- exact for 1F1B and interleaved 1F1B on their steady state
     (tested against the simulator in tests/test_schedule.py) -- plus the boundary transfers and each rank's
     gradient sync; the real plan then simulates the schedule."""
-    from autopar.pipeline import _p2p_seconds, _rank_memory
+    from autopar.pipeline import _p2p_seconds, _prefix, _rank_memory
 
     uc = _at_rows(prof, c.recompute, rows, L)
     units = _units(L)
@@ -323,6 +323,14 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     elif options:  # no balanced cut fits: repair the even one (as plan_pipeline does)
         options.append(refine(uc, units, options[0], p, m, v, flights, budget))
     best = None
+    seconds: dict[tuple[int, float], float] = {}  # (axis, bytes) -> one unit's sync: every block's is the same
+
+    def unit_seconds(ax: int, nbytes: float) -> float:
+        if (ax, nbytes) not in seconds:
+            seconds[ax, nbytes] = collective_time("all_reduce", nbytes, inner.sizes[ax], inner.link(ax)) if inner.sizes[ax] > 1 else 0.0
+        return seconds[ax, nbytes]
+
+    synced = _prefix([sum(unit_seconds(ax, nbytes) for ax, nbytes in unit_sync[u].items()) for u in range(U)])
     for starts in options:
         ends = list(starts[1:]) + [U]
         ts = [sum(t[i:j]) for i, j in zip(starts, ends)]
@@ -330,9 +338,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         step = analytic_step(ts, p, m, v) + 2 * (S - 1) * hop
         sync = [0.0] * p
         for k, (i, j) in enumerate(zip(starts, ends)):
-            for u in range(i, j):
-                for ax, nbytes in unit_sync[u].items():
-                    sync[k % p] += collective_time("all_reduce", nbytes, inner.sizes[ax], inner.link(ax)) if inner.sizes[ax] > 1 else 0.0
+            sync[k % p] += synced[j] - synced[i]
         total = step + max(sync)
         ranks = _rank_memory(uc, st, starts, U, p, v, flights)
         mem = max(ranks)

@@ -32,17 +32,21 @@ class Mesh:
                 raise MeshError(f"mesh axis {name!r} has size {size!r}; sizes are positive integers")
         self.axes: tuple[tuple[str, int], ...] = tuple(axes.items())
         self.hardware: Hardware = get_hardware(hardware)
+        # derived once (a Mesh is not changed after it is made): the planner asks for them millions of times
+        self._names = tuple(n for n, _ in self.axes)
+        self._sizes = tuple(s for _, s in self.axes)
+        self._node_spans = tuple(math.prod(self._sizes[a:]) > self.hardware.devices_per_node for a in range(len(self._sizes)))
         self._device_mesh = None  # attached by from_device_mesh / to_device_mesh; never part of equality
         self._spans: dict[str, bool] | None = None  # set by without(): the axes' node spans in the full mesh
 
     # --- plain data -------------------------------------------------------------------------------------------
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self.axes)
+        return self._names
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return tuple(s for _, s in self.axes)
+        return self._sizes
 
     @property
     def ndim(self) -> int:
@@ -65,8 +69,8 @@ class Mesh:
     def spans_nodes(self, axis: "str | int") -> bool:
         a = self.axis_index(axis)
         if self._spans is not None:
-            return self._spans[self.names[a]]
-        return self.stride(a) * self.sizes[a] > self.hardware.devices_per_node
+            return self._spans[self._names[a]]
+        return self._node_spans[a]  # its stride times its size: the ranks one group of it reaches
 
     def link(self, axis: "str | int") -> Link:
         return self.hardware.inter_node if self.spans_nodes(axis) else self.hardware.intra_node

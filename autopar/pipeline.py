@@ -319,7 +319,7 @@ def analytic_step(ts: list[float], p: int, m: int, v: int) -> float:
     (interleaved, T_r the rank's stages together: the steady state runs each rank's sum)."""
     if v == 1:
         return (m - 1) * max(ts) + sum(ts)
-    per_rank = [sum(ts[k] for k in range(r, len(ts), p)) for r in range(p)]
+    per_rank = [sum(ts[r::p]) for r in range(p)]
     return m * max(per_rank) + (p - 1) * max(ts)
 
 
@@ -368,12 +368,25 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
     return best
 
 
-def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, v: int, flights: list[int]) -> list[float]:
+def _prefix(xs: list[float]) -> list[float]:
+    """Running sums, ``out[j] - out[i] == sum(xs[i:j])``: a stage's total in two lookups, for searches that price
+    thousands of cuts of the same units."""
+    out = [0.0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
+
+
+def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, v: int, flights: list[int],
+                 sums: "tuple[list[float], list[float]] | None" = None) -> list[float]:
+    """Each pipeline rank's bytes: its stages' parameter state, and ``flights`` microbatches of their activations.
+    ``sums``: ``_prefix`` of ``st`` and of ``uc.act``, when the caller prices many cuts."""
+    ps, pa = sums or (_prefix(st), _prefix(uc.act))
     mem_state, mem_act = [0.0] * p, [0.0] * p
     ends = list(starts[1:]) + [U]
     for k, (i, j) in enumerate(zip(starts, ends)):
-        mem_state[k % p] += sum(st[i:j])
-        mem_act[k % p] += sum(uc.act[i:j]) / v
+        mem_state[k % p] += ps[j] - ps[i]
+        mem_act[k % p] += (pa[j] - pa[i]) / v
     return [mem_state[r] + flights[r] * mem_act[r] for r in range(p)]
 
 
@@ -384,15 +397,16 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
     come first, whatever they do to the step (the balancer sizes stages, not the ranks that hold several of them:
     the head's stage can take one block too many)."""
     U = len(units.labels)
-    t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
+    pt = _prefix([f + b for f, b in zip(uc.fwd, uc.bwd)])
     st = unit_state(uc, U)
+    sums = (_prefix(st), _prefix(uc.act))
 
     def objective(cuts: tuple[int, ...]) -> float:
         ends = list(cuts[1:]) + [U]
-        return analytic_step([sum(t[i:j]) for i, j in zip(cuts, ends)], p, m, v)
+        return analytic_step([pt[j] - pt[i] for i, j in zip(cuts, ends)], p, m, v)
 
     def over(cuts: tuple[int, ...]) -> float:
-        return max(max(_rank_memory(uc, st, cuts, U, p, v, flights)) - budget, 0.0)
+        return max(max(_rank_memory(uc, st, cuts, U, p, v, flights, sums)) - budget, 0.0)
 
     cur, best = tuple(starts), objective(tuple(starts))
     excess = over(cur)

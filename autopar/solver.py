@@ -590,18 +590,29 @@ def solve(
     # stage 2: 1x), one ZeRO-3 parameter gathered again with its full gradient (2x)
     tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2 bucket bytes], one copy
     tparam: list[tuple[str, int, str, int, float]] = []  # (decision, strategy, group, option, bytes) of ZeRO-3 params
+    zfacts: dict[tuple, tuple] = {}  # one parameter's ZeRO facts at one Spec: the same for every tied copy
+
+    def zero_facts(spec: Spec, meta: TensorMeta, copies: int, gparams: int) -> tuple:
+        key = (spec, meta.shape, meta.dtype, copies, gparams)
+        if key not in zfacts:
+            base = _zcost(zopts[0], spec, meta, mesh, copies, gparams)
+            per = []
+            for k, opt in enumerate(zopts):
+                c = _zcost(opt, spec, meta, mesh, copies, gparams) if k else base
+                per.append((opt.stage if eligible(opt, spec, meta, mesh) else 0,
+                            (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.copy - base.copy)))
+            b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
+            zfacts[key] = (base.copy, b, bool(grad_sync_axes(spec, mesh)), per)
+        return zfacts[key]
+
     for n, (g, copies, gparams) in zgroups.items():
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
-            spec, meta = P_.strategy(n, s).output, P_.meta[n]
-            base = _zcost(zopts[0], spec, meta, mesh, copies, gparams)
-            t_lin[r][s] += base.copy  # the runtime's copies run on the compute stream: the critical path, as priced
+            base_copy, b, synced, per = zero_facts(P_.strategy(n, s).output, P_.meta[n], copies, gparams)
+            t_lin[r][s] += base_copy  # the runtime's copies run on the compute stream: the critical path, as priced
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
-            b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
-            synced = bool(grad_sync_axes(spec, mesh))
-            for k in range(len(zopts)):
-                stage = zopts[k].stage if eligible(zopts[k], spec, meta, mesh) else 0
+            for k, (stage, delta) in enumerate(per):
                 if stage == 0 and synced:
                     buck[k][0] += 2 * b / copies
                 elif stage == 2:
@@ -610,13 +621,9 @@ def solve(
                     tparam.append((r, s, g, k, 2 * b))
                 if k == 0:
                     continue
-                c = _zcost(zopts[k], spec, meta, mesh, copies, gparams)
                 d = row[k]
-                d[0] += c.state - base.state
-                d[1] += c.act - base.act
-                d[2] += c.grad - base.grad
-                d[3] += c.comm - base.comm
-                d[4] += c.copy - base.copy
+                for i in range(5):
+                    d[i] += delta[i]
 
     terms = []  # the step's critical path: compute and the collectives between ops
     oterms = []  # data-parallel communication (gradient buckets, ZeRO): beside compute when the runtime overlaps it

@@ -159,8 +159,10 @@ class Model:
     def minimize(self, terms) -> None:
         self.cost = self._merged(terms)
 
-    def solve(self, time_limit_s: float = 120.0, backend: str | None = None) -> Solution:
-        """Solve to optimality (within HiGHS's default relative gap, 1e-4), or until ``time_limit_s`` has passed."""
+    def solve(self, time_limit_s: float = 120.0, backend: str | None = None, presolve: bool = True) -> Solution:
+        """Solve to optimality (within HiGHS's default relative gap, 1e-4), or until ``time_limit_s`` has passed.
+        ``presolve``: HiGHS's presolve (and the restarts it drives); the planner turns it off for its step-time ILPs,
+        where it costs more than it saves, and keeps it for the smallest-memory ILP, where it pays (see the solver)."""
         have = backends()
         if not have:
             raise AutoparError("no MIP solver: install highspy (pip install highspy) or ortools")
@@ -168,20 +170,17 @@ class Model:
         if backend not in have:
             raise AutoparError(f"MIP backend {backend!r} is not installed here (available: {', '.join(have)})")
         with _quiet():
-            return self._highs(time_limit_s) if backend == "highs" else self._ortools(time_limit_s)
+            return self._highs(time_limit_s, presolve) if backend == "highs" else self._ortools(time_limit_s)
 
-    def _highs(self, time_limit_s: float) -> Solution:
+    def _highs(self, time_limit_s: float, presolve: bool) -> Solution:
         import highspy
 
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("threads", 1)
         h.setOptionValue("time_limit", float(time_limit_s))
-        # no presolve: on the planner's ILPs its restarts cost more than they save (Llama-3.1-70B dp128 x tp2: 3.5 ->
-        # 2.3 s, the four proxy ILPs of that plan 30-45 % faster, the same optima). The optimum is the same within the
-        # 1e-4 gap; where several plans are that close, which one comes back can change (pipeline stage ILPs:
-        # plan_quality's SC'21 39.1B, 310B and 1T plans moved by 0.4 %, -0.1 % and 0.2 %)
-        h.setOptionValue("presolve", "off")
+        if not presolve:
+            h.setOptionValue("presolve", "off")
         lp = highspy.HighsLp()
         n = self.num_vars
         lp.num_col_ = n

@@ -30,10 +30,10 @@ def test_both_backends_are_installed():
     assert set(BACKENDS) <= set(backends()) and backends()[0] == "highs"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_knapsack_is_solved_to_its_enumerated_optimum(backend):
+@pytest.mark.parametrize("backend,presolve", [("highs", True), ("highs", False), ("ortools", True)])
+def test_a_knapsack_is_solved_to_its_enumerated_optimum(backend, presolve):
     m, xs, best = _knapsack()
-    sol = m.solve(backend=backend)
+    sol = m.solve(backend=backend, presolve=presolve)
     assert sol.status == "optimal" and sol.objective == pytest.approx(best)
     assert all(sol.value(x) in (pytest.approx(0.0), pytest.approx(1.0)) for x in xs)
 

@@ -201,7 +201,7 @@ class Model:
         lp.a_matrix_.value_ = np.asarray(self.value, dtype=np.float64)
         if any(self.integer):
             lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in self.integer]
-        if h.passModel(lp) != highspy.HighsStatus.kOk:
+        if h.passModel(lp) == highspy.HighsStatus.kError:  # a warning (tiny coefficients: the tie-breaker's) is fine
             raise AutoparError("HiGHS rejected the plan's ILP (an autopar bug: please report it with the model and mesh)")
         h.run()
         ms = h.getModelStatus()

@@ -86,9 +86,6 @@ class Solution:
     values: tuple[float, ...]  # by column; empty unless optimal or feasible
     objective: float
 
-    def value(self, column: int) -> float:
-        return self.values[column]
-
 
 def backends() -> list[str]:
     """The backends this process can use, the default first."""

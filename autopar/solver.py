@@ -863,8 +863,7 @@ def solve(
         # HiGHS's presolve, measured on this machine (same optima): the step-time ILPs solve faster without it
         # (Llama-3.1-70B dp128 x tp2 3.5 -> 2.3 s, Llama-3-8B dp4 x tp2 1.24 -> 0.42 s, the cluster screen's proxy ILPs
         # 30-45 %), the smallest-memory ILP slower (Llama-3-8B dp4 x tp2 3.6 -> 10.8 s). Within the 1e-4 gap another
-        # equally good plan can come back: pipeline stage ILPs moved plan_quality's SC'21 39.1B / 310B / 1T plans by
-        # +0.4 / -0.1 / +0.2 %
+        # equally good plan can come back: five of plan_quality's pipeline plans moved, by at most 0.4 %
         sol = model.solve(time_limit_s, backend, presolve=objective != "time")
     P_.timings["solve" if objective == "time" else "solve_memory"] = time.perf_counter() - t0
     P_.timings["ilp_size"] = float(model.num_vars)

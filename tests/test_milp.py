@@ -12,17 +12,21 @@ import autopar
 from autopar.milp import INF, Model, backends
 
 BACKENDS = ("highs", "ortools")
+VALUES, WEIGHTS = [6.0, 5.0, 8.0, 9.0, 6.0, 7.0, 3.0], [2.0, 3.0, 6.0, 7.0, 5.0, 9.0, 4.0]
 
 
-def _knapsack() -> tuple[Model, list[int], float]:
-    """max sum v x  s.t.  sum w x <= 10, x binary; as a minimisation, with its optimum by enumeration."""
-    values, weights = [6.0, 5.0, 8.0, 9.0, 6.0, 7.0, 3.0], [2.0, 3.0, 6.0, 7.0, 5.0, 9.0, 4.0]
+def _knapsack(relax: bool = False, split_last: bool = False) -> tuple[Model, list[int], float]:
+    """max sum v x  s.t.  sum w x <= 10, x binary (in [0, 1] when ``relax``); as a minimisation, with the integer
+    optimum by enumeration. ``split_last``: the last item's weight written as two terms of half of it."""
     m = Model()
-    xs = [m.binary() for _ in values]
-    m.row(-INF, 10.0, [(w, x) for w, x in zip(weights, xs)])
-    m.minimize([(-v, x) for v, x in zip(values, xs)])
-    best = max(sum(v for v, b in zip(values, bits) if b) for bits in itertools.product((0, 1), repeat=len(values))
-               if sum(w for w, b in zip(weights, bits) if b) <= 10.0)
+    xs = [m.binary(relax) for _ in VALUES]
+    terms = [(w, x) for w, x in zip(WEIGHTS, xs)]
+    if split_last:
+        terms = terms[:-1] + [(WEIGHTS[-1] / 2, xs[-1])] * 2
+    m.row(-INF, 10.0, terms)
+    m.minimize([(-v, x) for v, x in zip(VALUES, xs)])
+    best = max(sum(v for v, b in zip(VALUES, bits) if b) for bits in itertools.product((0, 1), repeat=len(VALUES))
+               if sum(w for w, b in zip(WEIGHTS, bits) if b) <= 10.0)
     return m, xs, -best
 
 
@@ -35,19 +39,16 @@ def test_a_knapsack_is_solved_to_its_enumerated_optimum(backend, presolve):
     m, xs, best = _knapsack()
     sol = m.solve(backend=backend, presolve=presolve)
     assert sol.status == "optimal" and sol.objective == pytest.approx(best)
-    assert all(sol.value(x) in (pytest.approx(0.0), pytest.approx(1.0)) for x in xs)
+    assert all(sol.values[x] in (pytest.approx(0.0), pytest.approx(1.0)) for x in xs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_relaxation_is_no_worse_and_repeated_columns_add_up(backend):
-    m, xs, best = _knapsack()
-    relaxed = Model()
-    ys = [relaxed.binary(relax=True) for _ in xs]
-    relaxed.row(-INF, 10.0, [(w, y) for w, y in zip([2.0, 3.0, 6.0, 7.0, 5.0, 9.0], ys)] + [(2.0, ys[6]), (2.0, ys[6])])
-    relaxed.minimize([(-v, y) for v, y in zip([6.0, 5.0, 8.0, 9.0, 6.0, 7.0, 3.0], ys)])
+def test_the_relaxation_beats_the_integer_optimum_and_repeated_columns_add_up(backend):
+    relaxed, ys, best = _knapsack(relax=True, split_last=True)
     sol = relaxed.solve(backend=backend)
     assert sol.status == "optimal" and sol.objective < best - 1e-6  # fractional items beat the integer optimum
-    assert relaxed.num_rows == 1 and relaxed.index.count(ys[6]) == 1  # one coefficient: 2 + 2 for the last item
+    assert relaxed.num_rows == 1 and relaxed.index.count(ys[-1]) == 1  # one coefficient: 2 + 2 for the last item
+    assert relaxed.value[relaxed.index.index(ys[-1])] == WEIGHTS[-1]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -14,7 +14,10 @@ Models:
   fills the tensor cores less well), attention has its own, and a causal fused attention runs only the tiles on
   and below the diagonal (its model FLOPs, what MFU counts, stay whole); backward costs 2x the forward FLOPs for
   contractions and attention, 2x the bytes for memory-bound ops. The constants live in the hardware presets and
-  were calibrated on published runs (``benchmarks/plan_quality.py``).
+  were calibrated on published runs (``benchmarks/plan_quality.py``). Two runtimes' kernels are priced as they
+  run, when the hardware says so: torch.compile's fusion of a block's chains of memory-bound ops (a value passed
+  inside a chain is neither written nor read back), and float8 linears (torchao's: the float8 peak, dynamic-scaling
+  casts at HBM bandwidth, each input cast once where it is produced and gathered as float8).
 - activation recomputation (none / selective / full, on the repeated blocks): a recomputed op keeps nothing for
   backward and runs its forward again there (full recomputation also its forward collectives); a block's input
   stays kept. Selective keeps the matmuls' and attention's outputs (autopar's runtime; a runtime that also
@@ -82,11 +85,17 @@ class Priced:
     seconds: float
 
 
+FLOAT8_MOVES = ("all_gather", "all_to_all")  # what a float8 tensor can travel through (a reduction cannot)
+
+
 def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad: bool, again: bool = False,
-                hidden: float = 0.0) -> list[Priced]:
+                hidden: float = 0.0, float8: tuple[bool, bool] = (False, False)) -> list[Priced]:
     """The collectives of a redistribution: forward, once more when its consumer is recomputed (``again``), and
     their transposes in backward when the tensor carries a gradient. ``hidden``: the share of the time of those on
-    model axes (tp...) that runs under an adjacent linear (``Hardware.tp_overlap``); the bytes are the same."""
+    model axes (tp...) that runs under an adjacent linear (``Hardware.tp_overlap``); the bytes are the same.
+    ``float8``: (forward, backward) gathers and all-to-alls that move the value, or its gradient, already cast to
+    float8 (one byte an element): torchao's float8 tensor parallelism casts a float8 linear's input before it is
+    gathered, and the gradient of its output before that is gathered in backward; reductions stay in ``dtype``."""
     isz = itemsize(dtype)
     out = []
 
@@ -97,13 +106,13 @@ def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad
     for phase in ("forward", "recompute") if again and requires_grad else ("forward",):
         for st in steps:
             if st.is_collective:
-                b = step_buffer_bytes(st, mesh.sizes[st.axis], isz)
+                b = step_buffer_bytes(st, mesh.sizes[st.axis], 1 if float8[0] and st.kind in FLOAT8_MOVES else isz)
                 out.append(Priced(st.kind, mesh.names[st.axis], b, phase, seconds(st.kind, b, st.axis)))
     if requires_grad:
         for st in reversed(steps):
             tr = st.transpose(mesh.sizes[st.axis])
             if tr is not None:
-                b = step_buffer_bytes(tr, mesh.sizes[tr.axis], isz)
+                b = step_buffer_bytes(tr, mesh.sizes[tr.axis], 1 if float8[1] and tr.kind in FLOAT8_MOVES else isz)
                 out.append(Priced(tr.kind, mesh.names[tr.axis], b, "backward", seconds(tr.kind, b, tr.axis)))
     return out
 
@@ -249,16 +258,22 @@ class CostModel:
     ``kept``: nodes whose output is kept whatever the mode (a block's input: recomputation starts from it);
     ``float8``: matmul nodes the runtime runs in float8 (``Hardware.float8_linears``); ``linears``: matmul nodes with
     a weight operand, under which a runtime with ``Hardware.tp_overlap`` hides the tensor-parallel collectives that
-    feed or follow them."""
+    feed or follow them; ``fused``: node -> (indices of its inputs a fused kernel reads in registers, whether its
+    output stays in registers unless backward keeps it), for the memory-bound ops a runtime with
+    ``Hardware.fused_elementwise`` fuses; ``casts``: the nodes whose output is cast to float8 for the float8 linears
+    reading it (their activation operand)."""
 
     def __init__(self, mesh: Mesh, recompute: dict[str, str] | None = None, kept: frozenset = frozenset(),
-                 float8: frozenset = frozenset(), linears: frozenset = frozenset()):
+                 float8: frozenset = frozenset(), linears: frozenset = frozenset(),
+                 fused: dict[str, tuple[frozenset, bool]] | None = None, casts: frozenset = frozenset()):
         self.mesh = mesh
         self.hw = mesh.hardware
         self.recompute = dict(recompute or {})
         self.kept = kept
         self.float8 = float8
+        self.casts = casts
         self.linears = linears
+        self.fused = dict(fused or {})
         self._edge = lru_cache(maxsize=None)(self._edge_uncached)
         self._kept = lru_cache(maxsize=None)(self._kept_uncached)
 
@@ -301,7 +316,11 @@ class CostModel:
         dtype = info.outputs[0].dtype if info.outputs else torch.float32
         isz = itemsize(dtype)
         flops = op_flops(info.target, ins, outs)
-        moved = sum(math.prod(s) * itemsize(m.dtype) for s, m in zip(ins, info.inputs)) + sum(math.prod(o) * isz for o in outs)
+        free_in, free_out = self.fused.get(node, ((), False))
+        # a fused chain of memory-bound ops reads what enters it and writes what leaves it (or what backward keeps)
+        moved = sum(math.prod(s) * itemsize(m.dtype) for i, (s, m) in enumerate(zip(ins, info.inputs)) if i not in free_in)
+        if not free_out or saved_output:
+            moved += sum(math.prod(o) * isz for o in outs)
         if info.target in VIEW_OPS:
             moved = 0
         heavy = info.target in MATMUL_OPS or info.target in ATTENTION_OPS
@@ -314,18 +333,21 @@ class CostModel:
         bwd = 0.0
         if requires_grad:
             bwd = max(2 * work / peak, 2 * moved / bw) + launch
+        cast = 3 if self.hw.fused_elementwise else 5  # bytes an element of a dynamic float8 cast, see below
+        if node in self.casts:
+            # this output feeds float8 linears: dynamic scaling reads it for its amax and again to cast it (2 + 2 + 1
+            # bytes an element; 2 + 1 when compiled, the amax fused into this op). Cast once, here, at this op's
+            # layout, before any redistribution: torchao's float8 tensor parallelism gathers the float8 value, and
+            # the linears reading one input (q / k / v, w1 / w3) share its cast
+            fwd += cast * sum(math.prod(o) for o in outs) / bw
         if fp8:
-            # dynamic scaling, memory-bound: forward reads each operand for its amax and again to cast it (2 + 2 + 1
-            # bytes an element); backward casts the output's gradient so, and both operands' transposes (3 bytes).
-            # Priced on the operand as this linear receives it: after a sequence-parallel all-gather that is the
-            # gathered input, cast once per linear and gathered in bf16 -- torchao's float8 tensor parallelism casts
-            # before the gather (float8 on the wire) and q/k/v share one cast, so tensor-parallel layouts are
-            # over-charged here (Llama-3.1-70B TP 8 at 256 H100s: 19.06 s priced; 17.66 s when this cast was moved
-            # before the gather in a one-off experiment, not kept: see the closing note of issue 6)
-            operands = sum(math.prod(s) for s in ins[:2])
-            fwd += 5 * operands / bw
+            # the weight's cast (its input's is its producer's, above); backward casts the output's gradient and
+            # both operands' transposes (3 bytes an element). The gradient is priced at this op's layout: a
+            # row-parallel linear's is cast after its reduce-scatter's transpose, on a shard, so that is over-charged
+            weight = sum(math.prod(s) for s in ins[1:2])
+            fwd += cast * weight / bw
             if requires_grad:
-                bwd += (5 * sum(math.prod(o) for o in outs) + 3 * operands) / bw
+                bwd += (cast * sum(math.prod(o) for o in outs) + 3 * sum(math.prod(s) for s in ins[:2])) / bw
         local_out = sum(math.prod(o) for o in outs)
         # what the op keeps of its own scales with its largest operand's local share (a reduction's output, e.g. a
         # loss, is whole on every rank while its kept softmax is split)
@@ -354,9 +376,14 @@ class CostModel:
 
     # --- edges ------------------------------------------------------------------------------------------------
     def _edge_uncached(self, shape: tuple[int, ...], dtype: torch.dtype, src: Spec, dst: Spec, requires_grad: bool, again: bool,
-                       hidden: float = 0.0) -> float:
+                       hidden: float = 0.0, float8: tuple[bool, bool] = (False, False)) -> float:
         steps = redistribute(src, dst, shape, self.mesh.sizes)
-        return sum(p.seconds for p in price_steps(steps, dtype, self.mesh, requires_grad, again, hidden))
+        return sum(p.seconds for p in price_steps(steps, dtype, self.mesh, requires_grad, again, hidden, float8))
+
+    def float8_wire(self, consumer: str | None, producer: str | None) -> tuple[bool, bool]:
+        """Whether a redistribution moves float8 (forward, backward): into a float8 linear (its input was cast before),
+        out of one (the gradient of its output is cast before it goes back)."""
+        return (consumer in self.float8, producer in self.float8)
 
     def hidden(self, consumer: str | None, producer: str | None) -> float:
         """Share of a redistribution's tensor-parallel collectives a runtime hides under the linear it feeds (an
@@ -374,7 +401,8 @@ class CostModel:
                   producer: str | None = None) -> float:
         if src == dst:
             return 0.0
-        return self._edge(meta.shape, meta.dtype, src, dst, requires_grad, self.again(consumer), self.hidden(consumer, producer))
+        return self._edge(meta.shape, meta.dtype, src, dst, requires_grad, self.again(consumer), self.hidden(consumer, producer),
+                          self.float8_wire(consumer, producer))
 
     def kept_redistribution(self, meta: TensorMeta, src: Spec, dst: Spec, consumer: str | None, saved: bool) -> float:
         """Bytes per device a redistribution into ``consumer`` adds to what is kept for backward, beyond the source's
@@ -399,4 +427,4 @@ class CostModel:
     def edge_priced(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None,
                     producer: str | None = None) -> list[Priced]:
         return price_steps(redistribute(src, dst, meta.shape, self.mesh.sizes), meta.dtype, self.mesh, requires_grad,
-                           self.again(consumer), self.hidden(consumer, producer))
+                           self.again(consumer), self.hidden(consumer, producer), self.float8_wire(consumer, producer))

@@ -1,6 +1,6 @@
 """Hardware presets: what one device computes, holds and moves, and how fast its links are.
 
-In: a preset name (``a100-80gb``, ``h100-80gb``, ``h200``, ``cpu-gloo``) or a ``Hardware`` built by hand.
+In: a preset name (``a100-80gb``, ``h100-80gb``, ``h100-500w``, ``h200``, ``cpu-gloo``) or a ``Hardware`` built by hand.
 Out: a frozen ``Hardware``: peak FLOP/s per dtype, HBM bandwidth and size, devices per node, and two ``Link``s
 (inside a node, across nodes) with an alpha-beta model (latency per ring step, bandwidth per device).
 
@@ -11,12 +11,14 @@ torchtitan's Llama-3 runs on A100s): a large matmul reaches 68% of peak and half
 of 128; FlashAttention-2 60% of the FLOPs it runs (causal: the tiles on and below the diagonal); collectives 65%
 of NVLink's and 90% of InfiniBand's line rate. The H100/H200 presets (700 W SXM) reuse the A100's efficiencies and
 are checked, not fitted (plan_quality's check rows): NVIDIA's DGX-H100 Llama3-8B FSDP run in FP8 is predicted
-within 2%; torchtitan's published H100 runs were on 500 W parts, whose bf16 compute they over-predict ~1.65x.
+within 2%. torchtitan's published H100 runs were on 500 W parts with HBM2e: ``h100-500w`` describes them, with one
+constant fitted (the tensor-core clocks the power limit leaves) on one of their runs and checked on the others.
 The runtime fields (``overlap``, ``zero3_per_block``, ``grad_reduce_bytes``, ``attention_skips_masked``,
-``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``) describe autopar's runtime by default (no
-overlap, one ZeRO-3 parameter at a time, gradients reduced in the parameter's dtype, SDPA's fused kernels,
-selective recomputation keeping every matmul's output, the model's dtype, tensor-parallel collectives between the
-linears, not under them); the benchmark sets them to describe Megatron-LM, Megatron-Core, DeepSpeed and FSDP2 when
+``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``, ``fused_elementwise``) describe autopar's
+runtime by default (no overlap, one ZeRO-3 parameter at a time, gradients reduced in the parameter's dtype, SDPA's
+fused kernels, selective recomputation keeping every matmul's output, the model's dtype, tensor-parallel
+collectives between the linears, not under them, one kernel per op); the benchmark sets them to describe
+Megatron-LM, Megatron-Core, DeepSpeed and FSDP2 (with and without torch.compile) when
 it prices their published runs.
 
 ``cpu-gloo`` is one rank of 4 gloo processes (one thread each) sharing the 2-core development machine, the way the
@@ -89,6 +91,9 @@ class Hardware:
     tp_overlap: float = 0.0  # fraction of a tensor-parallel collective's time hidden behind the linear it feeds or
     # follows (Transformer Engine's userbuffer overlap in Megatron-Core, torch's AsyncTP): all-gather + GEMM and
     # GEMM + reduce-scatter run as one pipelined kernel pair; 0: autopar's runtime runs them one after the other
+    fused_elementwise: bool = False  # torch.compile's Inductor fuses each chain of memory-bound ops of a repeated
+    # block into one kernel: a value passed between two of them is neither written nor read back (torchtitan compiles
+    # block by block); autopar's runtime runs each op as its own kernel
 
     def __post_init__(self):
         if self.float8_linears and "float8" not in dict(self.peak_flops):
@@ -126,6 +131,7 @@ class Hardware:
             "selective_recomputes_every": self.selective_recomputes_every,
             "float8_linears": self.float8_linears,
             "tp_overlap": self.tp_overlap,
+            "fused_elementwise": self.fused_elementwise,
         }
 
     @staticmethod
@@ -151,10 +157,12 @@ class Hardware:
             selective_recomputes_every=int(d.get("selective_recomputes_every", 0)),
             float8_linears=bool(d.get("float8_linears", False)),
             tp_overlap=float(d.get("tp_overlap", 0.0)),
+            fused_elementwise=bool(d.get("fused_elementwise", False)),
         )
 
 
 _GB = 1e9
+H100_500W_CLOCKS = 0.71  # share of the 700 W H100's tensor-core peak a 500 W limit leaves ("h100-500w" below)
 
 PRESETS: dict[str, Hardware] = {
     "a100-80gb": Hardware(
@@ -180,6 +188,23 @@ PRESETS: dict[str, Hardware] = {
         matmul_efficiency=0.68,  # the A100 calibration, checked on a DGX-H100 run (plan_quality --cases check)
         matmul_half_dim=128,
         attention_efficiency=0.6,  # FlashAttention-2 through SDPA: ~70% of peak forward, ~55% backward
+    ),
+    # An H100 SXM with 96 GB of HBM2e (2.4 TB/s) held to a 500 W power limit, as in Meta's Grand Teton hosts where
+    # torchtitan's published H100 runs were made: the clocks the limit allows reach 0.71 of the 700 W part's
+    # tensor-core peaks (fitted on one run: torchtitan's Llama-3.1 8B, FSDP 8, torch.compile, bf16 -- plan_quality
+    # --cases check refits it and prices the page's other runs with it), and torch's SDPA ran FlashAttention-2,
+    # which reaches 35% of an H100's peak (Shah et al., FlashAttention-3, 2024), not the 60% it reaches on an A100
+    "h100-500w": Hardware(
+        name="h100-500w",
+        peak_flops=tuple((k, v * H100_500W_CLOCKS) for k, v in (("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12), ("float8", 1979e12))),
+        hbm_bandwidth=2.4e12,
+        memory=96 * _GB,
+        devices_per_node=8,
+        intra_node=Link(bandwidth=0.65 * 450 * _GB, latency=4e-6, launch=10e-6),
+        inter_node=Link(bandwidth=0.9 * 50 * _GB, latency=8e-6, launch=15e-6),
+        matmul_efficiency=0.68,
+        matmul_half_dim=128,
+        attention_efficiency=0.35,
     ),
     "h200": Hardware(
         name="h200",

@@ -9,11 +9,12 @@ destination Spec) exactly as ``passes/insert_collectives.py`` will emit it.
 from __future__ import annotations
 
 import math
+import operator
 import time
 
 import torch
 
-from autopar.cost import ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, CostModel, Priced, collective_time, grad_sync_axes, itemsize, op_flops, peak_memory, price_steps, wire_bytes
+from autopar.cost import ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, VIEW_OPS, CostModel, Priced, collective_time, grad_sync_axes, itemsize, op_flops, peak_memory, price_steps, wire_bytes
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
@@ -21,7 +22,7 @@ from autopar.errors import AutoparError
 from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, solve, zero_groups
 from autopar.zero import ZeroOption, eligible, gather_priced, param_cost, scatter_priced, shard_factor, zero3_uses
 from autopar.spec import Partial, Shard, Spec
-from autopar.strategies import op_info
+from autopar.strategies import op_info, tensor_inputs
 from autopar.trace import INPUT, PARAM, TracedGraph
 
 N_ALTERNATIVES = 6
@@ -46,8 +47,10 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
     if mesh.hardware.float8_linears:  # the blocks' linears (torchtitan leaves the output head in bf16)
         float8 = frozenset(n for b in tg.blocks for n in b.nodes if linear(n))
     linears = frozenset(n for n in nodes if linear(n)) if mesh.hardware.tp_overlap else frozenset()
+    fused = _fusion(tg) if mesh.hardware.fused_elementwise else None
+    casts = frozenset(tensor_inputs(nodes[n])[0].name for n in float8)  # each float8 linear's input operand
     if recompute == "none" or not tg.blocks:
-        return CostModel(mesh, float8=float8, linears=linears)
+        return CostModel(mesh, float8=float8, linears=linears, fused=fused, casts=casts)
     every = mesh.hardware.selective_recomputes_every if recompute == "selective" else 0
     modes, kept = {}, set()
     for b in tg.blocks:
@@ -67,7 +70,48 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
                 # of this block does not bring it back. Counting it here, not only as the next block's input, keeps
                 # it with its own block, which the cluster's one-block proxy repeats L times
                 kept.add(_storage_root(nodes[name]).name)
-    return CostModel(mesh, modes, frozenset(kept), float8, linears)
+    return CostModel(mesh, modes, frozenset(kept), float8, linears, fused, casts)
+
+
+def _fusion(tg: TracedGraph) -> dict[str, tuple[frozenset, bool]]:
+    """What torch.compile's fusion of memory-bound ops spares each one in the repeated blocks (``CostModel.fused``):
+    a block's memory-bound ops (not a matmul, attention or view) joined through views form chains that run as one
+    kernel; an op reads in registers the inputs another op of its chain produced, and its output stays in registers
+    when every consumer (through views) is in its chain. Compiled block by block, as torchtitan does: nothing fuses
+    across a block's boundary, nor into a matmul or attention (their operands are written to memory)."""
+    nodes = tg.nodes
+    heavy = MATMUL_OPS | ATTENTION_OPS
+    views = VIEW_OPS | {operator.getitem}
+
+    def through_views(a):
+        while a.op == "call_function" and a.target in views and a.args:
+            a = a.args[0]
+        return a
+
+    def consumers(n):
+        for u in n.users:
+            if u.op == "call_function" and u.target in views:
+                yield from consumers(u)
+            else:
+                yield u
+
+    out: dict[str, tuple[frozenset, bool]] = {}
+    for b in tg.blocks:
+        inside = set(b.nodes)
+
+        def elementwise(n) -> bool:
+            return n.name in inside and n.op == "call_function" and n.target not in heavy and n.target not in views
+
+        for name in b.nodes:
+            n = nodes[name]
+            if not elementwise(n):
+                continue
+            free = frozenset(i for i, a in enumerate(tensor_inputs(n)) if elementwise(through_views(a)))
+            users = list(consumers(n))
+            alone = bool(users) and all(elementwise(u) for u in users)
+            if free or alone:
+                out[name] = (free, alone)
+    return out
 
 
 @gc_paused

@@ -31,15 +31,17 @@ def fake_world(n: int):
 
 
 def fsdp2_h100(float8: bool = True, **fields):
-    """An H100 priced as torchtitan's FSDP2 runtime, as benchmarks/plan_quality.py describes it (its "fsdp2" and
-    "fsdp2+float8" runtimes): overlapped data-parallel communication, one ZeRO-3 bucket per block, fp32 gradient
-    reduction, op-level selective recomputation saving every other matmul, and (``float8``) Float8 linears."""
+    """torchtitan's H100s (``h100-500w``) priced as its FSDP2 runtime with torch.compile, as
+    benchmarks/plan_quality.py describes it (its "fsdp2+compile" and "fsdp2+float8+compile" runtimes): overlapped
+    data-parallel communication, one ZeRO-3 bucket per block, fp32 gradient reduction, op-level selective
+    recomputation saving every other matmul, fused memory-bound ops, and (``float8``) Float8 linears."""
     import dataclasses
 
     from autopar.hardware import get_hardware
 
-    runtime = dict(overlap=1.0, zero3_per_block=True, grad_reduce_bytes=4, selective_recomputes_every=2, float8_linears=float8)
-    return dataclasses.replace(get_hardware("h100-80gb"), **{**runtime, **fields})
+    runtime = dict(overlap=1.0, zero3_per_block=True, grad_reduce_bytes=4, selective_recomputes_every=2, float8_linears=float8,
+                   fused_elementwise=True)
+    return dataclasses.replace(get_hardware("h100-500w"), **{**runtime, **fields})
 
 
 def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(), steps: int = 3, lr: float = 1e-4,

@@ -205,3 +205,90 @@ def test_tp_overlap_hides_the_tensor_parallel_collectives_next_to_linears_and_no
     hidden = sum(cols[0.0][i].seconds for i in beside)
     assert plans[0.0].cost.step_time - plans[1.0].cost.step_time == pytest.approx(hidden, rel=1e-6)
     assert plans[0.0].cost.step_time - plans[0.5].cost.step_time == pytest.approx(hidden / 2, rel=1e-6)
+
+
+def _llama_block_graph(seq: int = 256):
+    import models
+    from autopar.trace import trace
+
+    model, make = models.build("llama3-8b", dtype=torch.bfloat16)
+    model.layers = model.layers[:2]
+    return trace(model, make(1, seq))
+
+
+def test_a_compiled_runtime_fuses_each_blocks_chains_of_memory_bound_ops():
+    """torch.compile (``fused_elementwise``): SiLU's output goes only to the gate's multiply, which reads it in
+    registers, so neither writes nor reads it; what a matmul or attention reads, and a block's output, is written;
+    nothing outside the blocks fuses; a fused op costs only what it still moves."""
+    import dataclasses
+
+    from autopar.hardware import Hardware, get_hardware
+    from autopar.planner import cost_model
+    from autopar.spec import Strategy
+    from autopar.strategies import op_info
+
+    tg = _llama_block_graph()
+    hw = dataclasses.replace(get_hardware("h100-80gb"), fused_elementwise=True)
+    assert Hardware.from_json(hw.to_json()) == hw
+    eager, compiled = (cost_model(tg, Mesh({"dp": 1}, hardware=h)) for h in (get_hardware("h100-80gb"), hw))
+    assert eager.fused == {}
+    nodes, block = tg.nodes, tg.blocks[0]
+    target = lambda t: [n for n in block.nodes if nodes[n].target is t]  # noqa: E731
+    silu = target(aten.silu.default)[0]
+    gate = next(iter(nodes[silu].users)).name  # silu * w3(x)
+    assert compiled.fused[silu] == (frozenset(), True)  # reads the matmul's output, keeps its own in registers
+    assert compiled.fused[gate] == (frozenset({0}), False)  # reads silu's in registers, writes what w2 reads
+    last = block.nodes[-1]  # the residual add leaving the block: read by the next block's norm, so written
+    assert nodes[last].target is aten.add.Tensor and not compiled.fused.get(last, ((), False))[1]
+    inside = {n for b in tg.blocks for n in b.nodes}
+    assert set(compiled.fused) <= inside
+    st = Strategy.parse("(R) -> R")
+    a, b = eager.op(op_info(nodes[silu]), st, True, node=silu), compiled.op(op_info(nodes[silu]), st, True, node=silu)
+    assert b.compute == pytest.approx(a.compute / 2)  # reads its input, writes nothing: half the bytes
+    saved = compiled.op(op_info(nodes[silu]), st, True, saved_output=True, node=silu)
+    assert saved.compute == pytest.approx(a.compute)  # what backward keeps is written, fused or not
+
+
+def test_float8_tensor_parallelism_casts_before_the_gather_once_per_input():
+    """torchao's float8 TP: a float8 linear's input is cast where it is produced, once for every linear reading it
+    (q / k / v share one cast), and gathered as float8 (one byte an element); the gradient of a float8 linear's
+    output goes back through its gather as float8 too; reductions stay in bf16."""
+    import dataclasses
+
+    from autopar.cost import price_steps
+    from autopar.hardware import get_hardware
+    from autopar.planner import cost_model
+    from autopar.redistribute import redistribute
+    from autopar.spec import Strategy
+    from autopar.strategies import op_info, tensor_inputs
+
+    tg = _llama_block_graph()
+    fp8 = dataclasses.replace(get_hardware("h100-80gb"), float8_linears=True)
+    mesh = Mesh({"tp": 8}, hardware=fp8)
+    cost = cost_model(tg, mesh)
+    nodes = tg.nodes
+    assert cost.casts == {tensor_inputs(nodes[n])[0].name for n in cost.float8}
+    assert len(cost.casts) < len(cost.float8)  # attention's and the MLP's projections share their input's cast
+    norm = next(n for n in tg.blocks[0].nodes if nodes[n].target is aten.rms_norm.default)
+    plain = cost_model(tg, Mesh({"tp": 8}, hardware=get_hardware("h100-80gb")))
+    st = Strategy.parse("(S(1), R) -> S(1)")  # sequence parallel: the cast runs on this rank's slice
+    info = op_info(nodes[norm])
+    extra = cost.op(info, st, True, node=norm).compute - plain.op(info, st, True, node=norm).compute
+    local = 256 // 8 * 4096
+    bw = fp8.hbm_bandwidth * fp8.memory_efficiency
+    assert extra == pytest.approx(5 * local / bw)  # amax read, cast read + write: on the slice, once
+    meta = TensorMeta((1, 256, 4096), torch.bfloat16)
+    steps = redistribute(Spec.parse("S(1)"), Spec.parse("R"), meta.shape, mesh.sizes)
+    bf16 = price_steps(steps, torch.bfloat16, mesh, True)
+    f8 = price_steps(steps, torch.bfloat16, mesh, True, float8=(True, False))
+    kinds = lambda ps: [(p.kind, p.phase, p.bytes) for p in ps]  # noqa: E731
+    assert [k for k, _, _ in kinds(bf16)] == ["all_gather", "reduce_scatter"]
+    assert kinds(f8) == [("all_gather", "forward", bf16[0].bytes // 2), ("reduce_scatter", "backward", bf16[1].bytes)]
+    linear = next(n for n in cost.float8 if tensor_inputs(nodes[n])[0].name == norm)
+    assert cost.edge_time(meta, Spec.parse("S(1)"), Spec.parse("R"), True, consumer=linear) < \
+        plain.edge_time(meta, Spec.parse("S(1)"), Spec.parse("R"), True, consumer=linear)
+    # a row-parallel linear's output: reduce-scattered in bf16, its gradient gathered back in float8
+    back = price_steps(redistribute(Spec.parse("P"), Spec.parse("S(1)"), meta.shape, mesh.sizes), torch.bfloat16, mesh, True,
+                       float8=(False, True))
+    assert [(p.kind, p.phase, p.bytes) for p in back] == [("reduce_scatter", "forward", 2 * 256 * 4096),
+                                                           ("all_gather", "backward", 256 * 4096)]

@@ -15,8 +15,8 @@ For each published run it prints:
 - the wall time of autopar's planning (trace, screen, real plan), and the process's peak memory.
 - for Llama-3.1-70B on 256 H100s (the shape question: does tensor parallelism join inside the node, at what
   degree?), autopar's per-op plan on each in-node tp degree, and what the tp axis carries in each, beside the
-  published Megatron layout on tp 8; and autopar's cluster plan there at smaller global batches (32 ... 512
-  sequences).
+  published Megatron layout on tp 8; autopar's cluster plan there at smaller global batches (32 ... 512
+  sequences); and both plans again with slower collectives across nodes.
 
 Sources: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 (SC'21), Table 1 (GPT ladder, 2048 tokens, vocabulary 51200) and Table 2 (GPT-3 175B, PTD-P vs ZeRO-3); Liang et
@@ -293,6 +293,7 @@ def main() -> None:
         if n == 256 and name == "llama3-70b":
             _tp_sweep(pub, auto)
             _batch_sweep(auto)
+            _link_sweep(pub, auto)
     for n in (384, 768, 1536):
         a, b = seen.get(("gpt3-175b", n, "fsdp")), seen.get(("gpt3-175b", n, "megatron-3d"))
         if a and b:
@@ -347,6 +348,29 @@ def _batch_sweep(auto) -> None:
         tp = dict(zip(p.mesh.names, p.mesh.sizes)).get("tp", 1)
         rows.append([batch, _shape(p), f"{p.cost.step_time:.2f}", f"{100 * p.cost.mfu:.1f}", _tp_axis_use(p) if tp > 1 else "-"])
     print(tabulate.tabulate(rows, headers=["batch", "autopar plan", "pred step s", "pred MFU %", "what tp carries"]))
+
+
+
+def _link_sweep(pub, auto) -> None:
+    """The same case with slower collectives across nodes (the preset's 90% of InfiniBand's line rate, then 75% and
+    60%): how the answer moves if FSDP's collectives over 256 ranks reach less than the preset says -- the one
+    constant the published runs leave loosest (torchtitan's 128-GPU run hides FSDP's traffic at ~66% or more)."""
+    model, make = models.build("llama3-70b", dtype=torch.bfloat16)
+    inputs = make(512, 8192)
+    hw = auto.mesh.hardware
+    case = next(c for c in cases() if c.group == "titan" and c.devices == 256)
+    print("  llama3-70b @256, 512 sequences, as collectives across nodes slow down:")
+    rows = []
+    for share in (0.9, 0.75, 0.6):
+        slower = dataclasses.replace(hw, inter_node=dataclasses.replace(hw.inter_node, bandwidth=hw.inter_node.bandwidth * share / 0.9))
+        cluster = Cluster(32, 8, slower)
+        p = auto if share == 0.9 else plan_cluster(model, inputs, cluster)
+        q = pub if share == 0.9 else _published_plan(case, model, inputs, cluster)
+        tp = dict(zip(p.mesh.names, p.mesh.sizes)).get("tp", 1)
+        rows.append([f"{share:.0%}", _shape(p), f"{p.cost.step_time:.2f}", _tp_axis_use(p) if tp > 1 else "-",
+                     f"{q.cost.step_time:.2f}", f"{p.cost.step_time / q.cost.step_time:.3f}"])
+    print(tabulate.tabulate(rows, headers=["IB share", "autopar plan", "pred step s", "what tp carries", "published TP 8 s",
+                                           "auto/pub"]))
 
 
 if __name__ == "__main__":

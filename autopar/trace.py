@@ -316,8 +316,11 @@ def _graph_hash(gm: fx.GraphModule) -> str:
 
 
 def _as_meta(x):
-    if isinstance(x, torch.Tensor) and x.device.type != "meta":
-        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    """A meta tensor like ``x``, always a new one (a meta input too): each export sees tensors of its own. Exporting
+    the caller's meta tensors over and over (a cluster plan exports the model once per real candidate, twice per
+    trace) left one of them with a corrupt weak-reference list in torch 2.13, a segfault when it was freed."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     return x
 
 

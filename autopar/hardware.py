@@ -40,6 +40,7 @@ the machine was), every time the slowest rank's:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -189,23 +190,6 @@ PRESETS: dict[str, Hardware] = {
         matmul_half_dim=128,
         attention_efficiency=0.6,  # FlashAttention-2 through SDPA: ~70% of peak forward, ~55% backward
     ),
-    # An H100 SXM with 96 GB of HBM2e (2.4 TB/s) held to a 500 W power limit, as in Meta's Grand Teton hosts where
-    # torchtitan's published H100 runs were made: the clocks the limit allows reach 0.71 of the 700 W part's
-    # tensor-core peaks (fitted on one run: torchtitan's Llama-3.1 8B, FSDP 8, torch.compile, bf16 -- plan_quality
-    # --cases check refits it and prices the page's other runs with it), and torch's SDPA ran FlashAttention-2,
-    # which reaches 35% of an H100's peak (Shah et al., FlashAttention-3, 2024), not the 60% it reaches on an A100
-    "h100-500w": Hardware(
-        name="h100-500w",
-        peak_flops=tuple((k, v * H100_500W_CLOCKS) for k, v in (("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12), ("float8", 1979e12))),
-        hbm_bandwidth=2.4e12,
-        memory=96 * _GB,
-        devices_per_node=8,
-        intra_node=Link(bandwidth=0.65 * 450 * _GB, latency=4e-6, launch=10e-6),
-        inter_node=Link(bandwidth=0.9 * 50 * _GB, latency=8e-6, launch=15e-6),
-        matmul_efficiency=0.68,
-        matmul_half_dim=128,
-        attention_efficiency=0.35,
-    ),
     "h200": Hardware(
         name="h200",
         peak_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12), ("float8", 1979e12)),
@@ -234,6 +218,14 @@ PRESETS: dict[str, Hardware] = {
     ),
 }
 
+# An H100 SXM with 96 GB of HBM2e (2.4 TB/s) held to a 500 W power limit, as in Meta's Grand Teton hosts where
+# torchtitan's published H100 runs were made: the clocks the limit allows reach 0.71 of the 700 W part's
+# tensor-core peaks (fitted on one run: torchtitan's Llama-3.1 8B, FSDP 8, torch.compile, bf16 -- plan_quality
+# --cases check refits it and prices the page's other runs with it), and torch's SDPA ran FlashAttention-2,
+# which reaches 35% of an H100's peak (Shah et al., FlashAttention-3, 2024), not the 60% it reaches on an A100
+PRESETS["h100-500w"] = dataclasses.replace(
+    PRESETS["h100-80gb"], name="h100-500w", hbm_bandwidth=2.4e12, memory=96 * _GB, attention_efficiency=0.35,
+    peak_flops=tuple((k, v * H100_500W_CLOCKS) for k, v in PRESETS["h100-80gb"].peak_flops))
 
 def get_hardware(hw: "str | Hardware") -> Hardware:
     if isinstance(hw, Hardware):

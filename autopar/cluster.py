@@ -22,7 +22,8 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    then evaluated from those numbers alone, in the order of a lower bound (the rest dropped once the bound passes
    the best): blocks repeated L times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory)
    and the schedule's analytic step; without one, the step is compute plus data-parallel communication (overlapped
-   where the hardware's runtime overlaps it) and ZeRO's bytes come from ``autopar.zero.param_cost``. Candidates
+   where the hardware's runtime overlaps it), ZeRO's bytes and launches come from ``autopar.zero`` (``param_cost``,
+   ``group_latency``) as the real plan's do, and the peak counts one block's recomputed activations as it does. Candidates
    whose memory does not fit are dropped, with the reason kept. HSDP is ranked as if 2% slower than it screens: it
    holds more state and adds an axis, so it has to win by more than a near-tie.
 2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan`` with the
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import RECOMPUTE, collective_time, peak_memory
+from autopar.cost import RECOMPUTE, collective_time, grad_sync_axes, itemsize, peak_memory
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
@@ -54,7 +55,7 @@ from autopar.plan import Plan
 from autopar.spec import Spec
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.trace import PARAM, trace
-from autopar.zero import ZeroOption, param_cost
+from autopar.zero import ZeroOption, eligible, group_latency, param_cost
 
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
@@ -248,7 +249,7 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     for axes, (sg, local, n) in block.items():
         for k in range(L):
             params[f"block{k}{axes}"] = ({1 + k}, sg, local, axes, n)
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {})
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [])
 
 
 def _units(L: int) -> Units:
@@ -270,25 +271,26 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
     act = sum(uc.act)
     state = grad = transient = comm = 0.0
     n_block_params = sum(1 for u, *_ in prof.params.values() if u == 1)
+    buckets: dict[int, float] = {}  # unit -> its gradient bucket of parameters left out of ZeRO (flat copy + cut: 2x)
     for name, (u, spec, meta) in prof.params.items():
         copies = L if u == 1 else 1
         if c.shard:  # the proxy's Specs are on (dp, tp): the data placement holds on both data axes
             spec = Spec((spec.placements[0],) + tuple(spec.placements))
         zc = param_cost(opt, spec, meta, mesh, copies, max(n_block_params, 1))
+        if (opt.stage == 0 or not eligible(opt, spec, meta, mesh)) and grad_sync_axes(spec, mesh):
+            buckets[u] = buckets.get(u, 0.0) + 2 * math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
         state += copies * zc.state
         grad += copies * zc.grad
         act += copies * zc.act if opt.stage in (1, 2) else 0.0
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
         comm += copies * (zc.comm + zc.copy)
-    if c.dp > 1:  # one bucket per block pays the latency (ZeRO-3: per pass, and per parameter unless per block)
-        a = 1 if c.shard else 0
-        lat = collective_time("all_reduce", 0, mesh.sizes[a], mesh.link(a))
-        per_block = 3 * (1 if mesh.hardware.zero3_per_block else n_block_params) if opt.stage == 3 else 1
-        replicas = collective_time("all_reduce", 0, mesh.sizes[0], mesh.link(0)) if c.shard else 0.0  # HSDP's shard sync
-        comm += (L + 2) * (lat * per_block + replicas)
+    bucket = max(buckets.values(), default=0.0)  # one bucket at a time, as backward ends
+    regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
+    if c.dp > 1:  # the launches and ring latencies, as the real plan prices them per parameter group (a unit here)
+        comm += (L + 2) * group_latency(opt, mesh, max(n_block_params, 1), L + 2)
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
-    memory = peak_memory(state, grad, act, transient, transient)
+    memory = peak_memory(state, grad, act, max(transient, bucket), max(transient, regen))  # as the real plan's peak
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
 
 

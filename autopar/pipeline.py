@@ -166,11 +166,12 @@ class UnitCosts:
     cross: list[int]  # bytes crossing the boundary before unit i (forward), i = 0..U
     cross_grad: list[bool]  # whether a gradient comes back across it
     static_time: dict[int, float]
+    regen: list[float] = dataclasses.field(default_factory=list)  # bytes a unit's recomputation brings back in its backward
 
 
 def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units, inner: Mesh) -> UnitCosts:
     U = len(units.labels)
-    fwd, bwd, act = [0.0] * U, [0.0] * U, [0.0] * U
+    fwd, bwd, act, regen = [0.0] * U, [0.0] * U, [0.0] * U, [0.0] * U
     strategy = choice.strategy
 
     def unit(n: str) -> int:
@@ -189,6 +190,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         fwd[u] += f
         bwd[u] += nc.compute - f
         act[u] += nc.act + (nc.state if tg.kinds.get(n) == INPUT else 0.0)
+        regen[u] += nc.regen
     emitted = set()
     for u_, v, i, m in problem.edges:
         src, dst = strategy[u_].output, strategy[v].inputs[i]
@@ -241,7 +243,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for i in range(U + 1):
         run += diff[i]
         cross.append(run)
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {})
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------

@@ -126,13 +126,16 @@ def test_gpt3_175b_on_1536_a100s_at_scale():
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_the_screen_counts_every_block_input_recomputation_keeps(mode):
     """The screen prices L blocks from a one-block proxy; under recomputation each block keeps its input (the
-    previous block's output), which the proxy alone never shows. The screened peak of the flat layout agrees with
-    its real plan's."""
+    previous block's output), which the proxy alone never shows, and one block's recomputed activations come back
+    while its backward runs. The screened peak of each flat layout (every ZeRO stage it screened) is its real
+    plan's."""
     model, inputs, cl = _gpt(layers=32, width=512, block=1024), _ids(64, 1024), Cluster(1, 8, "a100-80gb")
     plan = plan_cluster(model, inputs, cl, recompute=(mode,), top=1)
-    flat = next(s for s in plan.search if s.candidate.dp == 8 and s.candidate.pp == 1)
-    real = autopar.plan(model, cl.mesh(8, 1, 1), inputs, recompute=mode, constraints=[autopar.ZeroPin("*", flat.candidate.zero)])
-    assert flat.memory == pytest.approx(real.cost.memory_per_device, rel=0.1), (str(flat.candidate), flat.memory, real.cost.memory_per_device)
+    flat = [s for s in plan.search if s.candidate.dp == 8 and s.candidate.pp == 1 and not s.candidate.shard and s.step < math.inf]
+    assert len({s.candidate.zero for s in flat}) >= 2
+    for s in flat:
+        real = autopar.plan(model, cl.mesh(8, 1, 1), inputs, recompute=mode, constraints=[autopar.ZeroPin("*", s.candidate.zero)])
+        assert s.memory == pytest.approx(real.cost.memory_per_device, rel=0.02), (str(s.candidate), s.memory, real.cost.memory_per_device)
 
 
 def test_hsdp_candidates_shard_inside_nodes_or_over_whole_nodes():

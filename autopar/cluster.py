@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import RECOMPUTE, collective_time, grad_sync_axes, itemsize, peak_memory
+from autopar.cost import RECOMPUTE, collective_time, peak_memory
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
@@ -55,7 +55,7 @@ from autopar.plan import Plan
 from autopar.spec import Spec
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.trace import PARAM, trace
-from autopar.zero import ZeroOption, eligible, group_latency, param_cost
+from autopar.zero import ZeroOption, group_latency, param_cost
 
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
@@ -271,26 +271,22 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
     act = sum(uc.act)
     state = grad = transient = comm = 0.0
     n_block_params = sum(1 for u, *_ in prof.params.values() if u == 1)
-    buckets: dict[int, float] = {}  # unit -> its gradient bucket of parameters left out of ZeRO (flat copy + cut: 2x)
     for name, (u, spec, meta) in prof.params.items():
         copies = L if u == 1 else 1
         if c.shard:  # the proxy's Specs are on (dp, tp): the data placement holds on both data axes
             spec = Spec((spec.placements[0],) + tuple(spec.placements))
         zc = param_cost(opt, spec, meta, mesh, copies, max(n_block_params, 1))
-        if (opt.stage == 0 or not eligible(opt, spec, meta, mesh)) and grad_sync_axes(spec, mesh):
-            buckets[u] = buckets.get(u, 0.0) + 2 * math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
         state += copies * zc.state
         grad += copies * zc.grad
         act += copies * zc.act if opt.stage in (1, 2) else 0.0
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
         comm += copies * (zc.comm + zc.copy)
-    bucket = max(buckets.values(), default=0.0)  # one bucket at a time, as backward ends
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
     if c.dp > 1:  # the launches and ring latencies, as the real plan prices them per parameter group (a unit here)
         comm += (L + 2) * group_latency(opt, mesh, max(n_block_params, 1), L + 2)
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
-    memory = peak_memory(state, grad, act, max(transient, bucket), max(transient, regen))  # as the real plan's peak
+    memory = peak_memory(state, grad, act, transient, max(transient, regen))
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
 
 

@@ -227,6 +227,7 @@ PRESETS["h100-500w"] = dataclasses.replace(
     PRESETS["h100-80gb"], name="h100-500w", hbm_bandwidth=2.4e12, memory=96 * _GB, attention_efficiency=0.35,
     peak_flops=tuple((k, v * H100_500W_CLOCKS) for k, v in PRESETS["h100-80gb"].peak_flops))
 
+
 def get_hardware(hw: "str | Hardware") -> Hardware:
     if isinstance(hw, Hardware):
         return hw

@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import autopar  # noqa: E402
 import models  # noqa: E402
 from autopar.cluster import Cluster, plan_cluster  # noqa: E402
-from autopar.hardware import get_hardware  # noqa: E402
+from autopar.hardware import H100_500W_CLOCKS, get_hardware  # noqa: E402
 from models.gpt import MEGATRON_SIZES  # noqa: E402
 
 A100_PEAK = 312e12
@@ -183,8 +183,6 @@ def _published_plan(case: Case, model, inputs, cluster: Cluster):
 def _fit_clocks(case: Case) -> float:
     """The share of the 700 W H100's tensor-core peaks that makes ``case`` (a run on ``h100-500w``) predicted at
     its published step: bisection over the clocks, everything else as the preset has it."""
-    from autopar.hardware import H100_500W_CLOCKS
-
     model, make = models.build(case.model, dtype=torch.bfloat16)
     inputs = make(case.batch, case.seq)
     hw = runtime_hardware(case.hardware, case.runtime)
@@ -280,8 +278,6 @@ def main() -> None:
         print("of the tensor-parallel collectives with the GEMMs (tp_overlap = 1)")
         print(tabulate.tabulate(checks, headers=["case", "published configuration", "pub MFU %", "pred MFU %", "MFU err", "pred step s"]))
         if fit is not None:
-            from autopar.hardware import H100_500W_CLOCKS
-
             print(f"h100-500w's clocks refitted on {fit[0].published.split(': ')[1]}: {fit[1]:.3f} of the 700 W part's "
                   f"tensor-core peaks (the preset: {H100_500W_CLOCKS})")
     print("\nshapes:")

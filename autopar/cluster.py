@@ -55,7 +55,7 @@ from autopar.plan import Plan
 from autopar.spec import Spec
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.trace import PARAM, trace
-from autopar.zero import ZeroOption, group_latency, param_cost
+from autopar.zero import ZeroOption, group_latency, param_cost, zero3_traffic, zero3_uses
 
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
@@ -142,7 +142,8 @@ class _Profile:
     """One tensor-parallel degree's unit costs at one and two rows, per recomputation mode, and its parameters."""
 
     units: dict[str, tuple[UnitCosts, UnitCosts]]  # recompute mode -> (costs at 1 row, at 2 rows)
-    params: dict[str, tuple[int, object, object]]  # param -> (0 embedding / 1 template block / 2 head, Spec, meta)
+    params: dict[str, tuple[int, object, object, tuple]]  # param -> (0 embedding / 1 template block / 2 head, Spec,
+    # meta, its uses as ZeRO-3 gathers it)
     memo: dict = dataclasses.field(default_factory=dict)  # (recompute, rows, L) -> expanded UnitCosts
 
 
@@ -201,7 +202,7 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
         first = min(un.users_units.get(n) or {0})
         if 0 < first < U - 2:
             continue  # a parameter of a proxy block other than the template (the last): the template stands for all
-        params[n] = (0 if first == 0 else 1 if first == U - 2 else 2, choice.strategy[n].output, problem.meta[n])
+        params[n] = (0 if first == 0 else 1 if first == U - 2 else 2, choice.strategy[n].output, problem.meta[n], zero3_uses(tg, n))
     return _Profile(out, params)
 
 
@@ -271,19 +272,25 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
     act = sum(uc.act)
     state = grad = transient = comm = 0.0
     n_block_params = sum(1 for u, *_ in prof.params.values() if u == 1)
-    for name, (u, spec, meta) in prof.params.items():
+    traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
+    for name, (u, spec, meta, uses) in prof.params.items():
         copies = L if u == 1 else 1
         if c.shard:  # the proxy's Specs are on (dp, tp): the data placement holds on both data axes
             spec = Spec((spec.placements[0],) + tuple(spec.placements))
-        zc = param_cost(opt, spec, meta, mesh, copies, max(n_block_params, 1))
+        for i, k in enumerate(zero3_traffic(uses)):
+            traffic[u == 1][i] += k
+        zc = param_cost(opt, spec, meta, mesh, copies, max(n_block_params, 1), uses)
         state += copies * zc.state
         grad += copies * zc.grad
         act += copies * zc.act if opt.stage in (1, 2) else 0.0
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
         comm += copies * (zc.comm + zc.copy)
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
-    if c.dp > 1:  # the launches and ring latencies, as the real plan prices them per parameter group (a unit here)
-        comm += (L + 2) * group_latency(opt, mesh, max(n_block_params, 1), L + 2)
+    if c.dp > 1:  # the launches and ring latencies, as the real plan prices them per parameter group: each block,
+        # and the rest (embedding, head, final norm) as one
+        n_rest = len(prof.params) - n_block_params
+        comm += L * group_latency(opt, mesh, max(n_block_params, 1), L + 1, tuple(traffic[True]))
+        comm += group_latency(opt, mesh, max(n_rest, 1), L + 1, tuple(traffic[False])) if n_rest else 0.0
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
     memory = peak_memory(state, grad, act, transient, max(transient, regen))

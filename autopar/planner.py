@@ -182,7 +182,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if not eligible(opt, spec, meta, mesh):
             opt = ZeroOption(0)
         zero_of[name] = opt
-        zc = param_cost(opt, spec, meta, mesh)
+        zc = param_cost(opt, spec, meta, mesh, uses=zero3_uses(tg, name))
         copy_time += zc.copy
         gm = group_memory.setdefault(g, [0.0, 0.0, 0])
         gm[0] += zc.state

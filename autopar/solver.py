@@ -73,7 +73,7 @@ from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
-from autopar.zero import ZeroCost, ZeroOption, eligible, group_latency, param_cost, zero_options
+from autopar.zero import ZeroCost, ZeroOption, eligible, group_latency, param_cost, zero3_traffic, zero3_uses, zero_options
 
 
 def gc_paused(fn):
@@ -477,8 +477,8 @@ def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int, 
 
 
 @functools.lru_cache(maxsize=65536)
-def _zcost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int, gparams: int) -> ZeroCost:
-    return param_cost(opt, spec, meta, mesh, copies, gparams)  # a pure function of hashable data: memoised
+def _zcost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int, gparams: int, uses: tuple[str, ...]) -> ZeroCost:
+    return param_cost(opt, spec, meta, mesh, copies, gparams, uses)  # a pure function of hashable data: memoised
 
 
 def _zero_allowed(zgroups, zopts: list[ZeroOption], mesh: Mesh, pins) -> dict[str, set[int]]:
@@ -592,23 +592,24 @@ def solve(
     tparam: list[tuple[str, int, str, int, float]] = []  # (decision, strategy, group, option, bytes) of ZeRO-3 params
     zfacts: dict[tuple, tuple] = {}  # one parameter's ZeRO facts at one Spec: the same for every tied copy
 
-    def zero_facts(spec: Spec, meta: TensorMeta, copies: int, gparams: int) -> tuple:
-        key = (spec, meta.shape, meta.dtype, copies, gparams)
+    def zero_facts(spec: Spec, meta: TensorMeta, copies: int, gparams: int, uses: tuple[str, ...]) -> tuple:
+        key = (spec, meta.shape, meta.dtype, copies, gparams, uses)
         if key not in zfacts:
-            base = _zcost(zopts[0], spec, meta, mesh, copies, gparams)
+            base = _zcost(zopts[0], spec, meta, mesh, copies, gparams, uses)
             per = []
             for k, opt in enumerate(zopts):
-                c = _zcost(opt, spec, meta, mesh, copies, gparams) if k else base
+                c = _zcost(opt, spec, meta, mesh, copies, gparams, uses) if k else base
                 per.append((opt.stage if eligible(opt, spec, meta, mesh) else 0,
                             (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.copy - base.copy)))
             b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
             zfacts[key] = (base.copy, b, bool(grad_sync_axes(spec, mesh)), per)
         return zfacts[key]
 
+    zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
     for n, (g, copies, gparams) in zgroups.items():
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
-            base_copy, b, synced, per = zero_facts(P_.strategy(n, s).output, P_.meta[n], copies, gparams)
+            base_copy, b, synced, per = zero_facts(P_.strategy(n, s).output, P_.meta[n], copies, gparams, zuses[n])
             t_lin[r][s] += base_copy  # the runtime's copies run on the compute stream: the critical path, as priced
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
@@ -743,15 +744,21 @@ def solve(
     zvar: dict[str, list] = {}
     pinned = _zero_allowed(zgroups, zopts, mesh, pins)
     group_meta = {}
-    for g, copies, gparams in zgroups.values():
+    traffic: dict[str, list[int]] = {}  # group -> its parameters' ZeRO-3 (all-gathers, reduce-scatters), all copies
+    for n, (g, copies, gparams) in zgroups.items():
         group_meta[g] = (copies, gparams)
+        acc = traffic.setdefault(g, [0, 0])
+        for i, k in enumerate(zero3_traffic(zuses[n])):
+            acc[i] += k
     all_copies = sum(c for c, _ in group_meta.values())
     for g, (copies, gparams) in group_meta.items():
         ok = pinned.get(g)
         zvar[g] = [model.binary(relax) if (ok is None or k in ok) else None for k in range(len(zopts))]
         add_row(1.0, 1.0, [(1.0, v) for v in zvar[g] if v is not None])
+        per_copy = (traffic[g][0] // copies, traffic[g][1] // copies)
         for k, zv in enumerate(zvar[g]):
-            dlat = copies * (group_latency(zopts[k], mesh, gparams, all_copies) - group_latency(zopts[0], mesh, gparams, all_copies))
+            dlat = copies * (group_latency(zopts[k], mesh, gparams, all_copies, per_copy)
+                             - group_latency(zopts[0], mesh, gparams, all_copies, per_copy))
             if zv is not None and dlat and objective != "memory":
                 oterms.append((dlat * US, zv))
     ind: dict[tuple[str, int, str, int], list] = {}  # (decision, strategy, group, option) -> x * z, a linear form

@@ -18,6 +18,9 @@ itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO pap
 | 3     | e (p + o)/n        | (one param at a time)| e p/n (+ one param, twice)       | all-gather forward and again in       |
 |       |                    |                      |                                  | backward + reduce-scatter: 1.5x bytes |
 
+Stage 3's traffic is per use of the parameter (``zero3_traffic``): a linear's weight is gathered again in
+backward, not kept; a parameter used otherwise (a norm's weight, a bias, an embedding) is gathered once and kept
+for its backward; a tied weight pays once per use.
 Stage 1 reduce-scatters all its gradients at the end of backward (full gradients are held until then); stage 2
 reduce-scatters each group's gradients as soon as they are ready. A storage shard is a flat chunk of the
 parameter's local tensor (FSDP1 style), so any parameter whose local size divides by n can be sharded.
@@ -98,11 +101,19 @@ class ZeroCost:
     copy: float = 0.0  # seconds of the runtime's copies around it, at memory bandwidth
 
 
-def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int = 1, group_params: int = 1) -> ZeroCost:
+def zero3_traffic(uses: tuple[str, ...]) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) per step of a ZeRO-3 parameter used as ``uses`` says (``zero3_uses``): each
+    use gathers it and reduce-scatters that use's gradient; a linear's weight is gathered once more in backward."""
+    return len(uses) + uses.count("linear"), len(uses)
+
+
+def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int = 1, group_params: int = 1,
+               uses: tuple[str, ...] = ("linear",)) -> ZeroCost:
     """One trainable parameter's memory and communication under ``opt`` (stage 0 if it is not eligible).
 
     ``copies`` and ``group_params`` spread a group's one-at-a-time transients over the parameters that share them
-    (a bucket of full gradients per group copy in stage 2; one gathered parameter at a time in stage 3).
+    (a bucket of full gradients per group copy in stage 2; one gathered parameter at a time in stage 3). ``uses``
+    (``zero3_uses``): how many times stage 3 gathers and reduce-scatters it, as the real plan emits them.
     """
     if not eligible(opt, spec, meta, mesh):
         opt = ZeroOption(0)
@@ -127,8 +138,8 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     rest = tuple(a for a in synced if a not in opt.shard_axes)
     rf = mesh.hardware.reduce_factor(meta.dtype)  # gradients may be reduced in a wider dtype than the parameter's
     on_shard = sum(bw("all_reduce", rf * b / n, a) for a in rest)
-    gathers = 2 if opt.stage == 3 else 1
-    comm = sum(gathers * bw("all_gather", b, a) + bw("reduce_scatter", rf * b, a) for a in opt.shard_axes) + on_shard
+    gathers, scatters = zero3_traffic(uses) if opt.stage == 3 else (1, 1)
+    comm = sum(gathers * bw("all_gather", b, a) + scatters * bw("reduce_scatter", rf * b, a) for a in opt.shard_axes) + on_shard
     copy = copies_bytes / hbm
     if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard (and its copy) at the end
         return ZeroCost(b / n + e * o / n, b, 2 * b + 2 * b / n, 0.0, comm, copy)
@@ -137,9 +148,12 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, copy)
 
 
-def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_copies: int) -> float:
+def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_copies: int,
+                  traffic: "tuple[int, int] | None" = None) -> float:
     """Launch and latency seconds of one group copy's collectives per step (its bytes are in ``param_cost``);
-    ``n_copies``: group copies in the whole model (stage 1's single bucket is shared by all of them)."""
+    ``n_copies``: group copies in the whole model (stage 1's single bucket is shared by all of them); ``traffic``:
+    the copy's ZeRO-3 (all-gathers, reduce-scatters), the sum of its parameters' ``zero3_traffic`` (by default each
+    parameter a linear's weight used once)."""
     def lat(kind: str, a: int) -> float:
         return collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a))
 
@@ -152,8 +166,10 @@ def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_copies: int)
         return pair / max(n_copies, 1) + rest
     if opt.stage == 2:  # one bucket per group copy
         return pair + rest
-    per_use = sum(2 * lat("all_gather", a) + lat("reduce_scatter", a) for a in opt.shard_axes)
-    return (1 if mesh.hardware.zero3_per_block else group_params) * per_use + rest
+    gathers, scatters = traffic or (2 * group_params, group_params)
+    if mesh.hardware.zero3_per_block:  # one bucket per group copy: gathered for forward, again for its linears
+        gathers, scatters = min(gathers, 1) + (gathers > scatters), min(scatters, 1)
+    return sum(gathers * lat("all_gather", a) + scatters * lat("reduce_scatter", a) for a in opt.shard_axes) + rest
 
 
 def _levels(full: float, shard_axes: tuple[int, ...], mesh: Mesh, gather: bool) -> list[tuple[int, float]]:
@@ -196,7 +212,7 @@ def scatter_priced(full: float, shard_axes: tuple[int, ...], rest: tuple[int, ..
     return out
 
 
-def zero3_uses(tg, name: str) -> list[str]:
+def zero3_uses(tg, name: str) -> tuple[str, ...]:
     """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's weight: gathered for the op and again
     in backward, never kept) or "other" (gathered once; autograd may keep it)."""
     import torch
@@ -206,4 +222,4 @@ def zero3_uses(tg, name: str) -> list[str]:
     for u in node.users:
         is_weight = u.target == torch.ops.aten.linear.default and len(u.args) > 1 and u.args[1] is node
         out.append("linear" if is_weight and u.args[0] is not node else "other")
-    return out
+    return tuple(out)

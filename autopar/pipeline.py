@@ -18,8 +18,8 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
    redistributions into them, as the ILP priced them), activation bytes per microbatch, parameter state; per
    boundary: the bytes that cross it.
 4. For each schedule (GPipe, 1F1B, interleaved 1F1B with ``v`` stages per rank where the blocks divide), the cuts
-   minimise the slowest stage subject to every rank's memory (state + in-flight microbatches x activations <=
-   budget): bisection on the slowest stage's time, with a greedy packing as the feasibility test (exact for
+   minimise the slowest stage subject to every rank's memory (state + in-flight microbatches x activations + one
+   block's recomputed activations, alive while its backward runs <= budget): bisection on the slowest stage's time, with a greedy packing as the feasibility test (exact for
    contiguous cuts, since a shorter run of units never needs more time or memory). The schedule is then
    simulated (``autopar.schedule``): the step is the simulated timeline plus the gradient all-reduce after it.
 5. The fastest (m, schedule, cuts) that fits wins; ties go to fewer microbatches, then the schedule order.
@@ -274,6 +274,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     flights = sched.in_flight(schedule, p, m, v)
     rank_state = [0.0] * p
     rank_act = [0.0] * p
+    rank_regen = [0.0] * p  # one block's recomputed activations, alive while its backward runs
     sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
     ranks_of: dict[str, set[int]] = {}
     for s, (i, j) in enumerate(zip(starts, ends)):
@@ -293,7 +294,8 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         stages.append(StagePlan(s, r, tuple(units.labels[i:j]), f, b, int(send), state, a))
         rank_state[r] += state
         rank_act[r] += a / v
-    memory = tuple(rank_state[r] + flights[r] * rank_act[r] for r in range(p))
+        rank_regen[r] = max(rank_regen[r], max(uc.regen[i:j], default=0.0))
+    memory = tuple(rank_state[r] + flights[r] * rank_act[r] + rank_regen[r] for r in range(p))
     # the gradient all-reduces after the schedule: one bucket per axis per rank; parameters held on several pp
     # ranks (tied embeddings) are summed across them too
     sync = [sum(collective_time("all_reduce", b, inner.sizes[ax], inner.link(ax)) for ax, b in sync_bytes[r].items()) for r in range(p)]
@@ -332,21 +334,22 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
         return None
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
+    regen = uc.regen or [0.0] * U
 
     def pack(limit: float) -> tuple[int, ...] | None:
         starts, i = [], 0
         for k in range(S):
             r = k % p
             cap = budget / v
-            j, tt, mm_state, mm_act = i, 0.0, 0.0, 0.0
+            j, tt, mm_state, mm_act, mm_regen = i, 0.0, 0.0, 0.0, 0.0
             last = U - (S - k - 1)  # leave a unit for every later stage
             while j < last:
-                nt, ns, na = tt + t[j], mm_state + st[j], mm_act + uc.act[j]
-                if j > i and (nt > limit or ns + flights[r] * na / v > cap):
+                nt, ns, na, nr = tt + t[j], mm_state + st[j], mm_act + uc.act[j], max(mm_regen, regen[j])
+                if j > i and (nt > limit or ns + flights[r] * na / v + nr > cap):
                     break
-                if j == i and ns + flights[r] * na / v > cap:
+                if j == i and ns + flights[r] * na / v + nr > cap:
                     return None
-                tt, mm_state, mm_act = nt, ns, na
+                tt, mm_state, mm_act, mm_regen = nt, ns, na, nr
                 j += 1
             if k == S - 1 and j < U:
                 return None
@@ -370,6 +373,27 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
     return best
 
 
+def _sums(uc: UnitCosts, st: list[float]) -> tuple:
+    """What ``_rank_memory`` reads of a stage in O(1): running sums of the units' state and activations, and the
+    largest recomputation in a run of units."""
+    return _prefix(st), _prefix(uc.act), _range_max(uc.regen) if any(uc.regen) else None  # None: nothing recomputed
+
+
+def _range_max(xs: list[float]):
+    """``f(i, j) == max(xs[i:j], default=0.0)`` in two lookups (a sparse table: the maxima of runs of 2^k)."""
+    rows = [list(xs)]
+    while 2 ** len(rows) <= len(xs):
+        prev, k = rows[-1], 2 ** (len(rows) - 1)
+        rows.append([max(prev[i], prev[i + k]) for i in range(len(xs) - 2 * k + 1)])
+
+    def f(i: int, j: int) -> float:
+        if j <= i:
+            return 0.0
+        k = (j - i).bit_length() - 1
+        return max(rows[k][i], rows[k][j - 2 ** k])
+    return f
+
+
 def _prefix(xs: list[float]) -> list[float]:
     """Running sums, ``out[j] - out[i] == sum(xs[i:j])``: a stage's total in two lookups, for searches that price
     thousands of cuts of the same units."""
@@ -380,16 +404,19 @@ def _prefix(xs: list[float]) -> list[float]:
 
 
 def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, v: int, flights: list[int],
-                 sums: "tuple[list[float], list[float]] | None" = None) -> list[float]:
-    """Each pipeline rank's bytes: its stages' parameter state, and ``flights`` microbatches of their activations.
-    ``sums``: ``_prefix`` of ``st`` and of ``uc.act``, when the caller prices many cuts."""
-    ps, pa = sums or (_prefix(st), _prefix(uc.act))
-    mem_state, mem_act = [0.0] * p, [0.0] * p
+                 sums: "tuple | None" = None) -> list[float]:
+    """Each pipeline rank's bytes: its stages' parameter state, ``flights`` microbatches of their activations, and
+    the largest recomputation one of its units brings back in its backward. ``sums``: ``_sums(uc, st)``, when the
+    caller prices many cuts."""
+    ps, pa, regen = sums or _sums(uc, st)
+    mem_state, mem_act, mem_regen = [0.0] * p, [0.0] * p, [0.0] * p
     ends = list(starts[1:]) + [U]
     for k, (i, j) in enumerate(zip(starts, ends)):
         mem_state[k % p] += ps[j] - ps[i]
         mem_act[k % p] += (pa[j] - pa[i]) / v
-    return [mem_state[r] + flights[r] * mem_act[r] for r in range(p)]
+        if regen is not None:
+            mem_regen[k % p] = max(mem_regen[k % p], regen(i, j))
+    return [mem_state[r] + flights[r] * mem_act[r] + mem_regen[r] for r in range(p)]
 
 
 def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:
@@ -401,7 +428,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
     U = len(units.labels)
     pt = _prefix([f + b for f, b in zip(uc.fwd, uc.bwd)])
     st = unit_state(uc, U)
-    sums = (_prefix(st), _prefix(uc.act))
+    sums = _sums(uc, st)
 
     def objective(cuts: tuple[int, ...]) -> float:
         ends = list(cuts[1:]) + [U]

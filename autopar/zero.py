@@ -214,12 +214,20 @@ def scatter_priced(full: float, shard_axes: tuple[int, ...], rest: tuple[int, ..
 
 def zero3_uses(tg, name: str) -> tuple[str, ...]:
     """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's weight: gathered for the op and again
-    in backward, never kept) or "other" (gathered once; autograd may keep it)."""
+    in backward, never kept) or "other" (gathered once; autograd may keep it). Read off the graph once per traced
+    graph (``tg.memo``): the solver asks for every parameter of every ILP it builds."""
     import torch
 
-    node = tg.nodes[name]
-    out = []
-    for u in node.users:
-        is_weight = u.target == torch.ops.aten.linear.default and len(u.args) > 1 and u.args[1] is node
-        out.append("linear" if is_weight and u.args[0] is not node else "other")
-    return tuple(out)
+    table = tg.memo.get("zero3_uses")
+    if table is None:
+        table = {}
+        for node in tg.gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            out = []
+            for u in node.users:
+                is_weight = u.target == torch.ops.aten.linear.default and len(u.args) > 1 and u.args[1] is node
+                out.append("linear" if is_weight and u.args[0] is not node else "other")
+            table[node.name] = tuple(out)
+        tg.memo["zero3_uses"] = table
+    return table[name]

@@ -59,6 +59,26 @@ def test_microbatches_shrink_the_step_until_activation_memory_binds():
     assert free.pipeline.microbatches in (1, 2, 4, 8, 16, 32) and free.pipeline.schedule in ("gpipe", "1f1b", "interleaved")
 
 
+def test_a_rank_counts_the_block_it_recomputes_beside_its_checkpoints():
+    """Under recomputation a block's activations come back while its backward runs: each pipeline rank's peak is its
+    state, its in-flight microbatches' kept bytes, and one block's recomputed activations -- with full
+    recomputation, what a block keeps without it less the checkpoint it keeps with it (the cuts, the screen and the
+    reported peak all count it; they left it out, 12% under on the first rank here)."""
+    model, inputs = build("gpt2-small")
+    mesh = autopar.Mesh({"pp": 2}, hardware="h100-80gb")
+    extra, act = {}, {}
+    for mode in ("none", "selective", "full"):
+        pp = autopar.plan(model, mesh, inputs(16, 1024), recompute=mode, constraints=[PipelinePin("1f1b", 4, cuts="equal")]).pipeline
+        ranks = [[s for s in pp.stages if s.rank == r] for r in range(2)]
+        act[mode] = sum(s.activations for s in ranks[0])
+        extra[mode] = [pp.rank_memory[r] - sum(s.state for s in st) - pp.in_flight[r] * sum(s.activations for s in st)
+                       for r, st in enumerate(ranks)]
+    blocks = 6  # the first rank's: the embedding and h.0-h.5
+    assert extra["none"] == [0.0, 0.0]
+    assert 0 < extra["selective"][0] < extra["full"][0] and extra["full"][0] == pytest.approx(extra["full"][1])
+    assert extra["full"][0] == pytest.approx((act["none"] - act["full"]) / blocks, rel=0.01)
+
+
 def test_cuts_balance_a_heavy_head_by_time_not_by_blocks():
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=50304, block_size=512, n_layer=8, n_head=4, n_embd=256))

@@ -23,7 +23,10 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    the best): blocks repeated L times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory)
    and the schedule's analytic step; without one, the step is compute plus data-parallel communication (overlapped
    where the hardware's runtime overlaps it), ZeRO's bytes and launches come from ``autopar.zero`` (``param_cost``,
-   ``group_latency``) as the real plan's do, and the peak counts one block's recomputed activations as it does. Candidates
+   ``group_latency``) as the real plan's do, and the peak counts one block's recomputed activations as it does. A flat
+   candidate whose rows per data-parallel rank split over tp is also priced with the tp axis carrying the batch
+   (tp = 1's profile at rows / tp per device, every gradient summed over tp), and the cheaper pricing kept: the
+   tp-degree proxy, at one and two rows per rank, cannot split the batch over tp, where the real plan can. Candidates
    whose memory does not fit are dropped, with the reason kept. HSDP is ranked as if 2% slower than it screens: it
    holds more state and adds an axis, so it has to win by more than a near-tie.
 2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan`` with the
@@ -52,7 +55,7 @@ from autopar.mesh import Mesh
 from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, analytic_step, balance, equal_starts, graph_units,
                               microbatch_candidates, refine, slice_batch, unit_costs, unit_state)
 from autopar.plan import Plan
-from autopar.spec import Spec
+from autopar.spec import Replicate, Spec
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.trace import PARAM, trace
 from autopar.zero import ZeroOption, group_latency, param_cost, zero3_traffic, zero3_uses
@@ -258,9 +261,12 @@ def _units(L: int) -> Units:
 
 
 # --- screening one candidate ---------------------------------------------------------------------------------------
-def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: int, budget: float) -> Screened:
+def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: int, budget: float,
+                 batch_over_tp: bool = False) -> Screened:
     """Without a pipeline: the whole model on every (dp, tp) rank, ZeRO stage ``c.zero`` over dp (HSDP: over groups
-    of ``c.shard`` ranks, the groups' shards all-reduced across the ``dp / shard`` replicas)."""
+    of ``c.shard`` ranks, the groups' shards all-reduced across the ``dp / shard`` replicas). ``batch_over_tp``:
+    ``prof`` is tp = 1's, ``rows`` per device, and the tp axis carries the batch (every parameter replicated on it,
+    its gradients summed over it)."""
     uc = _at_rows(prof, c.recompute, rows, L)
     if c.shard:
         mesh = Mesh({"dp": c.dp // c.shard, "fsdp": c.shard, "tp": c.tp}, cluster.hw())
@@ -275,6 +281,8 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
     traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
     for name, (u, spec, meta, uses) in prof.params.items():
         copies = L if u == 1 else 1
+        if batch_over_tp:  # tp = 1's proxy may have put any placement on its axis of size 1
+            spec = Spec(tuple(spec.placements[:-1]) + (Replicate(),))
         if c.shard:  # the proxy's Specs are on (dp, tp): the data placement holds on both data axes
             spec = Spec((spec.placements[0],) + tuple(spec.placements))
         for i, k in enumerate(zero3_traffic(uses)):
@@ -289,8 +297,9 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
     if c.dp > 1:  # the launches and ring latencies, as the real plan prices them per parameter group: each block,
         # and the rest (embedding, head, final norm) as one
         n_rest = len(prof.params) - n_block_params
-        comm += L * group_latency(opt, mesh, max(n_block_params, 1), L + 1, tuple(traffic[True]))
-        comm += group_latency(opt, mesh, max(n_rest, 1), L + 1, tuple(traffic[False])) if n_rest else 0.0
+        also = (mesh.names.index("tp"),) if batch_over_tp else ()
+        comm += L * group_latency(opt, mesh, max(n_block_params, 1), L + 1, tuple(traffic[True]), also)
+        comm += group_latency(opt, mesh, max(n_rest, 1), L + 1, tuple(traffic[False]), also) if n_rest else 0.0
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
     memory = peak_memory(state, grad, act, transient, max(transient, regen))
@@ -556,11 +565,14 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
     """Evaluate the candidates in the order of their bounds until the bound passes the best step found."""
     out: list[Screened] = []
     best_step = math.inf  # the best rank so far: a screened step, HSDP's times its penalty
+    one = profile(1, order)
     for lb, _, c in bounded:
         pen = _rank_penalty(c)
         prof = profile(c.tp, order) if lb * pen <= best_step else None
         if prof is not None and c.tp != 1:
             lb = _bound(prof, c, B, L)  # its own bound, now that it has a profile
+            if _batch_over_tp(c, B) and one is not None:
+                lb = min(lb, _bound(one, dataclasses.replace(c, dp=c.dp * c.tp, tp=1), B, L))
         if lb * pen > best_step:
             out.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
             continue
@@ -569,12 +581,24 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
             continue
         if c.pp == 1:
             got = _screen_flat(prof, c, cluster, B // c.dp, L, budget)
+            if _batch_over_tp(c, B) and one is not None:  # or the tp axis carries the batch, as tp = 1 plans it
+                alt = _screen_flat(one, c, cluster, B // (c.dp * c.tp), L, budget, batch_over_tp=True)
+                if (alt.step, alt.memory) < (got.step, got.memory):
+                    got = dataclasses.replace(alt, note=alt.note or "tp carries the batch")
         else:
             got = _screen_pipeline(prof, c, cluster, B / (c.dp * c.microbatches), L, budget)
         out.append(got)
         best_step = min(best_step, got.step * pen)
         timings["evaluated"] = timings.get("evaluated", 0) + 1
     return out
+
+
+def _batch_over_tp(c: Candidate, batch: int) -> bool:
+    """Whether the tp axis may carry the batch instead of weights: a flat candidate whose rows per data-parallel
+    rank split over tp. Its real plan then has tp = 1's strategies with the batch split over both axes (the ILP
+    finds that itself), which the tp-degree proxy -- profiled at one and two rows per rank, too few to split --
+    never shows; the screen prices it from tp = 1's profile at rows / tp per device."""
+    return c.pp == 1 and c.tp > 1 and (batch // c.dp) % c.tp == 0
 
 
 def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float) -> Plan:

@@ -434,11 +434,28 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
         ends = list(cuts[1:]) + [U]
         return analytic_step([pt[j] - pt[i] for i, j in zip(cuts, ends)], p, m, v)
 
-    def over(cuts: tuple[int, ...]) -> float:
-        return max(max(_rank_memory(uc, st, cuts, U, p, v, flights, sums)) - budget, 0.0)
+    ps, pa, regen = sums
+
+    def rank_bytes(cuts: tuple[int, ...], r: int) -> float:  # one rank's ``_rank_memory``
+        state = act = back = 0.0
+        for k in range(r, len(cuts), p):
+            i, j = cuts[k], cuts[k + 1] if k + 1 < len(cuts) else U
+            state += ps[j] - ps[i]
+            act += (pa[j] - pa[i]) / v
+            if regen is not None:
+                back = max(back, regen(i, j))
+        return state + flights[r] * act + back
+
+    def over(cuts: tuple[int, ...], k: int) -> tuple[float, list[float]]:
+        """The overflow of ``cuts``, which differ from ``cur`` in cut k alone: only its two stages' ranks change."""
+        mem = list(cur_mem)
+        for r in {(k - 1) % p, k % p}:
+            mem[r] = rank_bytes(cuts, r)
+        return max(max(mem) - budget, 0.0), mem
 
     cur, best = tuple(starts), objective(tuple(starts))
-    excess = over(cur)
+    cur_mem = _rank_memory(uc, st, cur, U, p, v, flights, sums)
+    excess = max(max(cur_mem) - budget, 0.0)
     for _ in range(4 * U):
         improved = False
         for k in range(1, len(cur)):
@@ -452,11 +469,13 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
                 cand = tuple(c)
                 val = objective(cand)
                 if excess > 0:  # repair first: (overflow, step) lexicographically
-                    e = over(cand)
+                    e, mem = over(cand, k)
                     if e < excess * (1 - 1e-12) or (e == excess and val < best * (1 - 1e-12)):
-                        cur, best, excess, improved = cand, val, e, True
-                elif val < best * (1 - 1e-12) and over(cand) == 0.0:
-                    cur, best, improved = cand, val, True
+                        cur, best, excess, improved, cur_mem = cand, val, e, True, mem
+                elif val < best * (1 - 1e-12):
+                    e, mem = over(cand, k)
+                    if e == 0.0:
+                        cur, best, improved, cur_mem = cand, val, True, mem
         if not improved:
             break
     return cur

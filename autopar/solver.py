@@ -34,8 +34,11 @@ nodes v, strategies s:
 - Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters),
   plus, in the activation peak, what backward keeps of each redistributed value, on the same y / r as its time
   (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather).
-- A parameter's gradient all-reduce is priced by its bandwidth alone: the planner buckets gradients per block,
-  and a bucket pays the latency once (the plan's step time includes it; the objective leaves it out).
+- A parameter's gradient all-reduce is priced by its bandwidth; the planner buckets stage-0 gradients per block copy
+  and axes set, and a bucket pays the latency once: ``bucket[g, S] in [0, 1]``, ``bucket[g, S] >= x[v, s] -
+  sum_k w[v, s, g, k]`` (strategy s at stage 0) for every decision v whose strategy s leaves a parameter of group g
+  syncing over the axes S (S holding a data axis); the objective's D pays copies(g) x latency(S) per bucket. ZeRO
+  stages' launches are ``group_latency`` per group copy on z.
 - Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
   block's backward runs its activations are back: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``.
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
@@ -65,7 +68,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_saved
+from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, collective_time, grad_sync_axes, itemsize, probe_saved
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.milp import INF, Model, Solution
@@ -73,7 +76,7 @@ from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
-from autopar.zero import ZeroCost, ZeroOption, eligible, group_latency, param_cost, zero3_traffic, zero3_uses, zero_options
+from autopar.zero import ZeroCost, ZeroOption, data_axes, eligible, group_latency, param_cost, zero3_traffic, zero3_uses, zero_options
 
 
 def gc_paused(fn):
@@ -606,6 +609,7 @@ def solve(
         return zfacts[key]
 
     zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
+    sync_sets: dict[tuple[str, int, str], set] = {}  # (decision, strategy, group) -> the axes sets its gradients sync over
     for n, (g, copies, gparams) in zgroups.items():
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
@@ -613,6 +617,8 @@ def solve(
             t_lin[r][s] += base_copy  # the runtime's copies run on the compute stream: the critical path, as priced
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
+            if synced:
+                sync_sets.setdefault((r, s, g), set()).add(grad_sync_axes(P_.strategy(n, s).output, mesh))
             for k, (stage, delta) in enumerate(per):
                 if stage == 0 and synced:
                     buck[k][0] += 2 * b / copies
@@ -757,8 +763,8 @@ def solve(
         add_row(1.0, 1.0, [(1.0, v) for v in zvar[g] if v is not None])
         per_copy = (traffic[g][0] // copies, traffic[g][1] // copies)
         for k, zv in enumerate(zvar[g]):
-            dlat = copies * (group_latency(zopts[k], mesh, gparams, all_copies, per_copy)
-                             - group_latency(zopts[0], mesh, gparams, all_copies, per_copy))
+            # stage 0's latencies are its buckets' (below): they depend on the strategies, not on the stage alone
+            dlat = copies * group_latency(zopts[k], mesh, gparams, all_copies, per_copy) if k else 0.0
             if zv is not None and dlat and objective != "memory":
                 oterms.append((dlat * US, zv))
     ind: dict[tuple[str, int, str, int], list] = {}  # (decision, strategy, group, option) -> x * z, a linear form
@@ -788,6 +794,26 @@ def solve(
         if ws:
             add_row(-inf, 0.0, [(1.0, w) for w in ws] + [(-1.0, xv)])  # the stage-0 share, x - sum(w), is not negative
         ind[(r, s, g, 0)] = [(1.0, xv)] + [(-1.0, w) for w in ws]
+    # stage 0's gradient buckets: the planner makes one per (block copy, axes set its gradients sync over), and each
+    # pays its all-reduces' latencies once. bucket[g, S] >= the indicator of (strategy, stage 0) of every decision that
+    # leaves a parameter of group g syncing over S: a plan that syncs one block's gradients over two different sets
+    # of axes pays two buckets' latencies (on dp x tp, splitting some weights on tp and the batch elsewhere)
+    # (a set of model axes alone -- a row-parallel bias's gradient summed over tp, the transpose of its R -> P -- is
+    # left out: every rank could sum that gradient locally, as Megatron does, and charging its launches here would
+    # trade Megatron's row-parallel linears for gathers to avoid an all-reduce the runtime should not need)
+    data = set(data_axes(mesh))
+    bucket: dict[tuple[str, tuple[int, ...]], object] = {}
+    for (r, s, g), sets in sync_sets.items():
+        form = ind.get((r, s, g, 0))
+        if form is None:
+            continue
+        for axes in sorted(a for a in sets if data & set(a)):
+            if (g, axes) not in bucket:
+                bucket[g, axes] = model.var(0.0, 1.0)
+                lat = group_meta[g][0] * sum(collective_time("all_reduce", 0.0, mesh.sizes[a], mesh.link(a)) for a in axes)
+                if objective != "memory":
+                    oterms.append((lat * US, bucket[g, axes]))
+            add_row(0.0, inf, [(1.0, bucket[g, axes])] + [(-c, v) for c, v in form])
     # w couples a decision's strategy with its group's stage, a joint distribution: over the stages it sums to x (above),
     # over the strategies to z (exact for binaries; it keeps the relaxation from counting a stage's savings twice)
     coupled: dict[tuple[str, str, int], list] = {}

@@ -149,21 +149,22 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
 
 
 def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_copies: int,
-                  traffic: "tuple[int, int] | None" = None) -> float:
+                  traffic: "tuple[int, int] | None" = None, also: tuple[int, ...] = ()) -> float:
     """Launch and latency seconds of one group copy's collectives per step (its bytes are in ``param_cost``);
     ``n_copies``: group copies in the whole model (stage 1's single bucket is shared by all of them); ``traffic``:
     the copy's ZeRO-3 (all-gathers, reduce-scatters), the sum of its parameters' ``zero3_traffic`` (by default each
-    parameter a linear's weight used once)."""
+    parameter a linear's weight used once); ``also``: axes other than the data axes its gradients are summed over
+    (a tp axis that carries the batch)."""
     def lat(kind: str, a: int) -> float:
         return collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a))
 
     data = data_axes(mesh)
+    rest = sum(lat("all_reduce", a) for a in data + tuple(a for a in also if a not in data) if a not in opt.shard_axes)
     if opt.stage == 0:
-        return sum(lat("all_reduce", a) for a in data)
-    rest = sum(lat("all_reduce", a) for a in data if a not in opt.shard_axes)
+        return rest
     pair = sum(lat("all_gather", a) + lat("reduce_scatter", a) for a in opt.shard_axes)
     if opt.stage == 1:  # one bucket for the whole model
-        return pair / max(n_copies, 1) + rest
+        return (pair + rest) / max(n_copies, 1)
     if opt.stage == 2:  # one bucket per group copy
         return pair + rest
     gathers, scatters = traffic or (2 * group_params, group_params)

@@ -27,8 +27,9 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    candidate whose rows per data-parallel rank split over tp is also priced with the tp axis carrying the batch
    (tp = 1's profile at rows / tp per device, every gradient summed over tp), and the cheaper pricing kept: the
    tp-degree proxy, at one and two rows per rank, cannot split the batch over tp, where the real plan can. Candidates
-   whose memory does not fit are dropped, with the reason kept. HSDP is ranked as if 2% slower than it screens: it
-   holds more state and adds an axis, so it has to win by more than a near-tie.
+   whose memory does not fit are dropped, with the reason kept. HSDP, and a tp axis that carries only the batch,
+   are ranked as if 2% slower than they screen: they hold more state and add an axis, so they have to win by more
+   than a near-tie.
 2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan`` with the
    screened ZeRO stage, or ``plan_pipeline`` with the screened schedule and microbatch count pinned); the fastest
    real plan is returned. A candidate the real plan finds too big gives way to the next.
@@ -67,6 +68,11 @@ SCREEN_MARGIN = 0.92  # the screen's memory runs a few percent under the real pl
 # ranked as if this much slower, so it is taken when it beats sharding over all of dp by more than the model's own
 # resolution, not on a near-tie (on Llama-3-70B @64 A100 its real plan came 0.04% ahead of FSDP-64's)
 HSDP_RANK_PENALTY = 1.02
+# a tp axis that carries only the batch is the same trade (dp x 8 in-node replicas of the sharded state instead of
+# one shard group over all of dp): on Llama-3.1-70B @256 H100 it screened 0.07% ahead of FSDP-256 for 60% more
+# memory per device, and it reads as tensor parallelism while being none
+BATCH_TP_RANK_PENALTY = 1.02
+BATCH_OVER_TP = "tp carries the batch"
 AHEAD = 2  # tensor-parallel degrees profiled ahead of the one the screen waits for
 
 
@@ -137,6 +143,12 @@ class Screened:
     memory: float  # predicted peak bytes per device
     note: str = ""
     balance: float = 1.0  # pipelines: the average rank's memory over the fullest rank's, at the screened cut
+
+    @property
+    def rank(self) -> float:
+        """What the search ranks by: the step, and a margin that HSDP and a tp axis carrying only the batch (more
+        state held, an axis added) must win by."""
+        return self.step * _rank_penalty(self.candidate) * (BATCH_TP_RANK_PENALTY if self.note == BATCH_OVER_TP else 1.0)
 
 
 # --- the proxy ---------------------------------------------------------------------------------------------------
@@ -498,7 +510,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
             f.cancel()
         pool.shutdown(wait=True)
     timings["screen"] = time.perf_counter() - t0
-    screened.sort(key=lambda s: (s.step * _rank_penalty(s.candidate), s.memory, str(s.candidate)))
+    screened.sort(key=lambda s: (s.rank, s.memory, str(s.candidate)))
     t0 = time.perf_counter()
     best: Plan | None = None
     tried = 0
@@ -564,7 +576,7 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
             timings: dict) -> list[Screened]:
     """Evaluate the candidates in the order of their bounds until the bound passes the best step found."""
     out: list[Screened] = []
-    best_step = math.inf  # the best rank so far: a screened step, HSDP's times its penalty
+    best_step = math.inf  # the best rank so far (``Screened.rank``)
     one = profile(1, order)
     for lb, _, c in bounded:
         pen = _rank_penalty(c)
@@ -583,12 +595,12 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
             got = _screen_flat(prof, c, cluster, B // c.dp, L, budget)
             if _batch_over_tp(c, B) and one is not None:  # or the tp axis carries the batch, as tp = 1 plans it
                 alt = _screen_flat(one, c, cluster, B // (c.dp * c.tp), L, budget, batch_over_tp=True)
-                if (alt.step, alt.memory) < (got.step, got.memory):
-                    got = dataclasses.replace(alt, note=alt.note or "tp carries the batch")
+                if alt.step < math.inf and (alt.step * BATCH_TP_RANK_PENALTY, alt.memory) < (got.step, got.memory):
+                    got = dataclasses.replace(alt, note=BATCH_OVER_TP)
         else:
             got = _screen_pipeline(prof, c, cluster, B / (c.dp * c.microbatches), L, budget)
         out.append(got)
-        best_step = min(best_step, got.step * pen)
+        best_step = min(best_step, got.rank)
         timings["evaluated"] = timings.get("evaluated", 0) + 1
     return out
 

@@ -128,7 +128,12 @@ def simulate(schedule: str, p: int, m: int, v: int, fwd: list[float], bwd: list[
     n_stages = p * v
     send = send or [0.0] * n_stages
     seqs = actions(schedule, p, m, v)
-    done: dict[tuple[str, int, int], float] = {}
+    # end times by [stage][microbatch], -1 until the action has run (lists, not a dict of tuples: a 1T-parameter
+    # plan simulates 128 ranks x 1024 microbatches, twice)
+    n_mb = 1 + max((a.microbatch for seq in seqs for a in seq), default=0)
+    done_f = [[-1.0] * n_mb for _ in range(n_stages)]
+    done_b = [[-1.0] * n_mb for _ in range(n_stages)]
+    last = n_stages - 1
     pos = [0] * p
     free = [0.0] * p
     spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
@@ -137,27 +142,38 @@ def simulate(schedule: str, p: int, m: int, v: int, fwd: list[float], bwd: list[
     while remaining:
         progressed = False
         for r in range(p):
-            while pos[r] < len(seqs[r]):
-                a = seqs[r][pos[r]]
+            seq, i, t_free, out = seqs[r], pos[r], free[r], spans[r]
+            while i < len(seq):
+                a = seq[i]
+                st, mb = a.stage, a.microbatch
                 if a.kind == "F":  # the previous stage's forward of this microbatch, then its transfer
-                    deps = [] if a.stage == 0 else [(("F", a.stage - 1, a.microbatch), send[a.stage - 1])]
+                    if st == 0:
+                        ready = 0.0
+                    else:
+                        t = done_f[st - 1][mb]
+                        if t < 0.0:
+                            break
+                        ready = t + send[st - 1]
+                    dur = fwd[st]
                 else:  # this stage's own forward, and the next stage's backward, then its transfer back
-                    deps = [(("F", a.stage, a.microbatch), 0.0)]
-                    if a.stage < n_stages - 1:
-                        deps.append((("B", a.stage + 1, a.microbatch), send[a.stage]))
-                if any(d not in done for d, _ in deps):
-                    break
-                ready = max([done[d] + lag for d, lag in deps], default=0.0)
-                start = max(free[r], ready)
-                dur = fwd[a.stage] if a.kind == "F" else bwd[a.stage]
-                end = start + dur
-                done[(a.kind, a.stage, a.microbatch)] = end
-                spans[r].append((a, start, end))
+                    ready = done_f[st][mb]
+                    if ready < 0.0:
+                        break
+                    if st < last:
+                        t = done_b[st + 1][mb]
+                        if t < 0.0:
+                            break
+                        ready = max(ready, t + send[st])
+                    dur = bwd[st]
+                start = t_free if t_free > ready else ready
+                t_free = start + dur
+                (done_f if a.kind == "F" else done_b)[st][mb] = t_free
+                out.append((a, start, t_free))
                 busy[r] += dur
-                free[r] = end
-                pos[r] += 1
+                i += 1
                 remaining -= 1
                 progressed = True
+            pos[r], free[r] = i, t_free
         if not progressed:
             raise AssertionError(f"{schedule} p={p} m={m} v={v}: the action orders deadlock")
     step = max(free) if free else 0.0

@@ -284,7 +284,8 @@ def main() -> None:
     for (name, n, strategy), (pub, auto) in seen.items():
         tp = dict(zip(auto.mesh.names, auto.mesh.sizes)).get("tp", 1)
         inside = tp <= auto.mesh.hardware.devices_per_node and not (tp > 1 and auto.mesh.spans_nodes("tp"))
-        print(f"  {name} @{n}: autopar's tp = {tp} ({'inside a node' if inside else 'ACROSS NODES'}), mesh {_shape(auto)}")
+        carries = f"; the tp axis {_tp_axis_use(auto)}" if tp > 1 else ""
+        print(f"  {name} @{n}: autopar's tp = {tp} ({'inside a node' if inside else 'ACROSS NODES'}), mesh {_shape(auto)}{carries}")
     for (name, n, strategy), (pub, auto) in seen.items():
         if n == 256 and name == "llama3-70b":
             _tp_sweep(pub, auto)
@@ -310,7 +311,7 @@ def _tp_axis_use(plan) -> str:
         short = ".".join(node.path.split(".")[-3:-1])
         (split if node.strategy.output.placements[tp].is_shard() else whole).append(short)
     if not split:
-        return "batch only (no weight split)"
+        return "batch only (no weight split: no tensor parallelism)"
     return f"splits {', '.join(split)}" + (" (the batch elsewhere)" if whole else "")
 
 

@@ -19,8 +19,9 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
    boundary: the bytes that cross it.
 4. For each schedule (GPipe, 1F1B, interleaved 1F1B with ``v`` stages per rank where the blocks divide), the cuts
    minimise the slowest stage subject to every rank's memory (state + in-flight microbatches x activations + one
-   block's recomputed activations, alive while its backward runs <= budget): bisection on the slowest stage's time, with a greedy packing as the feasibility test (exact for
-   contiguous cuts, since a shorter run of units never needs more time or memory). The schedule is then
+   block's recomputed activations, alive while its backward runs, <= budget): bisection on the slowest stage's
+   time, with a greedy packing as the feasibility test (exact for contiguous cuts, since a shorter run of units
+   never needs more time or memory). The schedule is then
    simulated (``autopar.schedule``): the step is the simulated timeline plus the gradient all-reduce after it.
 5. The fastest (m, schedule, cuts) that fits wins; ties go to fewer microbatches, then the schedule order.
 

@@ -335,7 +335,7 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
         return None
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
-    regen = uc.regen or [0.0] * U
+    regen = uc.regen or [0.0] * U  # unit_costs fills it; a UnitCosts built by hand may leave it empty
 
     def pack(limit: float) -> tuple[int, ...] | None:
         starts, i = [], 0
@@ -409,15 +409,21 @@ def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int
     """Each pipeline rank's bytes: its stages' parameter state, ``flights`` microbatches of their activations, and
     the largest recomputation one of its units brings back in its backward. ``sums``: ``_sums(uc, st)``, when the
     caller prices many cuts."""
-    ps, pa, regen = sums or _sums(uc, st)
-    mem_state, mem_act, mem_regen = [0.0] * p, [0.0] * p, [0.0] * p
-    ends = list(starts[1:]) + [U]
-    for k, (i, j) in enumerate(zip(starts, ends)):
-        mem_state[k % p] += ps[j] - ps[i]
-        mem_act[k % p] += (pa[j] - pa[i]) / v
+    sums = sums or _sums(uc, st)
+    return [_one_rank(sums, starts, r, U, p, v, flights[r]) for r in range(p)]
+
+
+def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int) -> float:
+    """Rank r's bytes in ``_rank_memory``: its stages are r, r + p, ..."""
+    ps, pa, regen = sums
+    state = act = back = 0.0
+    for k in range(r, len(starts), p):
+        i, j = starts[k], starts[k + 1] if k + 1 < len(starts) else U
+        state += ps[j] - ps[i]
+        act += (pa[j] - pa[i]) / v
         if regen is not None:
-            mem_regen[k % p] = max(mem_regen[k % p], regen(i, j))
-    return [mem_state[r] + flights[r] * mem_act[r] + mem_regen[r] for r in range(p)]
+            back = max(back, regen(i, j))
+    return state + flight * act + back
 
 
 def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:
@@ -435,23 +441,11 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
         ends = list(cuts[1:]) + [U]
         return analytic_step([pt[j] - pt[i] for i, j in zip(cuts, ends)], p, m, v)
 
-    ps, pa, regen = sums
-
-    def rank_bytes(cuts: tuple[int, ...], r: int) -> float:  # one rank's ``_rank_memory``
-        state = act = back = 0.0
-        for k in range(r, len(cuts), p):
-            i, j = cuts[k], cuts[k + 1] if k + 1 < len(cuts) else U
-            state += ps[j] - ps[i]
-            act += (pa[j] - pa[i]) / v
-            if regen is not None:
-                back = max(back, regen(i, j))
-        return state + flights[r] * act + back
-
     def over(cuts: tuple[int, ...], k: int) -> tuple[float, list[float]]:
         """The overflow of ``cuts``, which differ from ``cur`` in cut k alone: only its two stages' ranks change."""
         mem = list(cur_mem)
         for r in {(k - 1) % p, k % p}:
-            mem[r] = rank_bytes(cuts, r)
+            mem[r] = _one_rank(sums, cuts, r, U, p, v, flights[r])
         return max(max(mem) - budget, 0.0), mem
 
     cur, best = tuple(starts), objective(tuple(starts))

@@ -35,10 +35,11 @@ nodes v, strategies s:
   plus, in the activation peak, what backward keeps of each redistributed value, on the same y / r as its time
   (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather).
 - A parameter's gradient all-reduce is priced by its bandwidth; the planner buckets stage-0 gradients per block copy
-  and axes set, and a bucket pays the latency once: ``bucket[g, S] in [0, 1]``, ``bucket[g, S] >= x[v, s] -
-  sum_k w[v, s, g, k]`` (strategy s at stage 0) for every decision v whose strategy s leaves a parameter of group g
-  syncing over the axes S (S holding a data axis); the objective's D pays copies(g) x latency(S) per bucket. ZeRO
-  stages' launches are ``group_latency`` per group copy on z.
+  and axes set, and a bucket pays the latency once: ``bucket[g, S] in [0, 1]``, ``bucket[g, S] >= sum_{s in T(v, g, S)}
+  (x[v, s] - sum_k w[v, s, g, k])`` (strategy s at stage 0) for every decision v, T(v, g, S) being v's strategies
+  that leave a parameter of group g syncing over the axes S (S holding a data axis; one row per (v, g, S): a
+  decision's strategies exclude each other, so the sum is an indicator); the objective's D pays copies(g) x
+  latency(S) per bucket. ZeRO stages' launches are ``group_latency`` per group copy on z.
 - Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
   block's backward runs its activations are back: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``.
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
@@ -801,19 +802,24 @@ def solve(
     # (a set of model axes alone -- a row-parallel bias's gradient summed over tp, the transpose of its R -> P -- is
     # left out: every rank could sum that gradient locally, as Megatron does, and charging its launches here would
     # trade Megatron's row-parallel linears for gathers to avoid an all-reduce the runtime should not need)
+    # One row per (decision, group, set) sums the decision's strategies that sync over the set: they exclude each
+    # other, so the sum is the same indicator as each of them alone, with one row instead of one per strategy.
     data = set(data_axes(mesh))
     bucket: dict[tuple[str, tuple[int, ...]], object] = {}
+    bforms: dict[tuple[str, str, tuple[int, ...]], list] = {}
     for (r, s, g), sets in sync_sets.items():
         form = ind.get((r, s, g, 0))
         if form is None:
             continue
         for axes in sorted(a for a in sets if data & set(a)):
-            if (g, axes) not in bucket:
-                bucket[g, axes] = model.var(0.0, 1.0)
-                lat = group_meta[g][0] * sum(collective_time("all_reduce", 0.0, mesh.sizes[a], mesh.link(a)) for a in axes)
-                if objective != "memory":
-                    oterms.append((lat * US, bucket[g, axes]))
-            add_row(0.0, inf, [(1.0, bucket[g, axes])] + [(-c, v) for c, v in form])
+            bforms.setdefault((r, g, axes), []).extend(form)
+    for (r, g, axes), form in bforms.items():
+        if (g, axes) not in bucket:
+            bucket[g, axes] = model.var(0.0, 1.0)
+            lat = group_meta[g][0] * sum(collective_time("all_reduce", 0.0, mesh.sizes[a], mesh.link(a)) for a in axes)
+            if objective != "memory":
+                oterms.append((lat * US, bucket[g, axes]))
+        add_row(0.0, inf, [(1.0, bucket[g, axes])] + [(-c, v) for c, v in form])
     # w couples a decision's strategy with its group's stage, a joint distribution: over the stages it sums to x (above),
     # over the strategies to z (exact for binaries; it keeps the relaxation from counting a stage's savings twice)
     coupled: dict[tuple[str, str, int], list] = {}

@@ -1,11 +1,12 @@
 """Reference models with no parallel code, and a registry that names their sizes.
 
-``build(name, device="meta", dtype=None) -> (model, inputs(batch, seq))``: every size builds on the meta device in
-well under a second, so any of them can be planned on a laptop.
+``build(name, device="meta", dtype=None, **config) -> (model, inputs(batch, seq))``: every size builds on the meta
+device in well under a second, so any of them can be planned on a laptop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -34,12 +35,13 @@ REGISTRY: dict[str, tuple[type, Callable[[], object]]] = {
 }
 
 
-def build(name: str, device: str = "meta", dtype: torch.dtype | None = None):
-    """The model named ``name`` and a function ``inputs(batch, seq)`` giving one example global batch."""
+def build(name: str, device: str = "meta", dtype: torch.dtype | None = None, **config):
+    """The model named ``name`` and a function ``inputs(batch, seq)`` giving one example global batch. ``config``:
+    fields of the model's config to change (``norm="fp32-composite"`` for a Llama as torchtitan runs it)."""
     if name not in REGISTRY:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
     cls, make_cfg = REGISTRY[name]
-    cfg = make_cfg()
+    cfg = dataclasses.replace(make_cfg(), **config) if config else make_cfg()
     with torch.device(device):
         model = cls(cfg)
     if dtype is not None:

@@ -26,6 +26,10 @@ class LlamaConfig:
     ffn_dim: int = 14336
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    # how RMSNorm is computed: "fused", one op (F.rms_norm: one kernel in Transformer Engine, Apex or Inductor);
+    # "fp32-composite", torchtitan's RMSNorm (torchtitan/models/norms.py, its "rmsnorm" default of 2024): the input
+    # cast to fp32, squared, averaged, rsqrt, multiplied, cast back, times the weight -- six kernels run eagerly
+    norm: str = "fused"
 
     @staticmethod
     def tiny() -> "LlamaConfig":
@@ -57,13 +61,22 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, impl: str = "fused"):
         super().__init__()
+        if impl not in NORMS:
+            raise ValueError(f"RMSNorm impl {impl!r} is not one of {', '.join(NORMS)}")
         self.eps = eps
+        self.impl = impl
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "fp32-composite":
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+NORMS = ("fused", "fp32-composite")
 
 
 def rope_tables(head_dim: int, seq: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,9 +127,9 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm)
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -130,7 +143,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # RoPE tables are computed, not learned: non-persistent buffers, as torchtitan keeps them.
         device = self.output.weight.device

@@ -103,10 +103,14 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
     ``recompute`` (none / selective / full), when planning here: the repeated blocks' activations are recomputed
     in backward (a given ``plan`` carries its own)."""
     mesh = _as_mesh(mesh)
-    if mesh.hardware.float8_linears:
-        raise NotRealised(f"hardware {mesh.hardware.name!r} describes a runtime that runs linears in float8 "
-                          "(float8_linears); autopar's runtime trains in the model's dtype. Plan with it (autopar.plan), "
-                          "or parallelize on hardware without float8_linears")
+    foreign = mesh.hardware.foreign_runtime()
+    if foreign:
+        what = ", ".join(f"{k}={v}" for k, v in foreign.items())
+        raise NotRealised(f"hardware {mesh.hardware.name!r} describes another runtime than autopar's ({what}: e.g. "
+                          "float8_linears runs linears in float8, fused_elementwise is torch.compile's fusion, overlap "
+                          "hides data-parallel communication); autopar's runtime does none of these, so a plan priced "
+                          "with them would not be what runs. Plan with it (autopar.plan) to price that runtime, or "
+                          "parallelize on hardware.autopar_runtime()")
     mesh.to_device_mesh()  # checks the process group and its world size before any work
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AutoparError("parallelize needs the model's real weights (it is on the meta device); build it on cpu, or use autopar.plan to plan only")

@@ -19,7 +19,8 @@ runtime by default (no overlap, one ZeRO-3 parameter at a time, gradients reduce
 fused kernels, selective recomputation keeping every matmul's output, the model's dtype, tensor-parallel
 collectives between the linears, not under them, one kernel per op); the benchmark sets them to describe
 Megatron-LM, Megatron-Core, DeepSpeed and FSDP2 (with and without torch.compile) when
-it prices their published runs.
+it prices their published runs. Hardware that sets those autopar's runtime does not realise
+(``Hardware.foreign_runtime``) plans but does not run: ``parallelize`` refuses it and names the fields.
 
 ``cpu-gloo`` is one rank of 4 gloo processes (one thread each) sharing the 2-core development machine, the way the
 tests, benchmarks and demo run them: a "device" is what one rank gets there, not what one process gets alone (run
@@ -101,6 +102,15 @@ class Hardware:
             raise MeshError(f"hardware {self.name!r} has float8_linears set but no float8 peak in peak_flops; add "
                             "(\"float8\", FLOP/s) or leave float8_linears off (an A100 has no float8 tensor cores)")
 
+    def foreign_runtime(self) -> dict[str, object]:
+        """The runtime fields set to describe a runtime other than autopar's (``FOREIGN_RUNTIME``), with their values:
+        such hardware prices FSDP2, Megatron-Core or torch.compile, and is for planning and comparing only."""
+        return {f: getattr(self, f) for f in FOREIGN_RUNTIME if getattr(self, f) != _AUTOPAR_RUNTIME[f]}
+
+    def autopar_runtime(self) -> "Hardware":
+        """This hardware as autopar's own runtime runs on it: the fields of ``foreign_runtime`` at their defaults."""
+        return dataclasses.replace(self, **_AUTOPAR_RUNTIME) if self.foreign_runtime() else self
+
     def reduce_factor(self, dtype: torch.dtype) -> float:
         """Gradient bytes on the wire per byte of the parameter's dtype."""
         return self.grad_reduce_bytes / dtype.itemsize if self.grad_reduce_bytes else 1.0
@@ -163,6 +173,12 @@ class Hardware:
 
 
 _GB = 1e9
+# runtime fields autopar's own runtime does not realise (it overlaps nothing, gathers a ZeRO-3 parameter at a time,
+# reduces gradients in their dtype, runs linears in the model's dtype, one kernel per op): set, they price another
+# runtime, and parallelize refuses such hardware rather than run a plan whose every number describes something else
+FOREIGN_RUNTIME = ("overlap", "zero3_per_block", "grad_reduce_bytes", "float8_linears", "tp_overlap", "fused_elementwise")
+_AUTOPAR_RUNTIME = {f.name: f.default for f in dataclasses.fields(Hardware) if f.name in FOREIGN_RUNTIME}
+
 H100_500W_CLOCKS = 0.73  # share of the 700 W H100's tensor-core peak a 500 W limit leaves ("h100-500w" below)
 
 PRESETS: dict[str, Hardware] = {

@@ -134,3 +134,24 @@ def test_bad_mesh_and_hardware():
         autopar.Mesh({"tp": 2}, hardware="tpu-v9")
     with pytest.raises(autopar.AutoparError, match="S\\(<dim>\\)"):
         autopar.Spec.parse("X(1)")
+
+
+def test_parallelize_refuses_hardware_that_prices_another_runtime():
+    """A preset describing FSDP2 or torch.compile (overlap, fused_elementwise, ...) prices what autopar's runtime
+    does not do: planning with it is allowed, running is refused with the fields named, and the model is untouched;
+    ``autopar_runtime()`` gives the same hardware as autopar runs on it."""
+    import dataclasses
+
+    from autopar.hardware import FOREIGN_RUNTIME, get_hardware
+
+    model = _gpt()
+    before = _state(model)
+    hw = dataclasses.replace(get_hardware("cpu-gloo"), overlap=1.0, fused_elementwise=True)
+    assert hw.foreign_runtime() == {"overlap": 1.0, "fused_elementwise": True}
+    with fake_world(2):
+        with pytest.raises(autopar.NotRealised, match=r"overlap=1.0, fused_elementwise=True.*autopar_runtime\(\)"):
+            autopar.parallelize(model, autopar.Mesh({"dp": 2}, hardware=hw), _ids())
+    assert _same(before, _state(model))
+    plain = hw.autopar_runtime()
+    assert plain.foreign_runtime() == {} and plain.peak_flops == hw.peak_flops and plain.name == hw.name
+    assert all(getattr(plain, f) == getattr(get_hardware("cpu-gloo"), f) for f in FOREIGN_RUNTIME)

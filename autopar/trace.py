@@ -15,6 +15,7 @@ strategies are simple, with the same values as the original:
 - ``mse_loss / l1_loss(..., mean)`` -> ``...(..., sum) / numel``
 - ``squeeze(x)``                -> ``squeeze(x, dims of size 1)``  (on local shapes, a split dim may have size 1)
 - ``dropout(x, p=0)``          -> ``x``;  ``_assert_tensor_metadata`` (export's check before ``.to``) -> removed
+- ``type_as(x, other)``        -> ``to(x, other.dtype)``  (``other`` gives only its dtype)
 
 Nothing here touches the user's model: export reads it, the parameters stay where they are.
 
@@ -215,6 +216,11 @@ def _canonicalize(gm: fx.GraphModule) -> None:
             g.erase_node(node)
         elif node.target == aten._assert_tensor_metadata.default:
             g.erase_node(node)  # export's check before a .to(); it has no value and no effect on the plan
+        elif node.target == aten.type_as.default:
+            # the second operand gives only its dtype: read as data it would tie the cast's layout to a tensor it
+            # never reads (and make a one-input cast a decision of the ILP)
+            node.target = aten.to.dtype
+            node.args = (node.args[0], node.args[1].meta["val"].dtype)
         elif node.target == aten.squeeze.default:
             shape = tuple(node.args[0].meta["val"].shape)
             node.target = aten.squeeze.dims
@@ -358,8 +364,9 @@ class _Unsafe(Exception):
 # int attributes that may differ between otherwise identical layers by exactly their position (HF's layer_idx,
 # Meta's layer_id, Megatron's layer_number): used for KV-cache slots, not in a training forward
 _INDEX_ATTR = re.compile(r"(idx|index|layer_id|layer_num|block_id)")
-# torch.fx names a node ``base`` or ``base_<n>`` (export keeps those names; placeholders: prefix + FQN)
-_NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")
+# torch.fx names a node ``base`` or ``base_<n>`` (export keeps those names; placeholders: prefix + FQN); a node's
+# ``torch_fn`` name may hold an overload (``_assert_tensor_metadata.default_0``, before a ``.float()``)
+_NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_.]*?)(?:_(\d+))?$")
 _PREFIX = {"PARAMETER": "p_", "BUFFER": "b_"}
 _MIN_LAYERS = 4  # below this, tracing 2 and 3 layers to prove the copy is no faster than tracing them all
 
@@ -575,7 +582,8 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
     fns = [(x0.meta.get("torch_fn"), x1.meta.get("torch_fn")) for x0, x1 in zip(b0, b1)]
     if any((a is None) != (b is None) for a, b in fns):
         raise _Unsafe("torch_fn metadata differs")
-    fn_step = _steps((a[0], b[0]) for a, b in fns if a is not None)
+    # a torch_fn name the two layers share is not numbered per call (export's ``_assert_tensor_metadata.default_0``)
+    fn_step = _steps((a[0], b[0]) for a, b in fns if a is not None and a[0] != b[0])
 
     def meta(x: fx.Node, k: int) -> dict:
         """x's metadata, for its copy in layer k (x in layer 1) or for a node after the layers (k = n - 1)."""

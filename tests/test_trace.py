@@ -7,6 +7,7 @@ import resource
 
 import pytest
 import torch
+from torch.ops import aten
 
 from autopar.trace import BUFFER, INPUT, PARAM, trace
 from models.gpt import GPT, GPTConfig
@@ -126,6 +127,25 @@ def test_repeated_layers_are_traced_once_and_copied_exactly(name, layers):
     inputs = (x, torch.roll(x, -1, 1))
     got, want = _run(fast, model, inputs), model(*inputs)
     assert torch.allclose(got, want, atol=1e-6) and torch.equal(got, _run(full, model, inputs))
+
+
+def test_layers_that_cast_to_fp32_and_back_are_copied_too():
+    """torchtitan's (and Hugging Face's) RMSNorm: ``x.float()`` ... ``.type_as(x)``. Export checks the dtype before
+    ``.float()`` under one name in every layer (``_assert_tensor_metadata.default_0``), which the copy took for a
+    misnumbered layer and fell back to exporting all of them; ``type_as`` reads its second operand for its dtype
+    only and becomes a cast."""
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    model = Llama(replace(LlamaConfig.tiny(), n_layer=5, norm="fp32-composite")).to(torch.bfloat16)
+    x = torch.randint(0, 64, (2, 8))
+    inputs = (x, torch.roll(x, -1, 1))
+    fast, full = trace(model, inputs), trace(model, inputs, full=True)
+    assert fast.synthesized_blocks == 3
+    _assert_same(fast, full)
+    ops = [n.target for n in fast.gm.graph.nodes if n.op == "call_function"]
+    assert aten.type_as.default not in ops and ops.count(aten.to.dtype) >= 2 * 11  # to fp32 and back, per norm
+    assert torch.equal(_run(fast, model, inputs), model(*inputs))
 
 
 def test_repeated_layers_on_meta_at_size():

@@ -179,7 +179,7 @@ _GB = 1e9
 FOREIGN_RUNTIME = ("overlap", "zero3_per_block", "grad_reduce_bytes", "float8_linears", "tp_overlap", "fused_elementwise")
 _AUTOPAR_RUNTIME = {f.name: f.default for f in dataclasses.fields(Hardware) if f.name in FOREIGN_RUNTIME}
 
-H100_500W_CLOCKS = 0.73  # share of the 700 W H100's tensor-core peak a 500 W limit leaves ("h100-500w" below)
+H100_500W_CLOCKS = 0.71  # share of the 700 W H100's tensor-core peak a 500 W limit leaves ("h100-500w" below)
 
 PRESETS: dict[str, Hardware] = {
     "a100-80gb": Hardware(
@@ -235,7 +235,7 @@ PRESETS: dict[str, Hardware] = {
 }
 
 # An H100 SXM with 96 GB of HBM2e (2.4 TB/s) held to a 500 W power limit, as in Meta's Grand Teton hosts where
-# torchtitan's published H100 runs were made: the clocks the limit allows reach 0.73 of the 700 W part's
+# torchtitan's published H100 runs were made: the clocks the limit allows reach 0.71 of the 700 W part's
 # tensor-core peaks (fitted on one run: torchtitan's Llama-3.1 8B, FSDP 8, torch.compile, bf16 -- plan_quality
 # --cases check refits it and prices the page's other runs with it), and torch's SDPA ran FlashAttention-2,
 # which reaches 35% of an H100's peak (Shah et al., FlashAttention-3, 2024), not the 60% it reaches on an A100

@@ -70,3 +70,17 @@ def test_data_parallel_splits_the_batch_and_returns_share_means():
     plan = r["plan"]
     assert str(plan.input_spec) == "S(0)"
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("pins", [False, True], ids=["solver", "megatron-sp"])
+def test_a_norm_computed_from_its_parts_matches_single_device(pins):
+    """torchtitan's (and Hugging Face's) RMSNorm: cast, square, mean over the hidden dim, rsqrt, multiply, cast back
+    (``type_as``, traced as a cast), times the weight -- on dp 2 x tp 2, the solver's plan and Megatron with the
+    residual stream split by sequence, whose norms then reduce over a whole hidden dim on every rank."""
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    model = Llama(replace(LlamaConfig.tiny(), norm="fp32-composite"))
+    axes = {"dp": 2, "tp": 2}
+    r = parity(model, _inputs(), axes, constraints=megatron_pins("llama", axes, True) if pins else ())
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r

@@ -599,9 +599,10 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
         if c.pp == 1:
             got = _screen_flat(prof, c, cluster, B // c.dp, L, budget)
             if _batch_over_tp(c, B) and one is not None:  # or the tp axis carries the batch, as tp = 1 plans it
-                alt = _screen_flat(one, c, cluster, B // (c.dp * c.tp), L, budget, batch_over_tp=True)
-                if alt.step < math.inf and (alt.step * BATCH_TP_RANK_PENALTY, alt.memory) < (got.step, got.memory):
-                    got = dataclasses.replace(alt, note=BATCH_OVER_TP)
+                alt = dataclasses.replace(_screen_flat(one, c, cluster, B // (c.dp * c.tp), L, budget, batch_over_tp=True),
+                                          note=BATCH_OVER_TP)
+                if alt.step < math.inf and (alt.rank, alt.memory) < (got.rank, got.memory):
+                    got = alt
         else:
             got = _screen_pipeline(prof, c, cluster, B / (c.dp * c.microbatches), L, budget)
         out.append(got)

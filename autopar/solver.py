@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, collective_time, grad_sync_axes, itemsize, probe_saved
+from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_saved
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.milp import INF, Model, Solution
@@ -77,7 +77,7 @@ from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
-from autopar.zero import ZeroCost, ZeroOption, data_axes, eligible, group_latency, param_cost, zero3_traffic, zero3_uses, zero_options
+from autopar.zero import ZeroCost, ZeroOption, bucket_latency, data_axes, eligible, group_latency, param_cost, zero3_traffic, zero3_uses, zero_options
 
 
 def gc_paused(fn):
@@ -816,7 +816,7 @@ def solve(
     for (r, g, axes), form in bforms.items():
         if (g, axes) not in bucket:
             bucket[g, axes] = model.var(0.0, 1.0)
-            lat = group_meta[g][0] * sum(collective_time("all_reduce", 0.0, mesh.sizes[a], mesh.link(a)) for a in axes)
+            lat = group_meta[g][0] * bucket_latency(mesh, axes)
             if objective != "memory":
                 oterms.append((lat * US, bucket[g, axes]))
         add_row(0.0, inf, [(1.0, bucket[g, axes])] + [(-c, v) for c, v in form])

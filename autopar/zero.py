@@ -148,6 +148,13 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, copy)
 
 
+def bucket_latency(mesh: Mesh, axes) -> float:
+    """Launch and latency seconds of all-reducing one gradient bucket over ``axes`` (one all-reduce per axis, as
+    the runtime runs it; its bytes are priced apart): what a group's stage 0 pays per bucket, in the ILP's bucket
+    variables and in ``group_latency``."""
+    return sum(collective_time("all_reduce", 0.0, mesh.sizes[a], mesh.link(a)) for a in axes)
+
+
 def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_copies: int,
                   traffic: "tuple[int, int] | None" = None, also: tuple[int, ...] = ()) -> float:
     """Launch and latency seconds of one group copy's collectives per step (its bytes are in ``param_cost``);
@@ -159,7 +166,7 @@ def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_copies: int,
         return collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a))
 
     data = data_axes(mesh)
-    rest = sum(lat("all_reduce", a) for a in data + tuple(a for a in also if a not in data) if a not in opt.shard_axes)
+    rest = bucket_latency(mesh, [a for a in data + tuple(a for a in also if a not in data) if a not in opt.shard_axes])
     if opt.stage == 0:
         return rest
     pair = sum(lat("all_gather", a) + lat("reduce_scatter", a) for a in opt.shard_axes)

@@ -154,6 +154,7 @@ def test_the_screen_prices_zero_launches_as_the_real_plan_does():
         real = autopar.plan(model, cl.mesh(16, 1, 1), inputs, recompute="none", constraints=[autopar.ZeroPin("*", zero)])
         assert flat[zero].step == pytest.approx(real.cost.step_time, rel=0.02), (zero, flat[zero].step, real.cost.step_time)
 
+
 def test_the_screen_prices_a_tp_axis_that_carries_the_batch():
     """With 4-16 rows per data-parallel rank, the real plan on a dp x tp mesh may split the batch over tp instead of
     the weights (the ILP finds it); the tp-degree proxy, profiled at one and two rows per rank, cannot show that, and

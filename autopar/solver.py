@@ -10,7 +10,9 @@ Keeping the ILP small (what makes a 32-layer, 2-D-mesh plan take seconds):
 - **Followers.** A view or elementwise op with one input that is not a single-use parameter has no choice of its
   own: its layout follows its input's (``S(2)`` through ``view(B, T, H, D)`` is ``S(2)``), gathering first on the
   axes where the input's split cannot pass (a forced, priced redistribution). It has no variables; its cost is
-  charged to the decision that fixes it (its *root*).
+  charged to the decision that fixes it (its *root*). An elementwise op whose other inputs are broadcasts smaller
+  than its main one (a norm's ``x * rsqrt(mean(x^2))``) follows the main one too; its small operands are edges
+  into the follower, priced below like a decision's.
 - **Folded parameters.** A parameter, buffer or constant with a single use is stored the way that use wants it
   (``R`` where the use wants ``P``): its memory and gradient synchronisation are charged to the user's root.
 - **Data axes alike.** On a mesh with several data axes (HSDP's replicas and shard groups) every op's tensors carry
@@ -21,11 +23,12 @@ The ILP (``autopar.milp``: HiGHS through highspy; OR-Tools when highspy is missi
 nodes v, strategies s:
 
 - ``x[v, s]`` in {0, 1}, ``sum_s x[v, s] = 1`` (pinned-out strategies get no variable).
-- Every tensor a decision node reads comes from a source node u whose Spec is a function ``spec_u(s)`` of its
-  root's strategy. For an edge e = (u -> v, slot i), with o ranging over u's Specs and d over v's wanted Specs:
-  ``y[e, o, d]`` in [0, 1], ``sum_d y[e, o, d] = sum_{s: spec_u(s) = o} x[root(u), s]``,
-  ``sum_o y[e, o, d] = sum_{s: in_i(s) = d} x[v, s]`` (a transportation polytope: with binary x, y is the
-  product of the two indicators). When either side has one Spec, the edge cost folds into the other's x.
+- Every tensor a decision node (or a follower, as a broadcast operand) reads comes from a source node u whose Spec
+  is a function ``spec_u(s)`` of its root's strategy. For an edge e = (u -> v, slot i), with o ranging over u's
+  Specs and d over v's wanted Specs: ``y[e, o, d]`` in [0, 1], ``sum_d y[e, o, d] = sum_{s: spec_u(s) = o}
+  x[root(u), s]``, ``sum_o y[e, o, d] = sum_{s: in_i(s) = d} x[root(v), s]`` (a transportation polytope: with
+  binary x, y is the product of the two indicators). When either side has one Spec, the edge cost folds into the
+  other's x; when root(u) = root(v), into x[root(u)].
 - Shared redistributions: u redistributed to d is emitted once however many consumers want it, so per source
   u and pair (o, d): ``r[u, o, d] >= y[e, o, d]`` for each edge e out of u, and the cost sits on r.
 - Outputs: ``z[k, spec]`` chooses how output k is handed out; a partial (``P``) output on axis a needs the
@@ -169,6 +172,26 @@ def _output_specs(meta: TensorMeta, sizes: tuple[int, ...]) -> list[Spec]:
     return [s for s in specs if s.divides(meta.shape, sizes)]
 
 
+def _follower_main(n: fx.Node, ins: list[fx.Node], mains: list[int]) -> int | None:
+    """The input slot whose layout ``n`` follows, or None when ``n`` is a decision.
+
+    A view or elementwise op follows its one input that is not a folded parameter; with several, it follows the one
+    of its own shape when every other is a broadcast of fewer elements (a norm's ``x * rsqrt(mean(x^2))`` follows
+    ``x``: the (B, T, 1) operand is redistributed to it, which costs little, and the op is no ILP decision)."""
+    if n.target not in FOLLOWER_OPS or not mains:
+        return None
+    if len(mains) == 1:
+        return mains[0]
+    out = tuple(n.meta["val"].shape)
+    full = [i for i in mains if tuple(ins[i].meta["val"].shape) == out]
+    if len(full) != 1:
+        return None
+    numel = math.prod(out)
+    if all(math.prod(ins[i].meta["val"].shape) < numel for i in mains if i != full[0]):
+        return full[0]
+    return None
+
+
 def _follow(by_input: dict[Spec, int], want: Spec) -> int:
     """The follower strategy whose main input takes ``want``, gathering innermost axes first until one exists.
 
@@ -183,6 +206,10 @@ def _follow(by_input: dict[Spec, int], want: Spec) -> int:
             if cur in by_input:
                 return by_input[cur]
     raise AssertionError("the replicated strategy always exists")
+
+
+def _partials(spec: Spec) -> int:
+    return sum(isinstance(p, Partial) for p in spec.placements)
 
 
 def _storage_root(node: fx.Node) -> fx.Node:
@@ -329,10 +356,11 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
         for i, a in enumerate(ins):
             edges.append((source.get(a.name, a.name), n.name, i, _tmeta(a.meta["val"])))
         mains = [i for i, a in enumerate(ins) if kind.get(source.get(a.name, a.name)) != FOLDED]
-        if n.target in FOLLOWER_OPS and len(mains) == 1:
+        main = _follower_main(n, ins, mains)
+        if main is not None:
             kind[n.name] = FOLLOWER
-            main_slot[n.name] = mains[0]
-            root[n.name] = root[source[ins[mains[0]].name]]
+            main_slot[n.name] = main
+            root[n.name] = root[source[ins[main].name]]
         else:
             kind[n.name] = DECISION
             root[n.name] = n.name
@@ -353,9 +381,15 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
         r = root[n]
         key = (tg.rep.get(n, n), tg.rep.get(src, src), tg.rep.get(r, r))
         if key not in seen:
+            # per main-input Spec the strategy with the fewest partial outputs: a follower passes a partial sum on
+            # but never makes one (``(S(0)R, RP) -> S(0)P`` comes before ``(S(0)R, RR) -> S(0)R`` in ``mul``'s list,
+            # and would leave the next matmul an all-reduce)
             by_input: dict[Spec, int] = {}
             for i, c in enumerate(cands[n]):
-                by_input.setdefault(c.inputs[main_slot[n]], i)
+                key_i = c.inputs[main_slot[n]]
+                j = by_input.get(key_i)
+                if j is None or _partials(c.output) < _partials(cands[n][j].output):
+                    by_input[key_i] = i
             seen[key] = [_follow(by_input, problem.strategy(src, s).output if src != r else cands[r][s].output)
                          for s in range(len(cands[r]))]
         problem.derived[n] = seen[key]
@@ -673,9 +707,19 @@ def solve(
         g["info"][ek] = (m, P_.requires_grad.get(u, False))
         g["count"][ek] = g["count"].get(ek, 0) + 1
 
+    # a follower's broadcast operand: what the follower wants depends on its root, and tied copies of one follower
+    # can have different roots (the first block's input is the embedding's, the others' a residual add's): its key
+    # names both, and one copy of each pair stands for the others
+    follower_of: dict[tuple, str] = {}
     for u, v, i, m in P_.edges:
-        if P_.kind[v] == DECISION and P_.kind[u] != FOLDED:
+        if P_.kind[u] == FOLDED:
+            continue
+        if P_.kind[v] == DECISION:
             note(u, (rep(v), i), m)
+        elif P_.kind[v] == FOLLOWER and i != P_.main_slot[v]:
+            fk = ("follower", rep(v), rep(P_.root[v]))
+            follower_of.setdefault(fk, v)
+            note(u, (fk, i), m)
     for k, (u, m) in enumerate(P_.outputs):
         note(u, (("output", k), 0), m)
     memory_rows = objective == "memory" or memory_budget is not None  # else no memory row reads the edges' bytes
@@ -690,14 +734,18 @@ def solve(
         indicators: dict[tuple, dict] = {}  # edge key -> {(o, d): indicator}
         for ek, (m, rgrad) in g["info"].items():
             v, i = ek
-            if isinstance(v, tuple):
+            rv = consumer = v
+            if isinstance(v, tuple) and v[0] == "output":
                 specs_v, xs_v = P_.output_specs[v[1]], zs[v[1]]
+            elif isinstance(v, tuple):  # a follower's broadcast operand: what it wants is a function of its root's x
+                rv, consumer = v[2], follower_of[v]
+                specs_v, xs_v = [P_.strategy(consumer, s).inputs[i] for s in range(nstrat[rv])], x[rv]
             else:
                 specs_v, xs_v = [st.inputs[i] for st in P_.cands[v]], x[v]
-            if v == r:  # the edge ends at the decision that fixes its source: its cost is a function of x[r]
+            if rv == r:  # the edge ends at the decision that fixes its source: its cost is a function of x[r]
                 for s, (o, d) in enumerate(zip(outs, specs_v)):
-                    t_lin[r][s] += g["count"][ek] * cost.edge_time(m, o, d, rgrad, v, g["src"])
-                    m_act[r][s] += g["count"][ek] * cost.kept_redistribution(m, o, d, v, (v, i) in P_.saved_in)
+                    t_lin[r][s] += g["count"][ek] * cost.edge_time(m, o, d, rgrad, consumer, g["src"])
+                    m_act[r][s] += g["count"][ek] * cost.kept_redistribution(m, o, d, consumer, (consumer, i) in P_.saved_in)
                 continue
             vd = list(dict.fromkeys(d for d, live in zip(specs_v, xs_v) if live is not None))
             ind = {}
@@ -725,8 +773,8 @@ def solve(
             for ek in eks:
                 m, rgrad = g["info"][ek]
                 v, i = ek
-                consumer = None if isinstance(v, tuple) else v
-                saved = (v, i) in P_.saved_in
+                consumer = follower_of.get(v) if isinstance(v, tuple) else v
+                saved = (consumer, i) in P_.saved_in
                 for od, iv in indicators[ek].items():
                     kb = cost.kept_redistribution(m, od[0], od[1], consumer, saved) if memory_rows else 0.0
                     demands.setdefault(od, []).append((iv, cost.edge_time(m, od[0], od[1], rgrad, consumer, g["src"]), kb))

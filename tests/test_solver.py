@@ -145,6 +145,40 @@ def test_block_ties_keep_the_problem_size_independent_of_depth():
     assert sizes[2] == sizes[8]
 
 
+LLAMA_BLOCKS = dict(vocab_size=32000, max_seq_len=2048, n_layer=2, n_head=32, n_kv_head=8, dim=4096, ffn_dim=14336)
+
+
+def test_a_norm_computed_from_its_parts_adds_one_decision_and_no_collective():
+    """torchtitan's and Hugging Face's RMSNorm (fp32 cast, mean of squares, rsqrt, two multiplies): the multiply by
+    the (B, T, 1) rsqrt follows the (B, T, D) operand, so the norm is one ILP decision (the mean), as the fused op is;
+    and a follower never makes a partial sum: under Megatron's column / row split (residual stream whole on
+    tp), the norm's weight multiply hands the next matmul a whole value, not one that needs an all-reduce."""
+    from dataclasses import replace
+
+    from autopar.planner import cost_model
+    from autopar.solver import DECISION, FOLLOWER, build_problem
+    from autopar.trace import trace
+    from models.llama import Llama, LlamaConfig
+
+    x = torch.empty(1, TOKENS, dtype=torch.long, device="meta")
+    mesh = autopar.Mesh({"tp": 8}, hardware=H100)
+    pins = [(p, "S(0)") for p in ("layers.*.attention.w[qkv].weight", "layers.*.feed_forward.w[13].weight")]
+    pins += [(p, "S(1)") for p in ("layers.*.attention.wo.weight", "layers.*.feed_forward.w2.weight")]
+    decisions = {}
+    for norm in ("fused", "fp32-composite"):
+        model = _meta(Llama, replace(LlamaConfig(**LLAMA_BLOCKS), norm=norm))
+        tg = trace(model, (x, x))
+        problem = build_problem(tg, mesh, cost_model(tg, mesh))
+        first = [n for n in problem.order if tg.path(n).startswith("layers.0.")]
+        decisions[norm] = sum(problem.kind[n] == DECISION for n in first)
+        broadcast = [v for u, v, i, m in problem.edges if v in first and m.shape == (1, TOKENS, 1) and problem.meta[v].shape == (1, TOKENS, 4096)]
+        assert len(broadcast) == (2 if norm != "fused" else 0) and all(problem.kind[v] == FOLLOWER for v in broadcast), broadcast
+        plan = autopar.plan(model, mesh, (x, x), constraints=pins)
+        counts = collections.Counter((c.kind, c.phase) for c in plan.collectives() if c.bytes == TOKENS * 4096 * 2 and _in_blocks(plan, c))
+        assert counts[("all_reduce", "forward")] == 2 * LLAMA_BLOCKS["n_layer"], (norm, counts)  # after wo and w2 only
+    assert decisions["fp32-composite"] == decisions["fused"], decisions  # a mean in place of each rms_norm
+
+
 def test_pins_are_obeyed_and_bad_pins_explained():
     cfg = GPTConfig.tiny()
     x = torch.empty(4, 16, dtype=torch.long, device="meta")

@@ -309,7 +309,8 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
         grad += copies * zc.grad
         act += copies * zc.act if opt.stage in (1, 2) else 0.0
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
-        comm += copies * (zc.comm + zc.copy)
+        comm += copies * zc.comm
+        compute += copies * zc.copy  # the runtime's copies run on the compute stream, as the real plan prices them
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
     if c.dp > 1:  # the launches and ring latencies, as the real plan prices them per parameter group: each block,
         # and the rest (embedding, head, final norm) as one

@@ -123,15 +123,15 @@ def grad_sync_axes(spec: Spec, mesh: Mesh) -> tuple[int, ...]:
 
 
 def grad_sync_bandwidth_time(spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:
-    """One parameter's share of its bucket's all-reduces: bandwidth only (a bucket pays the latency once), and the
-    bucket's two copies (flattened, cut out again) at memory bandwidth."""
+    """One parameter's share of its bucket's all-reduces: bandwidth only (a bucket pays the latency once). The
+    bucket's two copies (flattened, cut out again) run on the compute stream: ``zero.param_cost``'s ``copy``, which
+    the solver and the plan's evaluation put on the critical path, not beside it."""
     b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
     axes = grad_sync_axes(spec, mesh)
     if not axes:
         return 0.0
-    hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
     wire = b * mesh.hardware.reduce_factor(meta.dtype)
-    return sum(wire_bytes("all_reduce", wire, mesh.sizes[a]) / mesh.link(a).bandwidth for a in axes) + 2 * b / hbm
+    return sum(wire_bytes("all_reduce", wire, mesh.sizes[a]) / mesh.link(a).bandwidth for a in axes)
 
 
 VIEW_OPS = {

@@ -18,10 +18,11 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    model under each recomputation mode, give each unit (embedding, the second block, head) its forward and backward
    seconds, its kept activations (affine in the rows of a microbatch: measured at one and two rows), its parameters
    with their Specs, and the bytes crossing each unit boundary. Every candidate -- (dp, pp, tp), microbatches,
-   schedule, recomputation, and without a pipeline the ZeRO stage and its shard group (all of dp, or HSDP's) -- is
-   then evaluated from those numbers alone, in the order of a lower bound (the rest dropped once the bound passes
-   the best): blocks repeated L times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory)
-   and the schedule's analytic step; without one, the step is compute plus data-parallel communication (overlapped
+   schedule (GPipe only where 1F1B cannot run: fewer microbatches than ranks), recomputation, and without a
+   pipeline the ZeRO stage and its shard group (all of dp, or HSDP's) -- is then evaluated from those numbers
+   alone, in the order of a lower bound (the rest dropped once the bound passes the best): blocks repeated L
+   times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory) and the schedule's analytic
+   step; without one, the step is compute plus data-parallel communication (overlapped
    where the hardware's runtime overlaps it), ZeRO's bytes and launches come from ``autopar.zero`` (``param_cost``,
    ``group_latency``) as the real plan's do, and the peak counts one block's recomputed activations as it does. A flat
    candidate whose rows per data-parallel rank split over tp is also priced with the tp axis carrying the batch
@@ -439,8 +440,9 @@ def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...])
                     continue
                 for m in microbatch_candidates(batch // dp, pp):
                     opts, _ = _schedules(PipelinePin(), pp, m, L, L + 2)
+                    names = {name for name, _ in opts}
                     for name, v in opts:
-                        if name == "gpipe":
+                        if name == "gpipe" and "1f1b" in names:
                             continue  # 1F1B has GPipe's bubble with fewer microbatches in flight: never worse
                         out.append(Candidate(dp, pp, tp, rc, m, name, v))
     return out
@@ -468,10 +470,12 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
     profiles: dict[int, _Profile | None] = {}
     cands = candidates(cluster, B, max(L, 1), modes)
     if not cands:
+        least = math.ceil(cluster.devices / (cluster.gpus_per_node * max(L, 1)))  # dp that leaves at most L stages
         raise AutoparError(
-            f"no factorisation of the {cluster.devices} devices of {cluster} splits the global batch of {B} rows: the data-"
-            f"parallel degree must divide it; use a global batch that is a multiple of {cluster.devices // math.gcd(cluster.devices, cluster.gpus_per_node)}"
-            " (or of the devices)"
+            f"no factorisation dp x pp x tp of the {cluster.devices} devices of {cluster} fits a global batch of {B} rows "
+            f"and {L} blocks: dp must divide the batch, tp at most fills a node ({cluster.gpus_per_node}), and pp takes the "
+            f"rest, at most one stage per block ({L}); so dp must be at least {least}. Use a global batch that is a "
+            f"multiple of {next(d for d in _divisors(cluster.devices) if candidates(cluster, d, max(L, 1), modes[:1]))}, or fewer devices"
         )
     screened: list[Screened] = []
     t0 = time.perf_counter()

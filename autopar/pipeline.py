@@ -10,7 +10,8 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
 1. Microbatch counts ``m``: divisors of the per-replica batch (global batch / data axes), at most six of them.
 2. For each ``m``, one microbatch (``batch / m`` rows) is traced and the intra-op ILP (``solver``) is solved on the
    mesh without pp, priced for the average stage of a 1F1B pipeline: the state of all layers shared by ``p``
-   ranks (budget ``p x budget``) beside one microbatch in flight per layer on each rank (activations x ``p``), and
+   ranks (budget ``p x budget``) beside one microbatch in flight per layer on each rank (activations x ``p``, or
+   x ``m`` when there are fewer microbatches than ranks: GPipe, which 1F1B cannot run then), and
    the gradient all-reduce, once per step, weighted ``1 / (m + p - 1)`` against the per-microbatch terms. ZeRO is
    stage 0 on a pipeline (a stage's gradients are reduced once, after the last microbatch).
 3. The graph is cut into units: everything before the first repeated block (the embedding), each block, and
@@ -503,8 +504,11 @@ def _batch_rows(args: tuple) -> int:
 
 
 def microbatch_candidates(per_replica: int, p: int) -> list[int]:
+    """Microbatch counts to try: the divisors of the per-replica batch that are powers of two or multiples of the
+    ranks (what 1F1B and interleaving run), and the per-replica batch itself (one row each: Megatron's usual
+    microbatch, and GPipe's smallest bubble when there are fewer rows than ranks)."""
     divs = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
-    pick = [d for d in divs if d & (d - 1) == 0 or d % p == 0]
+    pick = [d for d in divs if d & (d - 1) == 0 or d % p == 0 or d == per_replica]
     if len(pick) > MAX_MICROBATCH_CANDIDATES:
         n = len(pick)
         pick = sorted({pick[round(i * (n - 1) / (MAX_MICROBATCH_CANDIDATES - 1))] for i in range(MAX_MICROBATCH_CANDIDATES)})
@@ -536,7 +540,16 @@ def _schedules(pin: PipelinePin, p: int, m: int, L: int, U: int) -> tuple[list[t
 
 
 def slice_batch(args: tuple, rows: int) -> tuple:
-    return tuple(a[:rows] if isinstance(a, torch.Tensor) and a.ndim > 0 else a for a in args)
+    """The first ``rows`` rows of every batched input; rows repeated where the batch has fewer (the cluster screen
+    profiles two and four rows whatever the global batch)."""
+    def cut(a):
+        if not isinstance(a, torch.Tensor) or a.ndim == 0:
+            return a
+        if a.shape[0] < rows:
+            a = torch.cat([a] * math.ceil(rows / a.shape[0]))
+        return a[:rows]
+
+    return tuple(cut(a) for a in args)
 
 
 def trace_rows(model, args: tuple, rows: int, traces: dict | None = None) -> TracedGraph:
@@ -594,12 +607,13 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         problem = build_problem(tg, inner, cost)
         raw = problem.costs
         w = 1.0 / (m + p - 1)
+        flights = min(p, m)  # no rank keeps more microbatches than there are (GPipe with m < p: all m)
         in_block = {n for n, f in tg.fqns.items() if any(f.startswith(b.fqn + ".") for b in tg.blocks)}
         # a block's gradient sync is shared by the p ranks; the embedding's or head's lands on one rank whole
         # gradients live beside the activations all step (microbatches accumulate them): one sum, not the max of
         # the two peaks a step without a pipeline has (and the sum ``unit_costs`` / the cuts count per rank)
         problem.costs = {
-            n: [dataclasses.replace(c, state=c.state + c.grad, grad=0.0, act=c.act * p, comm=c.comm * w * (1 if n in in_block else p))
+            n: [dataclasses.replace(c, state=c.state + c.grad, grad=0.0, act=c.act * flights, comm=c.comm * w * (1 if n in in_block else p))
                 if tg.kinds.get(n) != INPUT else c for c in cs]
             for n, cs in raw.items()
         }

@@ -38,8 +38,30 @@ def test_candidates_keep_tensor_parallel_inside_a_node_and_split_the_batch():
     assert {c.tp for c in cands} == {1, 2, 4, 8}  # tp divides the GPUs of a node: never across the slow link
     assert all(256 % c.dp == 0 and c.pp <= 24 for c in cands)
     assert {c.recompute for c in cands} == {"none", "full"}
-    assert all(c.schedule != "gpipe" for c in cands)  # 1F1B: GPipe's bubble, fewer microbatches in flight
+    # 1F1B: GPipe's bubble, fewer microbatches in flight; GPipe only where 1F1B cannot run (fewer microbatches than ranks)
+    assert all(c.schedule != "gpipe" for c in cands if c.microbatches >= c.pp)
     assert all(256 // c.dp % c.microbatches == 0 for c in cands if c.pp > 1)
+
+
+def test_fewer_rows_than_pipeline_ranks_pipeline_with_gpipe():
+    """1F1B needs a microbatch per rank; with fewer rows per replica than ranks GPipe still runs (every microbatch in
+    flight), so the search keeps it there -- one row per microbatch -- instead of finding no factorisation."""
+    from autopar.pipeline import microbatch_candidates
+
+    assert 3 in microbatch_candidates(3, 8) and 12 in microbatch_candidates(12, 8)
+    cands = candidates(Cluster(1, 8), batch=2, L=8, recompute=("none",))
+    short = [c for c in cands if c.pp > 1 and c.microbatches < c.pp]
+    assert short and all(c.schedule == "gpipe" for c in short)
+    assert all(c.schedule != "gpipe" for c in cands if c.pp > 1 and c.microbatches >= c.pp)
+    with pytest.raises(autopar.AutoparError, match=r"dp must divide the batch.*so dp must be at least 4"):
+        plan_cluster(_gpt(layers=4), _ids(3), Cluster(16, 8, "a100-80gb"))  # dp 1 leaves 16+ stages for 4 blocks
+    model, inputs, cl = _gpt(layers=8, width=512), _ids(2), Cluster(1, 8, "a100-80gb")
+    plan = plan_cluster(model, inputs, cl)
+    assert plan.pipeline is not None and plan.pipeline.schedule == "gpipe", plan.mesh
+    dp = dict(zip(plan.mesh.names, plan.mesh.sizes)).get("dp", 1)
+    assert plan.pipeline.microbatches == 2 // dp  # one row each: the smallest bubble
+    tp8 = autopar.plan(model, autopar.Mesh({"tp": 8}, cl.hw()), inputs)
+    assert plan.cost.step_time < tp8.cost.step_time
 
 
 def test_the_search_is_at_least_as_good_as_the_plain_layouts_it_screens():

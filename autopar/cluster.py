@@ -24,7 +24,7 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory) and the schedule's analytic
    step; without one, the step is compute plus data-parallel communication (overlapped
    where the hardware's runtime overlaps it), ZeRO's bytes and launches come from ``autopar.zero`` (``param_cost``,
-   ``group_latency``) as the real plan's do, and the peak counts one block's recomputed activations as it does. A flat
+   ``bucket_latency``, ``group_latency``) as the real plan's do, and the peak counts one block's recomputed activations as it does. A flat
    candidate whose rows per data-parallel rank split over tp is also priced with the tp axis carrying the batch
    (tp = 1's profile at rows / tp per device, every gradient summed over tp), and the cheaper pricing kept: the
    tp-degree proxy, at one and two rows per rank, cannot split the batch over tp, where the real plan can. Candidates
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import RECOMPUTE, collective_time, peak_memory
+from autopar.cost import RECOMPUTE, collective_time, grad_sync_axes, peak_memory
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
@@ -60,7 +60,7 @@ from autopar.plan import Plan
 from autopar.spec import Replicate, Spec
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.trace import PARAM, trace
-from autopar.zero import ZeroOption, group_latency, param_cost, zero3_traffic, zero3_uses
+from autopar.zero import ZeroOption, bucket_latency, data_axes, eligible, group_latency, param_cost, zero3_traffic, zero3_uses
 
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
@@ -297,6 +297,8 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
     state = grad = transient = comm = 0.0
     n_block_params = sum(1 for u, *_ in prof.params.values() if u == 1)
     traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
+    data = set(data_axes(mesh))
+    buckets: dict[bool, set] = {True: set(), False: set()}  # one block's gradient buckets, the rest's (as the solver's)
     for name, (u, spec, meta, uses) in prof.params.items():
         copies = L if u == 1 else 1
         if batch_over_tp:  # tp = 1's proxy may have put any placement on its axis of size 1
@@ -312,13 +314,26 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
         comm += copies * zc.comm
         compute += copies * zc.copy  # the runtime's copies run on the compute stream, as the real plan prices them
+        eff = opt if eligible(opt, spec, meta, mesh) else ZeroOption(0)
+        sync = grad_sync_axes(spec, mesh)
+        rest = tuple(a for a in sync if a not in eff.shard_axes)
+        if eff.stage in (1, 2):
+            buckets[u == 1].add((eff, rest))
+        elif eff.stage == 0 and data & set(sync):
+            buckets[u == 1].add((eff, sync))
+        elif eff.stage == 3 and set(rest) - data:
+            buckets[u == 1].add((ZeroOption(0), tuple(a for a in rest if a not in data)))
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
-    if c.dp > 1:  # the launches and ring latencies, as the real plan prices them per parameter group: each block,
-        # and the rest (embedding, head, final norm) as one
+    if c.dp > 1:  # the launches and ring latencies, as the real plan prices them: each gradient bucket once (a
+        # block's per copy; ZeRO-1's once for the whole model), ZeRO-3's per parameter group (each block, the rest)
         n_rest = len(prof.params) - n_block_params
-        also = (mesh.names.index("tp"),) if batch_over_tp else ()
-        comm += L * group_latency(opt, mesh, max(n_block_params, 1), L + 1, tuple(traffic[True]), also)
-        comm += group_latency(opt, mesh, max(n_rest, 1), L + 1, tuple(traffic[False]), also) if n_rest else 0.0
+        whole = {b for b in buckets[True] | buckets[False] if b[0].stage == 1}  # ZeRO-1: one per set, whole model
+        comm += sum(bucket_latency(mesh, axes, eff) for eff, axes in whole)
+        for block, n in ((True, L), (False, 1)):
+            comm += n * sum(bucket_latency(mesh, axes, eff) for eff, axes in buckets[block] if eff.stage != 1)
+        if opt.stage == 3:
+            comm += L * group_latency(opt, mesh, max(n_block_params, 1), tuple(traffic[True]))
+            comm += group_latency(opt, mesh, max(n_rest, 1), tuple(traffic[False])) if n_rest else 0.0
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
     memory = peak_memory(state, grad, act, transient, max(transient, regen))

@@ -37,12 +37,15 @@ nodes v, strategies s:
 - Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters),
   plus, in the activation peak, what backward keeps of each redistributed value, on the same y / r as its time
   (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather).
-- A parameter's gradient all-reduce is priced by its bandwidth; the planner buckets stage-0 gradients per block copy
-  and axes set, and a bucket pays the latency once: ``bucket[g, S] in [0, 1]``, ``bucket[g, S] >= sum_{s in T(v, g, S)}
-  (x[v, s] - sum_k w[v, s, g, k])`` (strategy s at stage 0) for every decision v, T(v, g, S) being v's strategies
-  that leave a parameter of group g syncing over the axes S (S holding a data axis; one row per (v, g, S): a
-  decision's strategies exclude each other, so the sum is an indicator); the objective's D pays copies(g) x
-  latency(S) per bucket. ZeRO stages' launches are ``group_latency`` per group copy on z.
+- A parameter's gradient communication is priced by its bandwidth; the planner buckets gradients per (ZeRO option o
+  a parameter runs -- its group's, or stage 0 where it is not eligible --, axes S its gradients are all-reduced over
+  beyond o's shards, scope: the block copy, or the whole model for ZeRO-1), and a bucket pays its launches once:
+  ``bucket[o, g, S] in [0, 1]``, ``bucket[o, g, S] >= sum_{(s, k) in T(v, o, g, S)} ind[v, s, g, k]`` for every
+  decision v, ind being the (strategy s, group option k) indicator (x[v, s] - sum_k w[v, s, g, k] for stage 0,
+  w[v, s, g, k] otherwise) and T(v, o, g, S) the pairs that leave a parameter of group g in that bucket (a stage-0
+  S holding a data axis; one row per (v, bucket): the pairs exclude each other, so the sum is an indicator); the
+  objective's D pays copies(g) x ``bucket_latency(S, o)`` per bucket (once for ZeRO-1's). ZeRO-3's launches are
+  ``group_latency`` per group copy on z.
 - Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
   block's backward runs its activations are back: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``.
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
@@ -644,7 +647,10 @@ def solve(
         return zfacts[key]
 
     zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
-    sync_sets: dict[tuple[str, int, str], set] = {}  # (decision, strategy, group) -> the axes sets its gradients sync over
+    data = set(data_axes(mesh))
+    # (decision, strategy, group, option) -> the gradient buckets its parameters land in: (the ZeRO option they run,
+    # the axes their gradients are all-reduced over beyond that option's shards)
+    bucket_sets: dict[tuple[str, int, str, int], set] = {}
     for n, (g, copies, gparams) in zgroups.items():
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
@@ -652,9 +658,16 @@ def solve(
             t_lin[r][s] += base_copy  # the runtime's copies run on the compute stream: the critical path, as priced
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
-            if synced:
-                sync_sets.setdefault((r, s, g), set()).add(grad_sync_axes(P_.strategy(n, s).output, mesh))
+            sync = grad_sync_axes(P_.strategy(n, s).output, mesh) if synced else ()
             for k, (stage, delta) in enumerate(per):
+                rest = tuple(a for a in sync if a not in zopts[k].shard_axes)
+                if stage in (1, 2):  # eligible for the option: its shards' bucket
+                    bucket_sets.setdefault((r, s, g, k), set()).add((zopts[k], rest))
+                elif stage == 0 and data & set(sync):  # stage 0, chosen or (not eligible) fallen back to
+                    bucket_sets.setdefault((r, s, g, k), set()).add((zopts[0], sync))
+                elif stage == 3 and set(rest) - data:  # a ZeRO-3 shard still summed over model axes (over data
+                    # axes too: that part of its bucket's launches is in group_latency, which the screen shares)
+                    bucket_sets.setdefault((r, s, g, k), set()).add((zopts[0], tuple(a for a in rest if a not in data)))
                 if stage == 0 and synced:
                     buck[k][0] += 2 * b / copies
                 elif stage == 2:
@@ -805,15 +818,14 @@ def solve(
         acc = traffic.setdefault(g, [0, 0])
         for i, k in enumerate(zero3_traffic(zuses[n])):
             acc[i] += k
-    all_copies = sum(c for c, _ in group_meta.values())
     for g, (copies, gparams) in group_meta.items():
         ok = pinned.get(g)
         zvar[g] = [model.binary(relax) if (ok is None or k in ok) else None for k in range(len(zopts))]
         add_row(1.0, 1.0, [(1.0, v) for v in zvar[g] if v is not None])
         per_copy = (traffic[g][0] // copies, traffic[g][1] // copies)
         for k, zv in enumerate(zvar[g]):
-            # stage 0's latencies are its buckets' (below): they depend on the strategies, not on the stage alone
-            dlat = copies * group_latency(zopts[k], mesh, gparams, all_copies, per_copy) if k else 0.0
+            # stages 0-2's latencies are their buckets' (below): they depend on the strategies, not on the stage alone
+            dlat = copies * group_latency(zopts[k], mesh, gparams, per_copy) if zopts[k].stage == 3 else 0.0
             if zv is not None and dlat and objective != "memory":
                 oterms.append((dlat * US, zv))
     ind: dict[tuple[str, int, str, int], list] = {}  # (decision, strategy, group, option) -> x * z, a linear form
@@ -843,31 +855,32 @@ def solve(
         if ws:
             add_row(-inf, 0.0, [(1.0, w) for w in ws] + [(-1.0, xv)])  # the stage-0 share, x - sum(w), is not negative
         ind[(r, s, g, 0)] = [(1.0, xv)] + [(-1.0, w) for w in ws]
-    # stage 0's gradient buckets: the planner makes one per (block copy, axes set its gradients sync over), and each
-    # pays its all-reduces' latencies once. bucket[g, S] >= the indicator of (strategy, stage 0) of every decision that
-    # leaves a parameter of group g syncing over S: a plan that syncs one block's gradients over two different sets
-    # of axes pays two buckets' latencies (on dp x tp, splitting some weights on tp and the batch elsewhere)
-    # (a set of model axes alone -- a row-parallel bias's gradient summed over tp, the transpose of its R -> P -- is
-    # left out: every rank could sum that gradient locally, as Megatron does, and charging its launches here would
-    # trade Megatron's row-parallel linears for gathers to avoid an all-reduce the runtime should not need)
-    # One row per (decision, group, set) sums the decision's strategies that sync over the set: they exclude each
-    # other, so the sum is the same indicator as each of them alone, with one row instead of one per strategy.
-    data = set(data_axes(mesh))
-    bucket: dict[tuple[str, tuple[int, ...]], object] = {}
-    bforms: dict[tuple[str, str, tuple[int, ...]], list] = {}
-    for (r, s, g), sets in sync_sets.items():
-        form = ind.get((r, s, g, 0))
+    # gradient buckets of stages 0-2: the planner makes one per (ZeRO option, axes the gradients are all-reduced
+    # over beyond its shards, and scope: each block copy, or for ZeRO-1 the whole model), and each pays its
+    # collectives' latencies once (``bucket_latency``). bucket[o, scope, S] >= the indicator of (strategy, option) of
+    # every decision that leaves a parameter of the scope in that bucket: a plan whose block syncs some gradients
+    # over dp and others over dp and tp (on dp x tp, weights split on tp and norms whole) pays two buckets' latencies
+    # (a stage-0 set of model axes alone -- a row-parallel bias's gradient summed over tp, the transpose of its R -> P
+    # -- is left out: every rank could sum that gradient locally, as Megatron does, and charging its launches here
+    # would trade Megatron's row-parallel linears for gathers to avoid an all-reduce the runtime should not need)
+    # One row per (decision, bucket) sums the decision's (strategy, option) indicators that land in it: they exclude
+    # each other, so the sum is an indicator too, with one row instead of one per strategy.
+    bucket: dict[tuple, object] = {}
+    bforms: dict[tuple, list] = {}
+    for (r, s, g, k), sets in bucket_sets.items():
+        form = ind.get((r, s, g, k))
         if form is None:
             continue
-        for axes in sorted(a for a in sets if data & set(a)):
-            bforms.setdefault((r, g, axes), []).extend(form)
-    for (r, g, axes), form in bforms.items():
-        if (g, axes) not in bucket:
-            bucket[g, axes] = model.var(0.0, 1.0)
-            lat = group_meta[g][0] * bucket_latency(mesh, axes)
+        for opt, axes in sorted(sets, key=lambda t: (t[0].stage, t[0].shard_axes, t[1])):
+            bforms.setdefault((r, opt, "" if opt.stage == 1 else g, axes), []).extend(form)
+    for (r, opt, scope, axes), form in bforms.items():
+        key = (opt, scope, axes)
+        if key not in bucket:
+            bucket[key] = model.var(0.0, 1.0)
+            lat = (group_meta[scope][0] if scope else 1) * bucket_latency(mesh, axes, opt)
             if objective != "memory":
-                oterms.append((lat * US, bucket[g, axes]))
-        add_row(0.0, inf, [(1.0, bucket[g, axes])] + [(-c, v) for c, v in form])
+                oterms.append((lat * US, bucket[key]))
+        add_row(0.0, inf, [(1.0, bucket[key])] + [(-c, v) for c, v in form])
     # w couples a decision's strategy with its group's stage, a joint distribution: over the stages it sums to x (above),
     # over the strategies to z (exact for binaries; it keeps the relaxation from counting a stage's savings twice)
     coupled: dict[tuple[str, str, int], list] = {}

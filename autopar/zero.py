@@ -4,7 +4,8 @@ In: a parameter's Spec as compute uses it (replicated on the data axes), its met
 Out: ``zero_options(mesh)`` (stage 0 = plain data parallel, then stages 1-3 over every non-empty set of data
 axes; sharding over some data axes and replicating over the others is HSDP), and ``param_cost(option, ...)``:
 the per-device bytes (held all step, gradients) and the gradient-synchronisation seconds (bandwidth part) of one
-parameter under an option; ``group_latency`` the per-group launch latency; the solver chooses per group.
+parameter under an option; ``bucket_latency`` a gradient bucket's launch latency and ``group_latency`` a ZeRO-3
+group's; the solver chooses per group.
 
 How each stage runs (passes/zero.py, autopar/collectives.py) and what it holds, per parameter of e elements of
 itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO paper's Psi = e):
@@ -148,32 +149,29 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, copy)
 
 
-def bucket_latency(mesh: Mesh, axes) -> float:
-    """Launch and latency seconds of all-reducing one gradient bucket over ``axes`` (one all-reduce per axis, as
-    the runtime runs it; its bytes are priced apart): what a group's stage 0 pays per bucket, in the ILP's bucket
-    variables and in ``group_latency``."""
-    return sum(collective_time("all_reduce", 0.0, mesh.sizes[a], mesh.link(a)) for a in axes)
+def bucket_latency(mesh: Mesh, axes, opt: "ZeroOption | None" = None) -> float:
+    """Launch and latency seconds of one gradient bucket (its bytes are priced apart), as the runtime runs it: an
+    all-reduce over each of ``axes``, and under ZeRO-1/2 (``opt``) first an all-gather and a reduce-scatter over
+    each shard axis (``axes`` are then the axes the shards are still summed over). What a bucket pays in the ILP's
+    bucket variables and in ``group_latency``."""
+    lat = sum(collective_time("all_reduce", 0.0, mesh.sizes[a], mesh.link(a)) for a in axes)
+    if opt is not None and opt.stage in (1, 2):
+        lat += sum(collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a)) for a in opt.shard_axes for kind in ("all_gather", "reduce_scatter"))
+    return lat
 
 
-def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, n_copies: int,
-                  traffic: "tuple[int, int] | None" = None, also: tuple[int, ...] = ()) -> float:
-    """Launch and latency seconds of one group copy's collectives per step (its bytes are in ``param_cost``);
-    ``n_copies``: group copies in the whole model (stage 1's single bucket is shared by all of them); ``traffic``:
-    the copy's ZeRO-3 (all-gathers, reduce-scatters), the sum of its parameters' ``zero3_traffic`` (by default each
-    parameter a linear's weight used once); ``also``: axes other than the data axes its gradients are summed over
-    (a tp axis that carries the batch)."""
+def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, traffic: "tuple[int, int] | None" = None) -> float:
+    """Launch and latency seconds of one ZeRO-3 group copy's collectives per step (its bytes are in ``param_cost``):
+    its gathers and reduce-scatters over the shard axes, and the all-reduces of its shards over the other data axes
+    (HSDP's replicas). ``traffic``: the copy's (all-gathers, reduce-scatters), the sum of its parameters'
+    ``zero3_traffic`` (by default each parameter a linear's weight used once). Stages 0-2 pay per gradient bucket
+    (``bucket_latency``), and so does a ZeRO-3 shard summed over model axes."""
+    assert opt.stage == 3, "stages 0-2 pay their launches per gradient bucket: bucket_latency"
+
     def lat(kind: str, a: int) -> float:
         return collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a))
 
-    data = data_axes(mesh)
-    rest = bucket_latency(mesh, [a for a in data + tuple(a for a in also if a not in data) if a not in opt.shard_axes])
-    if opt.stage == 0:
-        return rest
-    pair = sum(lat("all_gather", a) + lat("reduce_scatter", a) for a in opt.shard_axes)
-    if opt.stage == 1:  # one bucket for the whole model
-        return (pair + rest) / max(n_copies, 1)
-    if opt.stage == 2:  # one bucket per group copy
-        return pair + rest
+    rest = bucket_latency(mesh, [a for a in data_axes(mesh) if a not in opt.shard_axes])
     gathers, scatters = traffic or (2 * group_params, group_params)
     if mesh.hardware.zero3_per_block:  # one bucket per group copy: gathered for forward, again for its linears
         gathers, scatters = min(gathers, 1) + (gathers > scatters), min(scatters, 1)

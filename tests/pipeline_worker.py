@@ -2,7 +2,7 @@
 (torch.distributed.pipelining stages and schedules) against single-device training.
 
 Prints one line per case: ``PIPE <model> <mesh> <schedule> <stages> <loss diff> <grad diff> <param diff>``
-(``PIPE-AC``: the stages recompute their blocks' activations).
+(``PIPE-AC``: the stages recompute their blocks' activations; ``PIPE-M1``: one microbatch, fewer than the stages).
 """
 
 from __future__ import annotations
@@ -71,6 +71,10 @@ def main() -> None:
             label, dl, dg, dp = case(name, {"pp": 2}, "1f1b", 4, 4, recompute="full")
             if dist.get_rank() == 0:
                 print(f"PIPE-AC {name} pp2 1f1b {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
+        # fewer microbatches than stages (what the cluster search plans when the batch is that small): GPipe
+        label, dl, dg, dp = case("gpt", {"pp": 2}, "gpipe", 4, 1)
+        if dist.get_rank() == 0:
+            print(f"PIPE-M1 gpt pp2 gpipe {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
 
 
 if __name__ == "__main__":

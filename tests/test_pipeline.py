@@ -251,6 +251,10 @@ def test_pipelines_in_real_gloo_processes_match_single_device(nproc, meshes):
     assert len(recomputed) == (2 if nproc == 2 else 0), lines
     for name, mesh, schedule, label, dl, dg, dp in recomputed:
         assert label.startswith("1f1b(m=4)") and max(float(dl), float(dg), float(dp)) <= 1e-5, (name, label, dl, dg, dp)
+    single = [line.split()[1:] for line in lines if line.startswith("PIPE-M1")]  # one microbatch on two stages
+    assert len(single) == (1 if nproc == 2 else 0), lines
+    for name, mesh, schedule, label, dl, dg, dp in single:
+        assert label.startswith("gpipe(m=1)") and max(float(dl), float(dg), float(dp)) <= 1e-5, (name, label, dl, dg, dp)
     assert {r[1] for r in rows} == meshes
     for name, mesh, schedule, label, dl, dg, dp in rows:
         assert label.startswith(schedule + "(m=4") and (",v=2)" in label) == (schedule == "interleaved"), label

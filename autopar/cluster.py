@@ -22,15 +22,15 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    pipeline the ZeRO stage and its shard group (all of dp, or HSDP's) -- is then evaluated from those numbers
    alone, in the order of a lower bound (the rest dropped once the bound passes the best): blocks repeated L
    times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory) and the schedule's analytic
-   step; without one, the step is compute plus data-parallel communication (overlapped
-   where the hardware's runtime overlaps it), ZeRO's bytes and launches come from ``autopar.zero`` (``param_cost``,
-   ``bucket_latency``, ``group_latency``) as the real plan's do, and the peak counts one block's recomputed activations as it does. A flat
-   candidate whose rows per data-parallel rank split over tp is also priced with the tp axis carrying the batch
-   (tp = 1's profile at rows / tp per device, every gradient summed over tp), and the cheaper pricing kept: the
-   tp-degree proxy, at one and two rows per rank, cannot split the batch over tp, where the real plan can. Candidates
-   whose memory does not fit are dropped, with the reason kept. HSDP, and a tp axis that carries only the batch,
-   are ranked as if 2% slower than they screen: they hold more state and add an axis, so they have to win by more
-   than a near-tie.
+   step; without one, the step is compute plus data-parallel communication (overlapped where the hardware's
+   runtime overlaps it), ZeRO's bytes and launches come from ``autopar.zero`` (``param_cost``, ``bucket_latency``
+   per gradient bucket, ``group_latency``) as the real plan's do, and the peak counts one block's recomputed
+   activations as it does. A flat candidate whose rows per data-parallel rank split over tp is also priced with
+   the tp axis carrying the batch (tp = 1's profile at rows / tp per device, every gradient summed over tp), and
+   the cheaper pricing kept: the tp-degree proxy, at one and two rows per rank, cannot split the batch over tp,
+   where the real plan can. Candidates whose memory does not fit are dropped, with the reason kept. HSDP, and a tp
+   axis that carries only the batch, are ranked as if 2% slower than they screen: they hold more state and add an
+   axis, so they have to win by more than a near-tie.
 2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan`` with the
    screened ZeRO stage, or ``plan_pipeline`` with the screened schedule and microbatch count pinned); the fastest
    real plan is returned. A candidate the real plan finds too big gives way to the next.

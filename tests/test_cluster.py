@@ -38,7 +38,8 @@ def test_candidates_keep_tensor_parallel_inside_a_node_and_split_the_batch():
     assert {c.tp for c in cands} == {1, 2, 4, 8}  # tp divides the GPUs of a node: never across the slow link
     assert all(256 % c.dp == 0 and c.pp <= 24 for c in cands)
     assert {c.recompute for c in cands} == {"none", "full"}
-    # 1F1B: GPipe's bubble, fewer microbatches in flight; GPipe only where 1F1B cannot run (fewer microbatches than ranks)
+    # 1F1B: GPipe's bubble, fewer microbatches in flight; GPipe only where 1F1B cannot run (fewer microbatches
+    # than ranks)
     assert all(c.schedule != "gpipe" for c in cands if c.microbatches >= c.pp)
     assert all(256 // c.dp % c.microbatches == 0 for c in cands if c.pp > 1)
 

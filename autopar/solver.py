@@ -863,8 +863,10 @@ def solve(
     # (a stage-0 set of model axes alone -- a row-parallel bias's gradient summed over tp, the transpose of its R -> P
     # -- is left out: every rank could sum that gradient locally, as Megatron does, and charging its launches here
     # would trade Megatron's row-parallel linears for gathers to avoid an all-reduce the runtime should not need)
-    # One row per (decision, bucket) sums the decision's (strategy, option) indicators that land in it: they exclude
-    # each other, so the sum is an indicator too, with one row instead of one per strategy.
+    # One row per (decision, group, bucket) sums the decision's (strategy, option) indicators that land in it: they
+    # exclude each other, so the sum is an indicator too, with one row instead of one per strategy. (Not one row per
+    # decision: a decision can hold parameters of two groups -- a block's norm weight folded into the residual add
+    # before it -- and ZeRO-1's bucket spans groups, so the two groups' indicators could sum to 2.)
     bucket: dict[tuple, object] = {}
     bforms: dict[tuple, list] = {}
     for (r, s, g, k), sets in bucket_sets.items():
@@ -872,8 +874,8 @@ def solve(
         if form is None:
             continue
         for opt, axes in sorted(sets, key=lambda t: (t[0].stage, t[0].shard_axes, t[1])):
-            bforms.setdefault((r, opt, "" if opt.stage == 1 else g, axes), []).extend(form)
-    for (r, opt, scope, axes), form in bforms.items():
+            bforms.setdefault((r, g, opt, "" if opt.stage == 1 else g, axes), []).extend(form)
+    for (r, g, opt, scope, axes), form in bforms.items():
         key = (opt, scope, axes)
         if key not in bucket:
             bucket[key] = model.var(0.0, 1.0)

@@ -208,6 +208,28 @@ def test_the_ilp_prices_the_step_its_plan_is_evaluated_at(axes, overlap):
         assert choice.objective == pytest.approx(plan.cost.step_time, rel=2e-3), (zero, choice.objective, plan.cost)
 
 
+def test_zero1_with_a_norm_weight_folded_into_the_block_before():
+    """A composite norm's weight multiply follows the residual add before it, so that add's decision holds
+    parameters of two groups (the block's norm weight, the previous block's or the embedding's): ZeRO-1's one bucket
+    spans the groups, and summing both groups' indicators in one row made every plan infeasible."""
+    from dataclasses import replace
+
+    from autopar.planner import cost_model, price
+    from autopar.solver import build_problem, solve
+    from autopar.trace import trace
+    from models.llama import Llama, LlamaConfig
+
+    model = _meta(Llama, replace(LlamaConfig(**LLAMA_BLOCKS), n_layer=3, norm="fp32-composite"))
+    x = torch.empty(16, TOKENS, dtype=torch.long, device="meta")
+    mesh = autopar.Mesh({"dp": 16}, hardware=H100)
+    tg = trace(model, (x, x))
+    cost = cost_model(tg, mesh)
+    problem = build_problem(tg, mesh, cost)
+    choice = solve(tg, mesh, cost, problem, None, [autopar.ZeroPin("*", 1)])
+    assert set(o.stage for o in choice.zero.values()) == {1}
+    assert choice.objective == pytest.approx(price(tg, mesh, problem, choice, cost).cost.step_time, rel=2e-3)
+
+
 def test_pins_are_obeyed_and_bad_pins_explained():
     cfg = GPTConfig.tiny()
     x = torch.empty(4, 16, dtype=torch.long, device="meta")

@@ -321,8 +321,8 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
             buckets[u == 1].add((eff, rest))
         elif eff.stage == 0 and data & set(sync):
             buckets[u == 1].add((eff, sync))
-        elif eff.stage == 3 and set(rest) - data:
-            buckets[u == 1].add((ZeroOption(0), tuple(a for a in rest if a not in data)))
+        elif eff.stage == 3 and rest:
+            buckets[u == 1].add((ZeroOption(0), rest))
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
     if c.dp > 1:  # the launches and ring latencies, as the real plan prices them: each gradient bucket once (a
         # block's per copy; ZeRO-1's once for the whole model), ZeRO-3's per parameter group (each block, the rest)

@@ -44,8 +44,9 @@ nodes v, strategies s:
   decision v, ind being the (strategy s, group option k) indicator (x[v, s] - sum_k w[v, s, g, k] for stage 0,
   w[v, s, g, k] otherwise) and T(v, o, g, S) the pairs that leave a parameter of group g in that bucket (a stage-0
   S holding a data axis; one row per (v, bucket): the pairs exclude each other, so the sum is an indicator); the
-  objective's D pays copies(g) x ``bucket_latency(S, o)`` per bucket (once for ZeRO-1's). ZeRO-3's launches are
-  ``group_latency`` per group copy on z.
+  objective's D pays copies(g) x ``bucket_latency(S, o)`` per bucket (once for ZeRO-1's; a ZeRO-3 shard's sum
+  over the other axes is an all-reduce bucket too). ZeRO-3's gathers and reduce-scatters are ``group_latency`` per
+  group copy on z.
 - Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
   block's backward runs its activations are back: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``.
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
@@ -665,9 +666,8 @@ def solve(
                     bucket_sets.setdefault((r, s, g, k), set()).add((zopts[k], rest))
                 elif stage == 0 and data & set(sync):  # stage 0, chosen or (not eligible) fallen back to
                     bucket_sets.setdefault((r, s, g, k), set()).add((zopts[0], sync))
-                elif stage == 3 and set(rest) - data:  # a ZeRO-3 shard still summed over model axes (over data
-                    # axes too: that part of its bucket's launches is in group_latency, which the screen shares)
-                    bucket_sets.setdefault((r, s, g, k), set()).add((zopts[0], tuple(a for a in rest if a not in data)))
+                elif stage == 3 and rest:  # a ZeRO-3 shard still summed over other axes (HSDP's replicas, tp)
+                    bucket_sets.setdefault((r, s, g, k), set()).add((zopts[0], rest))
                 if stage == 0 and synced:
                     buck[k][0] += 2 * b / copies
                 elif stage == 2:

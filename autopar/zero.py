@@ -161,21 +161,20 @@ def bucket_latency(mesh: Mesh, axes, opt: "ZeroOption | None" = None) -> float:
 
 
 def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, traffic: "tuple[int, int] | None" = None) -> float:
-    """Launch and latency seconds of one ZeRO-3 group copy's collectives per step (its bytes are in ``param_cost``):
-    its gathers and reduce-scatters over the shard axes, and the all-reduces of its shards over the other data axes
-    (HSDP's replicas). ``traffic``: the copy's (all-gathers, reduce-scatters), the sum of its parameters'
-    ``zero3_traffic`` (by default each parameter a linear's weight used once). Stages 0-2 pay per gradient bucket
-    (``bucket_latency``), and so does a ZeRO-3 shard summed over model axes."""
+    """Launch and latency seconds of one ZeRO-3 group copy's gathers and reduce-scatters over the shard axes per step
+    (their bytes are in ``param_cost``). ``traffic``: the copy's (all-gathers, reduce-scatters), the sum of its
+    parameters' ``zero3_traffic`` (by default each parameter a linear's weight used once). Stages 0-2 pay per
+    gradient bucket (``bucket_latency``), and so do ZeRO-3 shards still summed over other axes (HSDP's replicas,
+    tp): one all-reduce bucket per block copy and set of axes."""
     assert opt.stage == 3, "stages 0-2 pay their launches per gradient bucket: bucket_latency"
 
     def lat(kind: str, a: int) -> float:
         return collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a))
 
-    rest = bucket_latency(mesh, [a for a in data_axes(mesh) if a not in opt.shard_axes])
     gathers, scatters = traffic or (2 * group_params, group_params)
     if mesh.hardware.zero3_per_block:  # one bucket per group copy: gathered for forward, again for its linears
         gathers, scatters = min(gathers, 1) + (gathers > scatters), min(scatters, 1)
-    return sum(gathers * lat("all_gather", a) + scatters * lat("reduce_scatter", a) for a in opt.shard_axes) + rest
+    return sum(gathers * lat("all_gather", a) + scatters * lat("reduce_scatter", a) for a in opt.shard_axes)
 
 
 def _levels(full: float, shard_axes: tuple[int, ...], mesh: Mesh, gather: bool) -> list[tuple[int, float]]:

@@ -183,14 +183,16 @@ def test_a_norm_computed_from_its_parts_adds_one_decision_and_no_collective():
 
 
 @pytest.mark.parametrize("axes,overlap", [({"dp": 16}, 0.0), ({"dp": 16}, 1.0), ({"dp": 8, "tp": 2}, 1.0),
-                                          ({"dp": 2, "fsdp": 8}, 0.0)], ids=["dp16", "dp16-overlap", "dp8xtp2-overlap", "hsdp"])
+                                          ({"dp": 2, "fsdp": 8}, 0.0), ({"dp": 2, "fsdp": 4, "tp": 2}, 1.0)],
+                         ids=["dp16", "dp16-overlap", "dp8xtp2-overlap", "hsdp", "hsdp-x-tp-overlap"])
 def test_the_ilp_prices_the_step_its_plan_is_evaluated_at(axes, overlap):
     """The ILP's objective is the step ``price`` evaluates for its plan, at every ZeRO stage: the same terms on the
     same side of the overlap, the same gradient buckets. Two ways they parted, both fixed: a bucket's copies counted
     beside compute as well as on it (on Llama-3-70B @ 256 H100s with 64 sequences the ILP saw 36 ms more data-parallel
     communication than the plan has, and with the step all communication it could not tell a 1.3% slower plan from
     the best); and on dp x tp, ZeRO-1/2 gradients summed over dp alone and over dp and tp (norms) go in two buckets,
-    the ILP paid one's launches (ZeRO-2 on dp 8 x tp 2: 3-7% under the plan's step)."""
+    the ILP paid one's launches (ZeRO-2 on dp 8 x tp 2: 3-7% under the plan's step), as it did for ZeRO-3 shards
+    all-reduced over HSDP's replicas in two buckets (over dp, and over dp and tp: 1-2% under)."""
     from autopar.planner import cost_model, price
     from autopar.solver import build_problem, solve
     from autopar.trace import trace

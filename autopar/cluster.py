@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import RECOMPUTE, collective_time, grad_sync_axes, peak_memory
+from autopar.cost import RECOMPUTE, collective_time, peak_memory
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
@@ -60,7 +60,7 @@ from autopar.plan import Plan
 from autopar.spec import Replicate, Spec
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.trace import PARAM, trace
-from autopar.zero import ZeroOption, bucket_latency, data_axes, eligible, group_latency, param_cost, zero3_traffic, zero3_uses
+from autopar.zero import ZeroOption, bucket_latency, group_latency, param_cost, priced_bucket, zero3_traffic, zero3_uses
 
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
@@ -297,7 +297,6 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
     state = grad = transient = comm = 0.0
     n_block_params = sum(1 for u, *_ in prof.params.values() if u == 1)
     traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
-    data = set(data_axes(mesh))
     buckets: dict[bool, set] = {True: set(), False: set()}  # one block's gradient buckets, the rest's (as the solver's)
     for name, (u, spec, meta, uses) in prof.params.items():
         copies = L if u == 1 else 1
@@ -314,15 +313,9 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
         comm += copies * zc.comm
         compute += copies * zc.copy  # the runtime's copies run on the compute stream, as the real plan prices them
-        eff = opt if eligible(opt, spec, meta, mesh) else ZeroOption(0)
-        sync = grad_sync_axes(spec, mesh)
-        rest = tuple(a for a in sync if a not in eff.shard_axes)
-        if eff.stage in (1, 2):
-            buckets[u == 1].add((eff, rest))
-        elif eff.stage == 0 and data & set(sync):
-            buckets[u == 1].add((eff, sync))
-        elif eff.stage == 3 and rest:
-            buckets[u == 1].add((ZeroOption(0), rest))
+        gb = priced_bucket(opt, spec, meta, mesh)
+        if gb is not None:
+            buckets[u == 1].add(gb)
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
     if c.dp > 1:  # the launches and ring latencies, as the real plan prices them: each gradient bucket once (a
         # block's per copy; ZeRO-1's once for the whole model), ZeRO-3's per parameter group (each block, the rest)

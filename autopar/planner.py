@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from autopar.cost import ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, VIEW_OPS, CostModel, Priced, collective_time, grad_sync_axes, itemsize, op_flops, peak_memory, price_steps, wire_bytes
+from autopar.cost import ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, VIEW_OPS, CostModel, Priced, collective_time, itemsize, op_flops, peak_memory, price_steps, wire_bytes
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
 from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, solve, zero_groups
-from autopar.zero import ZeroOption, eligible, gather_priced, param_cost, scatter_priced, shard_factor, zero3_uses
+from autopar.zero import ZeroOption, eligible, gather_priced, grad_bucket, param_cost, scatter_priced, shard_factor, zero3_uses
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info, tensor_inputs
 from autopar.trace import INPUT, PARAM, TracedGraph
@@ -195,12 +195,11 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "")
         local = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
         n = shard_factor(opt, mesh)
-        rest = tuple(a for a in grad_sync_axes(spec, mesh) if a not in opt.shard_axes)
+        gb = grad_bucket(opt, spec, meta, mesh)  # the bucket its gradients land in, as the solver prices them
         if opt.stage in (1, 2):
-            key = (opt.stage, opt.shard_axes, rest, block if opt.stage == 2 else "")
-            by_zero.setdefault(key, []).append(name)
-        elif rest:
-            buckets.setdefault((block, rest), []).append((name, int(local // n * mesh.hardware.reduce_factor(meta.dtype))))
+            by_zero.setdefault((opt.stage, opt.shard_axes, gb[1], block if opt.stage == 2 else ""), []).append(name)
+        elif gb is not None:
+            buckets.setdefault((block, gb[1]), []).append((name, int(local // n * mesh.hardware.reduce_factor(meta.dtype))))
         if opt.stage == 3:
             transient = max(transient, 2 * local)
             t_act = max(t_act, 2 * local)

@@ -42,8 +42,9 @@ nodes v, strategies s:
   beyond o's shards, scope: the block copy, or the whole model for ZeRO-1), and a bucket pays its launches once:
   ``bucket[o, g, S] in [0, 1]``, ``bucket[o, g, S] >= sum_{(s, k) in T(v, o, g, S)} ind[v, s, g, k]`` for every
   decision v, ind being the (strategy s, group option k) indicator (x[v, s] - sum_k w[v, s, g, k] for stage 0,
-  w[v, s, g, k] otherwise) and T(v, o, g, S) the pairs that leave a parameter of group g in that bucket (a stage-0
-  S holding a data axis; one row per (v, bucket): the pairs exclude each other, so the sum is an indicator); the
+  w[v, s, g, k] otherwise) and T(v, o, g, S) the pairs that leave a parameter of group g in that bucket
+  (``zero.priced_bucket``; a stage-0 S holding a data axis; one row per (v, g, bucket): the pairs exclude each other,
+  so the sum is an indicator); the
   objective's D pays copies(g) x ``bucket_latency(S, o)`` per bucket (once for ZeRO-1's; a ZeRO-3 shard's sum
   over the other axes is an all-reduce bucket too). ZeRO-3's gathers and reduce-scatters are ``group_latency`` per
   group copy on z.
@@ -84,7 +85,7 @@ from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
-from autopar.zero import ZeroCost, ZeroOption, bucket_latency, data_axes, eligible, group_latency, param_cost, zero3_traffic, zero3_uses, zero_options
+from autopar.zero import ZeroCost, ZeroOption, bucket_latency, eligible, group_latency, param_cost, priced_bucket, zero3_traffic, zero3_uses, zero_options
 
 
 def gc_paused(fn):
@@ -642,15 +643,14 @@ def solve(
             for k, opt in enumerate(zopts):
                 c = _zcost(opt, spec, meta, mesh, copies, gparams, uses) if k else base
                 per.append((opt.stage if eligible(opt, spec, meta, mesh) else 0,
-                            (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.copy - base.copy)))
+                            (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.copy - base.copy),
+                            priced_bucket(opt, spec, meta, mesh)))
             b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
             zfacts[key] = (base.copy, b, bool(grad_sync_axes(spec, mesh)), per)
         return zfacts[key]
 
     zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
-    data = set(data_axes(mesh))
-    # (decision, strategy, group, option) -> the gradient buckets its parameters land in: (the ZeRO option they run,
-    # the axes their gradients are all-reduced over beyond that option's shards)
+    # (decision, strategy, group, option) -> the gradient buckets its parameters land in (``priced_bucket``)
     bucket_sets: dict[tuple[str, int, str, int], set] = {}
     for n, (g, copies, gparams) in zgroups.items():
         r = rep(P_.root[n])
@@ -659,15 +659,9 @@ def solve(
             t_lin[r][s] += base_copy  # the runtime's copies run on the compute stream: the critical path, as priced
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
-            sync = grad_sync_axes(P_.strategy(n, s).output, mesh) if synced else ()
-            for k, (stage, delta) in enumerate(per):
-                rest = tuple(a for a in sync if a not in zopts[k].shard_axes)
-                if stage in (1, 2):  # eligible for the option: its shards' bucket
-                    bucket_sets.setdefault((r, s, g, k), set()).add((zopts[k], rest))
-                elif stage == 0 and data & set(sync):  # stage 0, chosen or (not eligible) fallen back to
-                    bucket_sets.setdefault((r, s, g, k), set()).add((zopts[0], sync))
-                elif stage == 3 and rest:  # a ZeRO-3 shard still summed over other axes (HSDP's replicas, tp)
-                    bucket_sets.setdefault((r, s, g, k), set()).add((zopts[0], rest))
+            for k, (stage, delta, gb) in enumerate(per):
+                if gb is not None:
+                    bucket_sets.setdefault((r, s, g, k), set()).add(gb)
                 if stage == 0 and synced:
                     buck[k][0] += 2 * b / copies
                 elif stage == 2:
@@ -860,9 +854,7 @@ def solve(
     # collectives' latencies once (``bucket_latency``). bucket[o, scope, S] >= the indicator of (strategy, option) of
     # every decision that leaves a parameter of the scope in that bucket: a plan whose block syncs some gradients
     # over dp and others over dp and tp (on dp x tp, weights split on tp and norms whole) pays two buckets' latencies
-    # (a stage-0 set of model axes alone -- a row-parallel bias's gradient summed over tp, the transpose of its R -> P
-    # -- is left out: every rank could sum that gradient locally, as Megatron does, and charging its launches here
-    # would trade Megatron's row-parallel linears for gathers to avoid an all-reduce the runtime should not need)
+    # (a stage-0 all-reduce over model axes alone is left out: ``zero.priced_bucket`` says why)
     # One row per (decision, group, bucket) sums the decision's (strategy, option) indicators that land in it: they
     # exclude each other, so the sum is an indicator too, with one row instead of one per strategy. (Not one row per
     # decision: a decision can hold parameters of two groups -- a block's norm weight folded into the residual add

@@ -36,7 +36,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from autopar.cost import collective_time, itemsize, optimizer_bytes, wire_bytes
+from autopar.cost import collective_time, grad_sync_axes, itemsize, optimizer_bytes, wire_bytes
 from autopar.mesh import Mesh
 from autopar.spec import Replicate, Spec
 from autopar.strategies import TensorMeta
@@ -122,7 +122,7 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     o = optimizer_bytes(meta.dtype)
     e = math.prod(spec.local_shape(meta.shape, mesh.sizes))
     b = e * p
-    synced = tuple(a for a, q in enumerate(spec.placements) if isinstance(q, Replicate) and mesh.sizes[a] > 1)
+    synced = grad_sync_axes(spec, mesh)
 
     def bw(kind: str, nbytes: float, a: int) -> float:
         return wire_bytes(kind, nbytes, mesh.sizes[a]) / mesh.link(a).bandwidth
@@ -149,11 +149,31 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, copy)
 
 
+def grad_bucket(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> "tuple[ZeroOption, tuple[int, ...]] | None":
+    """The gradient bucket a parameter lands in under ``opt``, as the plan makes them: (the option it runs -- ``opt``,
+    or stage 0 where it is not eligible --, the axes its gradients are all-reduced over beyond that option's shards).
+    ZeRO-1/2 always reduce-scatter; stages 0 and 3 have a bucket only where something is left to all-reduce (None
+    otherwise). The planner, the ILP and the cluster screen bucket by it; a bucket pays ``bucket_latency`` once."""
+    if not eligible(opt, spec, meta, mesh):
+        opt = ZeroOption(0)
+    rest = tuple(a for a in grad_sync_axes(spec, mesh) if a not in opt.shard_axes)
+    return (opt, rest) if opt.stage in (1, 2) or rest else None
+
+
+def priced_bucket(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> "tuple[ZeroOption, tuple[int, ...]] | None":
+    """``grad_bucket`` as the ILP and the cluster screen price its launches: without a stage-0 all-reduce over model
+    axes alone (a row-parallel bias's gradient summed over tp, the transpose of its R -> P), which every rank could
+    sum locally, as Megatron does; charging it would trade Megatron's row-parallel linears for gathers to avoid an
+    all-reduce the runtime should not need."""
+    gb = grad_bucket(opt, spec, meta, mesh)
+    return gb if gb is not None and (gb[0].stage or set(gb[1]) & set(data_axes(mesh))) else None
+
+
 def bucket_latency(mesh: Mesh, axes, opt: "ZeroOption | None" = None) -> float:
     """Launch and latency seconds of one gradient bucket (its bytes are priced apart), as the runtime runs it: an
     all-reduce over each of ``axes``, and under ZeRO-1/2 (``opt``) first an all-gather and a reduce-scatter over
     each shard axis (``axes`` are then the axes the shards are still summed over). What a bucket pays in the ILP's
-    bucket variables and in ``group_latency``."""
+    bucket variables and in the cluster screen."""
     lat = sum(collective_time("all_reduce", 0.0, mesh.sizes[a], mesh.link(a)) for a in axes)
     if opt is not None and opt.stage in (1, 2):
         lat += sum(collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a)) for a in opt.shard_axes for kind in ("all_gather", "reduce_scatter"))

@@ -28,12 +28,14 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    activations as it does. A flat candidate whose rows per data-parallel rank split over tp is also priced with
    the tp axis carrying the batch (tp = 1's profile at rows / tp per device, every gradient summed over tp), and
    the cheaper pricing kept: the tp-degree proxy, at one and two rows per rank, cannot split the batch over tp,
-   where the real plan can. Candidates whose memory does not fit are dropped, with the reason kept. HSDP, and a tp
-   axis that carries only the batch, are ranked as if 2% slower than they screen: they hold more state and add an
-   axis, so they have to win by more than a near-tie.
+   where the real plan can (its gradients all summed over tp, a data-parallel all-reduce: their buckets' launches
+   are paid even at dp = 1). Candidates whose memory does not fit are dropped, with the reason kept. HSDP, and a
+   tp axis that carries only the batch, are ranked as if 2% slower than they screen: they hold more state and add
+   an axis, so they have to win by more than a near-tie.
 2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan`` with the
    screened ZeRO stage, or ``plan_pipeline`` with the screened schedule and microbatch count pinned); the fastest
-   real plan is returned. A candidate the real plan finds too big gives way to the next.
+   real plan is returned. A candidate the real plan finds too big gives way to the next; if every candidate the
+   screen kept is too big, the branch and bound starts again over those its bound dropped.
    The screen is only a filter: the returned numbers are always the real plan's.
 
 Tensor parallel never crosses a node (t divides the GPUs per node), so its collectives stay on the fast links.
@@ -60,7 +62,7 @@ from autopar.plan import Plan
 from autopar.spec import Replicate, Spec
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.trace import PARAM, trace
-from autopar.zero import ZeroOption, bucket_latency, group_latency, param_cost, priced_bucket, zero3_traffic, zero3_uses
+from autopar.zero import ZeroOption, bucket_latency, grad_bucket, group_latency, param_cost, priced_bucket, zero3_traffic, zero3_uses
 
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
@@ -313,11 +315,12 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
         comm += copies * zc.comm
         compute += copies * zc.copy  # the runtime's copies run on the compute stream, as the real plan prices them
-        gb = priced_bucket(opt, spec, meta, mesh)
+        # a tp axis that carries the batch sums every gradient over it: those all-reduces are data parallelism's
+        gb = (grad_bucket if batch_over_tp else priced_bucket)(opt, spec, meta, mesh)
         if gb is not None:
             buckets[u == 1].add(gb)
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
-    if c.dp > 1:  # the launches and ring latencies, as the real plan prices them: each gradient bucket once (a
+    if c.dp > 1 or batch_over_tp:  # the launches and ring latencies, as the real plan prices them: each gradient bucket once (a
         # block's per copy; ZeRO-1's once for the whole model), ZeRO-3's per parameter group (each block, the rest)
         n_rest = len(prof.params) - n_block_params
         whole = {b for b in buckets[True] | buckets[False] if b[0].stage == 1}  # ZeRO-1: one per set, whole model
@@ -485,68 +488,86 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
             f"rest, at most one stage per block ({L}); so dp must be at least {least}. Use a global batch that is a "
             f"multiple of {next(d for d in _divisors(cluster.devices) if candidates(cluster, d, max(L, 1), modes[:1]))}, or fewer devices"
         )
-    screened: list[Screened] = []
     t0 = time.perf_counter()
     tgs = [trace(proxy, slice_batch(args, r)) for r in (2, 4)]  # one and two rows per rank of the proxy's dp=2
     spans = cluster.devices > cluster.gpus_per_node
     timings["proxy"] = time.perf_counter() - t0
 
-    # the next degrees the screen will reach are profiled ahead on other threads: most of a profile is HiGHS, which
-    # releases the GIL, so their solves run beside this one's on the second core (a profile is a pure function of its
-    # degree: the same plans either way)
-    ahead: dict[int, Future] = {}
-    pool = ThreadPoolExecutor(max_workers=AHEAD + 1)
+    def screen_round(entries: "list | None") -> "tuple[list[Screened], list]":
+        # the next degrees the screen will reach are profiled ahead on other threads: most of a profile is HiGHS,
+        # which releases the GIL, so their solves run beside this one's on the second core (a profile is a pure
+        # function of its degree: the same plans either way)
+        ahead: dict[int, Future] = {}
+        pool = ThreadPoolExecutor(max_workers=AHEAD + 1)
 
-    def profile(tp: int, after: "list[int] | None" = None) -> "_Profile | None":
-        if tp not in profiles:
-            t1 = time.perf_counter()
-            mine = ahead.pop(tp, None)
-            for nxt in [t for t in (after or []) if t not in profiles and t not in ahead and t != tp]:
-                if sum(not f.done() for f in ahead.values()) >= AHEAD:
-                    break
-                ahead[nxt] = pool.submit(_profile, tgs, nxt, hw, spans, modes)
-            profiles[tp] = mine.result() if mine is not None else _profile(tgs, tp, hw, spans, modes)
-            timings["proxy"] += time.perf_counter() - t1
-        return profiles[tp]
+        def profile(tp: int, after: "list[int] | None" = None) -> "_Profile | None":
+            if tp not in profiles:
+                t1 = time.perf_counter()
+                mine = ahead.pop(tp, None)
+                for nxt in [t for t in (after or []) if t not in profiles and t not in ahead and t != tp]:
+                    if sum(not f.done() for f in ahead.values()) >= AHEAD:
+                        break
+                    ahead[nxt] = pool.submit(_profile, tgs, nxt, hw, spans, modes)
+                profiles[tp] = mine.result() if mine is not None else _profile(tgs, tp, hw, spans, modes)
+                timings["proxy"] += time.perf_counter() - t1
+            return profiles[tp]
 
-    try:
-        one = profile(1)
-        # branch and bound: a candidate's step is at least its schedule's bubble-bound on perfectly balanced stages;
-        # candidates are evaluated by that bound, and the rest dropped once the bound passes the best found. A
-        # tensor-parallel degree is profiled when its first candidate is reached: until then tp = 1's bound over tp
-        # stands in (a tp-way split at best divides each op's time: the bound is homogeneous in the units' times)
-        bounded = []
-        for c in cands:
-            own = c.tp in profiles
-            ref = profiles[c.tp] if own else one
-            bounded.append((0.0 if ref is None else _bound(ref, c, B, L) / (1 if own else c.tp), str(c), c))
-        bounded.sort(key=lambda r: (r[0] * _rank_penalty(r[2]), r[1]))
-        order = list(dict.fromkeys(c.tp for _, _, c in bounded))  # the degrees, in the order the screen reaches them
-        screened += _screen(bounded, profile, order, cluster, B, L, budget, timings)
-    finally:
-        for f in ahead.values():  # degrees profiled ahead that the screen then pruned: dropped if not started yet
-            f.cancel()
-        pool.shutdown(wait=True)
-    timings["screen"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        try:
+            one = profile(1)
+            if entries is None:
+                entries = []
+                # branch and bound: a candidate's step is at least its schedule's bubble-bound on perfectly balanced
+                # stages; candidates are evaluated by that bound, and the rest dropped once the bound passes the
+                # best found. A tensor-parallel degree is profiled when its first candidate is reached: until then
+                # tp = 1's bound over tp stands in (a tp-way split at best divides each op's time: the bound is
+                # homogeneous in the units' times)
+                for c in cands:
+                    own = c.tp in profiles
+                    ref = profiles[c.tp] if own else one
+                    entries.append((0.0 if ref is None else _bound(ref, c, B, L) / (1 if own else c.tp), str(c), c))
+            entries = sorted(entries, key=lambda r: (r[0] * _rank_penalty(r[2]), r[1]))
+            order = list(dict.fromkeys(c.tp for _, _, c in entries))  # the degrees, in the order the screen reaches them
+            return _screen(entries, profile, order, cluster, B, L, budget, timings)
+        finally:
+            for f in ahead.values():  # degrees profiled ahead that the screen then pruned: dropped if not started yet
+                f.cancel()
+            pool.shutdown(wait=True)
+            timings["screen"] += time.perf_counter() - t1
+
+    timings["screen"] = timings["proxy"]
+    screened, pruned = screen_round(None)
     screened.sort(key=lambda s: (s.rank, s.memory, str(s.candidate)))
     t0 = time.perf_counter()
     best: Plan | None = None
     tried = 0
     errors = []
-    for s in screened:
-        # the screen's memory is an estimate: a candidate the real plan finds too big gives way to the next one
-        if tried >= top or s.step == math.inf or len(errors) >= MAX_MISSES:
+    while True:
+        for i, s in enumerate(screened):
+            # the screen's memory is an estimate: a candidate the real plan finds too big gives way to the next one
+            if tried >= top or s.step == math.inf or len(errors) >= MAX_MISSES:
+                break
+            c = s.candidate
+            try:
+                plan = _real_plan(model, args, cluster, s, real_budget)
+            except InfeasibleError as e:
+                errors.append(f"{c}: {e}")
+                screened[i] = dataclasses.replace(s, step=math.inf, note=f"screened {s.step * 1e3:.1f} ms; too big for real")
+                continue
+            tried += 1
+            if best is None or plan.cost.step_time < best.cost.step_time:
+                best = plan
+        if best is not None or not pruned or len(errors) >= MAX_MISSES:
             break
-        c = s.candidate
-        try:
-            plan = _real_plan(model, args, cluster, s, real_budget)
-        except InfeasibleError as e:
-            errors.append(f"{c}: {e}")
-            continue
-        tried += 1
-        if best is None or plan.cost.step_time < best.cost.step_time:
-            best = plan
-    timings["plan"] = time.perf_counter() - t0
+        # every candidate the screen kept was too big for real: the branch and bound starts again over those its
+        # bound dropped (each round evaluates at least one of them)
+        t1 = time.perf_counter()
+        again = {c for _, _, c in pruned}
+        more, pruned = screen_round(pruned)
+        timings["plan"] -= time.perf_counter() - t1  # counted in the screen's time
+        screened = [s for s in screened if s.candidate not in again] + more
+        screened.sort(key=lambda s: (s.rank, s.memory, str(s.candidate)))
+    timings["plan"] += time.perf_counter() - t0
     if best is None:
         why = "; ".join(errors[:3]) or "no candidate fits the memory budget in the screen"
         raise InfeasibleError(
@@ -591,12 +612,15 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
 
 
 def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, L: int, budget: float,
-            timings: dict) -> list[Screened]:
-    """Evaluate the candidates in the order of their bounds until the bound passes the best step found."""
+            timings: dict) -> "tuple[list[Screened], list]":
+    """Evaluate the candidates (``(bound, name, candidate)``, by bound) until the bound passes the best step found.
+    Returns the candidates screened, those dropped included, and the dropped ones' entries (a later round starts
+    again from them if every candidate kept is too big for the real plan)."""
     out: list[Screened] = []
+    dropped = []
     best_step = math.inf  # the best rank so far (``Screened.rank``)
     one = profile(1, order)
-    for lb, _, c in bounded:
+    for lb, name, c in bounded:
         pen = _rank_penalty(c)
         prof = profile(c.tp, order) if lb * pen <= best_step else None
         if prof is not None and c.tp != 1:
@@ -605,6 +629,7 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
                 lb = min(lb, _bound(one, dataclasses.replace(c, dp=c.dp * c.tp, tp=1), B, L))
         if lb * pen > best_step:
             out.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
+            dropped.append((lb, name, c))
             continue
         if prof is None:
             out.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen"))
@@ -621,7 +646,7 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
         out.append(got)
         best_step = min(best_step, got.rank)
         timings["evaluated"] = timings.get("evaluated", 0) + 1
-    return out
+    return out, dropped
 
 
 def _batch_over_tp(c: Candidate, batch: int) -> bool:

@@ -28,10 +28,10 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    activations as it does. A flat candidate whose rows per data-parallel rank split over tp is also priced with
    the tp axis carrying the batch (tp = 1's profile at rows / tp per device, every gradient summed over tp), and
    the cheaper pricing kept: the tp-degree proxy, at one and two rows per rank, cannot split the batch over tp,
-   where the real plan can (its gradients all summed over tp, a data-parallel all-reduce: their buckets' launches
-   are paid even at dp = 1). Candidates whose memory does not fit are dropped, with the reason kept. HSDP, and a
-   tp axis that carries only the batch, are ranked as if 2% slower than they screen: they hold more state and add
-   an axis, so they have to win by more than a near-tie.
+   where the real plan can (its gradients all summed over tp, a data-parallel all-reduce). Candidates whose
+   memory does not fit are dropped, with the reason kept. HSDP, and a tp axis that carries only the batch, are
+   ranked as if 2% slower than they screen: they hold more state and add an axis, so they have to win by more
+   than a near-tie.
 2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan`` with the
    screened ZeRO stage, or ``plan_pipeline`` with the screened schedule and microbatch count pinned); the fastest
    real plan is returned. A candidate the real plan finds too big gives way to the next; if every candidate the
@@ -62,7 +62,7 @@ from autopar.plan import Plan
 from autopar.spec import Replicate, Spec
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.trace import PARAM, trace
-from autopar.zero import ZeroOption, bucket_latency, grad_bucket, group_latency, param_cost, priced_bucket, zero3_traffic, zero3_uses
+from autopar.zero import ZeroOption, bucket_latency, grad_bucket, group_latency, param_cost, zero3_traffic, zero3_uses
 
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
@@ -225,7 +225,8 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
         first = min(un.users_units.get(n) or {0})
         if 0 < first < U - 2:
             continue  # a parameter of a proxy block other than the template (the last): the template stands for all
-        params[n] = (0 if first == 0 else 1 if first == U - 2 else 2, choice.strategy[n].output, problem.meta[n], zero3_uses(tg, n))
+        params[n] = (0 if first == 0 else 1 if first == U - 2 else 2, problem.grad_spec(n, choice.strategy.__getitem__), problem.meta[n],
+                     zero3_uses(tg, n))
     return _Profile(out, params)
 
 
@@ -315,21 +316,20 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
         comm += copies * zc.comm
         compute += copies * zc.copy  # the runtime's copies run on the compute stream, as the real plan prices them
-        # a tp axis that carries the batch sums every gradient over it: those all-reduces are data parallelism's
-        gb = (grad_bucket if batch_over_tp else priced_bucket)(opt, spec, meta, mesh)
+        gb = grad_bucket(opt, spec, meta, mesh)
         if gb is not None:
             buckets[u == 1].add(gb)
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
-    if c.dp > 1 or batch_over_tp:  # the launches and ring latencies, as the real plan prices them: each gradient bucket once (a
-        # block's per copy; ZeRO-1's once for the whole model), ZeRO-3's per parameter group (each block, the rest)
-        n_rest = len(prof.params) - n_block_params
-        whole = {b for b in buckets[True] | buckets[False] if b[0].stage == 1}  # ZeRO-1: one per set, whole model
-        comm += sum(bucket_latency(mesh, axes, eff) for eff, axes in whole)
-        for block, n in ((True, L), (False, 1)):
-            comm += n * sum(bucket_latency(mesh, axes, eff) for eff, axes in buckets[block] if eff.stage != 1)
-        if opt.stage == 3:
-            comm += L * group_latency(opt, mesh, max(n_block_params, 1), tuple(traffic[True]))
-            comm += group_latency(opt, mesh, max(n_rest, 1), tuple(traffic[False])) if n_rest else 0.0
+    # the launches and ring latencies, as the real plan prices them: each gradient bucket once (a block's per copy;
+    # ZeRO-1's once for the whole model), ZeRO-3's per parameter group (each block, the rest)
+    n_rest = len(prof.params) - n_block_params
+    whole = {b for b in buckets[True] | buckets[False] if b[0].stage == 1}  # ZeRO-1: one per set, whole model
+    comm += sum(bucket_latency(mesh, axes, eff) for eff, axes in whole)
+    for block, n in ((True, L), (False, 1)):
+        comm += n * sum(bucket_latency(mesh, axes, eff) for eff, axes in buckets[block] if eff.stage != 1)
+    if opt.stage == 3:
+        comm += L * group_latency(opt, mesh, max(n_block_params, 1), tuple(traffic[True]))
+        comm += group_latency(opt, mesh, max(n_rest, 1), tuple(traffic[False])) if n_rest else 0.0
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
     memory = peak_memory(state, grad, act, transient, max(transient, regen))

@@ -160,17 +160,22 @@ class _Chunk(torch.autograd.Function):
 
 
 class _KeepFirst(torch.autograd.Function):
-    """R -> P: the value on coordinate 0 of the axis, zeros elsewhere (sums back to the value exactly)."""
+    """R -> P: the value on coordinate 0 of the axis, zeros elsewhere (sums back to the value exactly). Backward
+    keeps coordinate 0's gradient (the transpose), or with ``whole`` passes the gradient through: the gradient of a
+    P value is the same on every rank, so a parameter read only this way has its whole gradient on every rank and
+    is not summed over the axis (``zero.grad_spec``)."""
 
     @staticmethod
-    def forward(ctx, x, n, stride):
-        ctx.args = (n, stride)
+    def forward(ctx, x, n, stride, whole):
+        ctx.args = (n, stride, whole)
         return _compat.per_rank(x, lambda r, t: t.clone() if _coord(r, n, stride) == 0 else torch.zeros_like(t))
 
     @staticmethod
     def backward(ctx, g):
-        n, stride = ctx.args
-        return _compat.per_rank(g, lambda r, t: t.clone() if _coord(r, n, stride) == 0 else torch.zeros_like(t)), None, None
+        n, stride, whole = ctx.args
+        if whole:
+            return g, None, None, None
+        return _compat.per_rank(g, lambda r, t: t.clone() if _coord(r, n, stride) == 0 else torch.zeros_like(t)), None, None, None
 
 
 class _GradSync(torch.autograd.Function):
@@ -255,8 +260,8 @@ def chunk(x, dim: int, axis: str, n: int, stride: int):
     return _Chunk.apply(x, dim, n, stride)
 
 
-def keep_first(x, axis: str, n: int, stride: int):
-    return _KeepFirst.apply(x, n, stride)
+def keep_first(x, axis: str, n: int, stride: int, whole: bool = False):
+    return _KeepFirst.apply(x, n, stride, whole)
 
 
 def grad_sync(params: tuple, axes: tuple[str, ...], groups: tuple[str, ...]):

@@ -210,7 +210,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         if tg.kinds.get(n) != PARAM:
             continue
         nc = problem.costs[n][choice.index[n]]
-        spec, meta = strategy[n].output, problem.meta[n]
+        spec, meta = problem.grad_spec(n, strategy.__getitem__), problem.meta[n]  # whole where its gradient is
         local = math.prod(spec.local_shape(meta.shape, inner.sizes)) * itemsize(meta.dtype)
         uu = set(units.users_units.get(n, set())) or {0}
         params[n] = (uu, nc.state + nc.grad, float(local), grad_sync_axes(spec, inner), math.prod(meta.shape))
@@ -769,6 +769,6 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
     return Plan(
         mesh=mesh, graph_hash=tg.hash, nodes=nodes, input_spec=lift_spec(inner_plan.input_spec, inner, axis),
         output_specs=[lift_spec(s, inner, axis) for s in inner_plan.output_specs], blocks=inner_plan.blocks,
-        collective_list=cols, cost=cost, grad_buckets=inner_plan.grad_buckets, zero_buckets=[], zero_stages={},
+        collective_list=cols, cost=cost, grad_buckets=inner_plan.grad_buckets, zero_buckets=[], whole_grads=inner_plan.whole_grads, zero_stages={},
         group_memory={}, solver_status=inner_plan.solver_status, label=label, pipeline=pplan,
     )

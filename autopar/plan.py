@@ -22,7 +22,9 @@ from autopar.errors import AutoparError, PlanMismatchError
 from autopar.mesh import Mesh
 from autopar.spec import Partial, Shard, Spec, Strategy
 
-VERSION = 1
+# 2: ``whole_grads`` (parameters read only as P keep whole gradients there; their buckets leave those axes out):
+# a version-1 runtime would mask and not sum them
+VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,8 @@ class Plan:
     cost: PlanCost
     grad_buckets: list[GradBucket] = field(default_factory=list)
     zero_buckets: list[ZeroBucket] = field(default_factory=list)
+    # parameter -> the mesh axes its gradient is whole on, not summed (``zero.grad_spec``): its only use reads it as P
+    whole_grads: dict[str, tuple[str, ...]] = field(default_factory=dict)
     zero_stages: dict = field(default_factory=dict)  # parameter group -> [stage, [shard axes]]
     group_memory: dict = field(default_factory=dict)  # parameter group -> [bytes held all step, gradient bytes, parameters]
     solver_status: str = "optimal"
@@ -430,6 +434,7 @@ class Plan:
             "collectives": [[c.kind, c.axis, c.bytes, c.phase, c.where, c.seconds] for c in self.collective_list],
             "grad_buckets": [[b.name, list(b.axes), list(b.params)] for b in self.grad_buckets],
             "zero_buckets": [[b.name, b.stage, list(b.shard_axes), list(b.reduce_axes), list(b.params)] for b in self.zero_buckets],
+            "whole_grads": {k: list(v) for k, v in self.whole_grads.items()},
             "zero_stages": self.zero_stages,
             "group_memory": self.group_memory,
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
@@ -463,6 +468,7 @@ class Plan:
             collective_list=[Collective(*row) for row in d["collectives"]],
             grad_buckets=[GradBucket(b[0], tuple(b[1]), tuple(b[2])) for b in d.get("grad_buckets", [])],
             zero_buckets=[ZeroBucket(b[0], b[1], tuple(b[2]), tuple(b[3]), tuple(b[4])) for b in d.get("zero_buckets", [])],
+            whole_grads={k: tuple(v) for k, v in d.get("whole_grads", {}).items()},
             zero_stages=d.get("zero_stages", {}),
             group_memory=d.get("group_memory", {}),
             cost=PlanCost(c["step_time"], c["mfu"], c["memory_per_device"], dict(c["comm_bytes"]), c["compute_time"], c["comm_time"],

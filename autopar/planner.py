@@ -173,11 +173,14 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     by_zero: dict[tuple, list[str]] = {}
     buckets: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}  # -> [(param, bytes to all-reduce)]
     zero_of: dict[str, ZeroOption] = {}
+    whole_grads: dict[str, tuple[str, ...]] = {}
     for name in problem.order:
         if name not in zgroups:
             continue
         g, copies, gparams = zgroups[name]
-        spec, meta = strategy[name].output, problem.meta[name]
+        spec, meta = problem.grad_spec(name, strategy.__getitem__), problem.meta[name]  # whole where its gradient is
+        if spec != strategy[name].output:
+            whole_grads[name] = tuple(mesh.names[a] for a, (q, r) in enumerate(zip(strategy[name].output.placements, spec.placements)) if q != r)
         opt = choice.zero.get(g, ZeroOption(0))
         if not eligible(opt, spec, meta, mesh):
             opt = ZeroOption(0)
@@ -326,6 +329,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         grad_buckets=grad_buckets,
         cost=PlanCost(step, mfu, memory, comm_bytes, compute, comm, flops, breakdown),
         zero_buckets=zero_buckets,
+        whole_grads=whole_grads,
         zero_stages={g: opt.to_json(mesh) for g, opt in choice.zero.items()},
         group_memory=group_memory,
         solver_status=choice.status,

@@ -12,13 +12,16 @@ Step kinds (``n`` = size of the step's axis):
 - ``all_reduce(axis)``           P -> R             backward: all_reduce(axis)
 - ``all_to_all(axis, dim, dim2)`` S(dim2) -> S(dim) backward: all_to_all(axis, dim2, dim)
 - ``chunk(axis, dim)``           R -> S(dim), local: keep this rank's chunk; backward pads with zeros (local)
-- ``zero(axis)``                 R -> P, local: keep the value on coordinate 0 of the axis, zeros elsewhere
+- ``zero(axis)``                 R -> P, local: keep the value on coordinate 0 of the axis, zeros elsewhere;
+  backward the same (keeps coordinate 0's gradient), or, reading a parameter, passes the gradient through whole
 
 The backward column is the transpose of the forward step. It is what autograd runs because gradients are laid
 out dually to their values: the gradient of an ``S(d)`` tensor is ``S(d)``, of a ``P`` tensor is ``R`` (every rank
 holds the whole gradient), and of an ``R`` tensor is ``P`` (the ranks' gradients sum to the whole). The runtime
 makes the last rule true at the loss (see ``passes/output_adapter.py``) and ends it at the parameters (gradients
-of a parameter replicated on an axis are all-reduced over that axis).
+of a parameter replicated on an axis are all-reduced over that axis -- except where its only use reads it as P:
+the gradient of that P value is already whole on every rank, so ``zero`` passes it through and nothing is summed,
+as Megatron leaves a row-parallel bias's gradient; ``zero.grad_spec``).
 
 Order matters when several axes split one dim (the outer axis splits first): axes whose split must change, and
 inner axes that split a dim an outer axis changes, are gathered innermost first; new splits are made outermost

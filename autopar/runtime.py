@@ -199,7 +199,18 @@ class ParallelModule(nn.Module):
             if isinstance(p, Shard):
                 full = collectives._gather(full.contiguous(), p.dim, sizes[a], dm.get_group(names[a]).group_name)
         vals = _compat.local_values(full)
-        return next(iter(vals.values())).clone() if len(vals) > 1 else full.clone()
+        if len(vals) <= 1:
+            return full.clone()
+        # simulated ranks in one process (LocalTensorMode): every rank now holds the whole value, and they must agree
+        # (a replica that drifted -- a gradient summed on some ranks and not others -- is a runtime bug, not noise)
+        ranks = sorted(vals)
+        first = vals[ranks[0]]
+        for r in ranks[1:]:
+            if not torch.allclose(vals[r], first, rtol=1e-5, atol=1e-6):
+                diff = float((vals[r] - first).abs().max())
+                raise AutoparError(f"{fqn}: rank {r}'s copy differs from rank {ranks[0]}'s by up to {diff:.3g} after gathering; "
+                                   "the ranks' replicas have diverged (an autopar runtime bug: please report it with the plan)")
+        return first.clone()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters and persistent buffers under the model's own FQNs (a tied parameter under each

@@ -37,13 +37,14 @@ nodes v, strategies s:
 - Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters),
   plus, in the activation peak, what backward keeps of each redistributed value, on the same y / r as its time
   (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather).
-- A parameter's gradient communication is priced by its bandwidth; the planner buckets gradients per (ZeRO option o
+- A parameter's gradient communication is priced by its bandwidth (over the axes its ``zero.grad_spec`` sums it
+  over: not where its only use reads it as P); the planner buckets gradients per (ZeRO option o
   a parameter runs -- its group's, or stage 0 where it is not eligible --, axes S its gradients are all-reduced over
   beyond o's shards, scope: the block copy, or the whole model for ZeRO-1), and a bucket pays its launches once:
   ``bucket[o, g, S] in [0, 1]``, ``bucket[o, g, S] >= sum_{(s, k) in T(v, o, g, S)} ind[v, s, g, k]`` for every
   decision v, ind being the (strategy s, group option k) indicator (x[v, s] - sum_k w[v, s, g, k] for stage 0,
   w[v, s, g, k] otherwise) and T(v, o, g, S) the pairs that leave a parameter of group g in that bucket
-  (``zero.priced_bucket``; a stage-0 S holding a data axis; one row per (v, g, bucket): the pairs exclude each other,
+  (``zero.grad_bucket`` of the parameter's ``grad_spec``; one row per (v, g, bucket): the pairs exclude each other,
   so the sum is an indicator); the
   objective's D pays copies(g) x ``bucket_latency(S, o)`` per bucket (once for ZeRO-1's; a ZeRO-3 shard's sum
   over the other axes is an all-reduce bucket too). ZeRO-3's gathers and reduce-scatters are ``group_latency`` per
@@ -77,7 +78,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_saved
+from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, grad_sync_bandwidth_time, itemsize, probe_saved
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.milp import INF, Model, Solution
@@ -85,7 +86,7 @@ from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
-from autopar.zero import ZeroCost, ZeroOption, bucket_latency, eligible, group_latency, param_cost, priced_bucket, zero3_traffic, zero3_uses, zero_options
+from autopar.zero import ZeroCost, ZeroOption, bucket_latency, eligible, grad_bucket, grad_spec, group_latency, param_cost, zero3_traffic, zero3_uses, zero_options
 
 
 def gc_paused(fn):
@@ -141,6 +142,7 @@ class Problem:
     rep: dict[str, str]
     main_slot: dict[str, int]  # follower -> the input slot its layout follows
     folded_use: dict[str, tuple[str, int]]  # folded placeholder -> (its only user, slot)
+    direct_use: dict[str, tuple[str, int]] = field(default_factory=dict)  # the folded ones read directly (no view)
     timings: dict[str, float] = field(default_factory=dict)
     saved: dict[str, tuple[bool, int]] = field(default_factory=dict)  # op -> (a backward keeps its output, bytes it keeps itself)
     saved_in: frozenset = frozenset()  # (op, tensor input slot) whose value the op's backward keeps
@@ -151,6 +153,12 @@ class Problem:
 
     def strategy(self, node: str, root_index: int) -> Strategy:
         return self.cands[node][self.index(node, root_index)]
+
+    def grad_spec(self, param: str, strategy_of) -> Spec:
+        """``zero.grad_spec`` of a parameter, its consumers' strategies given by ``strategy_of(node)``."""
+        use = self.direct_use.get(param)
+        stored = strategy_of(param).output
+        return stored if use is None else grad_spec(stored, strategy_of(use[0]).inputs[use[1]])
 
 
 def _tmeta(v) -> TensorMeta:
@@ -302,6 +310,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
         tg.memo["saved_activations"] = _saved_activations(graph_nodes, rg)
     saved_out, internal, saved_in = tg.memo["saved_activations"]
     folded_use: dict[str, tuple[str, int]] = {}
+    direct_use: dict[str, tuple[str, int]] = {}
     for n in graph_nodes:
         if n.op == "output":
             for a in n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]:
@@ -353,6 +362,8 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             if pk != INPUT and len(u) == 1 and u[0][0] != "output":
                 kind[n.name] = FOLDED
                 folded_use[n.name] = u[0]
+                if [x.name for x in n.users] == [u[0][0]]:
+                    direct_use[n.name] = u[0]
             else:
                 kind[n.name] = DECISION
                 root[n.name] = n.name
@@ -373,7 +384,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
         root[p] = root[user]
     problem = Problem(order, kind, root, cands, costs, {}, meta, rg, source, edges, outputs,
                       [_output_specs(m, sizes) for _, m in outputs], tg.rep, main_slot, folded_use,
-                      saved={n: (saved_out.get(n, False), internal.get(n, 0)) for n in order}, saved_in=saved_in)
+                      direct_use, saved={n: (saved_out.get(n, False), internal.get(n, 0)) for n in order}, saved_in=saved_in)
     # derived strategies of followers (graph order: a follower's input is resolved before it) and folded nodes
     ins_of = {v: {} for v in order}
     for u, v, i, m in edges:
@@ -611,7 +622,12 @@ def solve(
         for s in range(nstrat[r]):
             nc = P_.costs[n][P_.index(n, s)]
             t = nc.compute
-            t_ovl[r][s] += nc.comm  # a parameter's gradient sync: overlappable
+            comm = nc.comm
+            if comm and n in P_.direct_use:  # a parameter whose gradient may be whole on some axes: not summed there
+                gs = P_.grad_spec(n, lambda v: P_.strategy(v, s))
+                if gs != P_.strategy(n, s).output:
+                    comm = grad_sync_bandwidth_time(gs, P_.meta[n], mesh)
+            t_ovl[r][s] += comm  # a parameter's gradient sync: overlappable
             regen[r][s] += nc.regen * (n in first_block)
             if k == FOLLOWER:
                 u, m = ins_of[n][P_.main_slot[n]]
@@ -644,18 +660,19 @@ def solve(
                 c = _zcost(opt, spec, meta, mesh, copies, gparams, uses) if k else base
                 per.append((opt.stage if eligible(opt, spec, meta, mesh) else 0,
                             (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.copy - base.copy),
-                            priced_bucket(opt, spec, meta, mesh)))
+                            grad_bucket(opt, spec, meta, mesh)))
             b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
             zfacts[key] = (base.copy, b, bool(grad_sync_axes(spec, mesh)), per)
         return zfacts[key]
 
     zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
-    # (decision, strategy, group, option) -> the gradient buckets its parameters land in (``priced_bucket``)
+    # (decision, strategy, group, option) -> the gradient buckets its parameters land in (``grad_bucket``)
     bucket_sets: dict[tuple[str, int, str, int], set] = {}
     for n, (g, copies, gparams) in zgroups.items():
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
-            base_copy, b, synced, per = zero_facts(P_.strategy(n, s).output, P_.meta[n], copies, gparams, zuses[n])
+            gs = P_.grad_spec(n, lambda v: P_.strategy(v, s))  # its Spec, whole where its gradient is (``grad_spec``)
+            base_copy, b, synced, per = zero_facts(gs, P_.meta[n], copies, gparams, zuses[n])
             t_lin[r][s] += base_copy  # the runtime's copies run on the compute stream: the critical path, as priced
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
@@ -854,7 +871,6 @@ def solve(
     # collectives' latencies once (``bucket_latency``). bucket[o, scope, S] >= the indicator of (strategy, option) of
     # every decision that leaves a parameter of the scope in that bucket: a plan whose block syncs some gradients
     # over dp and others over dp and tp (on dp x tp, weights split on tp and norms whole) pays two buckets' latencies
-    # (a stage-0 all-reduce over model axes alone is left out: ``zero.priced_bucket`` says why)
     # One row per (decision, group, bucket) sums the decision's (strategy, option) indicators that land in it: they
     # exclude each other, so the sum is an indicator too, with one row instead of one per strategy. (Not one row per
     # decision: a decision can hold parameters of two groups -- a block's norm weight folded into the residual add

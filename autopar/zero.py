@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from autopar.cost import collective_time, grad_sync_axes, itemsize, optimizer_bytes, wire_bytes
 from autopar.mesh import Mesh
-from autopar.spec import Replicate, Spec
+from autopar.spec import Partial, Replicate, Spec
 from autopar.strategies import TensorMeta
 
 
@@ -149,24 +149,29 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, copy)
 
 
+def grad_spec(stored: Spec, read: "Spec | None" = None) -> Spec:
+    """The Spec a parameter's gradients are summed by: its own (``stored``), but Partial -- whole on every rank, not
+    summed -- on each axis where it is replicated and its only use reads it, directly, as Partial (``read``; a
+    row-parallel linear's bias, added to the partial sums before they are all-reduced, as Megatron adds it after).
+    That read keeps the value on coordinate 0 of the axis (``redistribute``'s ``zero`` step); the gradient of a
+    Partial value is whole on every rank, so instead of masking it to coordinate 0 and summing it over the axis
+    afterwards, the runtime passes it through whole (``Plan.whole_grads``) and sums nothing there."""
+    if read is None:
+        return stored
+    whole = [isinstance(q, Replicate) and isinstance(r, Partial) for q, r in zip(stored.placements, read.placements)]
+    return Spec(tuple(Partial() if w else q for q, w in zip(stored.placements, whole))) if any(whole) else stored
+
+
 def grad_bucket(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> "tuple[ZeroOption, tuple[int, ...]] | None":
     """The gradient bucket a parameter lands in under ``opt``, as the plan makes them: (the option it runs -- ``opt``,
     or stage 0 where it is not eligible --, the axes its gradients are all-reduced over beyond that option's shards).
     ZeRO-1/2 always reduce-scatter; stages 0 and 3 have a bucket only where something is left to all-reduce (None
-    otherwise). The planner, the ILP and the cluster screen bucket by it; a bucket pays ``bucket_latency`` once."""
+    otherwise). The planner, the ILP and the cluster screen bucket by it (``spec``: the ``grad_spec``); a bucket pays
+    ``bucket_latency`` once."""
     if not eligible(opt, spec, meta, mesh):
         opt = ZeroOption(0)
     rest = tuple(a for a in grad_sync_axes(spec, mesh) if a not in opt.shard_axes)
     return (opt, rest) if opt.stage in (1, 2) or rest else None
-
-
-def priced_bucket(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> "tuple[ZeroOption, tuple[int, ...]] | None":
-    """``grad_bucket`` as the ILP and the cluster screen price its launches: without a stage-0 all-reduce over model
-    axes alone (a row-parallel bias's gradient summed over tp, the transpose of its R -> P), which every rank could
-    sum locally, as Megatron does; charging it would trade Megatron's row-parallel linears for gathers to avoid an
-    all-reduce the runtime should not need."""
-    gb = grad_bucket(opt, spec, meta, mesh)
-    return gb if gb is not None and (gb[0].stage or set(gb[1]) & set(data_axes(mesh))) else None
 
 
 def bucket_latency(mesh: Mesh, axes, opt: "ZeroOption | None" = None) -> float:

@@ -32,8 +32,9 @@ def runtime_axes(mesh) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...
     return names, sizes, strides, groups
 
 
-def emit_step(graph: fx.Graph, x: fx.Node, step: Step, axes) -> fx.Node:
-    """One graph node that runs ``step`` on ``x`` (insert point set by the caller)."""
+def emit_step(graph: fx.Graph, x: fx.Node, step: Step, axes, whole_grad: bool = False) -> fx.Node:
+    """One graph node that runs ``step`` on ``x`` (insert point set by the caller). ``whole_grad``: a ``zero`` step
+    that reads a parameter whose gradient is whole on the axis (``Plan.whole_grads``) passes its gradient through."""
     names, sizes, strides, groups = axes
     a = step.axis
     if step.kind == "all_gather":
@@ -47,7 +48,7 @@ def emit_step(graph: fx.Graph, x: fx.Node, step: Step, axes) -> fx.Node:
     if step.kind == "chunk":
         return graph.call_function(collectives.chunk, (x, step.dim, names[a], sizes[a], strides[a]))
     if step.kind == "zero":
-        return graph.call_function(collectives.keep_first, (x, names[a], sizes[a], strides[a]))
+        return graph.call_function(collectives.keep_first, (x, names[a], sizes[a], strides[a], whole_grad))
     raise ValueError(step.kind)
 
 

@@ -4,7 +4,9 @@ Requires: a traced graph whose node names match ``plan.nodes``; the mesh attache
 Ensures: every call_function node reads each tensor input in the Spec its Strategy asks for, and every graph
 output is in the Spec the plan hands it out in. The steps are ``autopar.redistribute.redistribute``'s, the same
 function the cost model priced; a tensor redistributed to the same Spec for several consumers is redistributed
-once, right before its first consumer (the cost model prices it once).
+once, right before its first consumer (the cost model prices it once). A parameter whose gradient the plan keeps
+whole on an axis (``plan.whole_grads``: its only use reads it as P there) passes that gradient through its ``zero``
+step instead of keeping coordinate 0's (grad_sync then leaves the axis out, as the plan's buckets do).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         if key not in done:
             shape = tuple(a.meta["val"].shape)
             cur = a
+            whole = plan.whole_grads.get(a.name, ()) if a.op == "placeholder" else ()
             with g.inserting_before(before):
                 for step in redistribute(src, dst, shape, mesh.sizes):
-                    cur = emit_step(g, cur, step, axes)
+                    cur = emit_step(g, cur, step, axes, step.kind == "zero" and axes[0][step.axis] in whole)
             done[key] = cur
         return done[key]
 

@@ -29,7 +29,7 @@ def test_json_round_trip_is_exact(plans):
     assert again.to_json() == text
     assert again.nodes == auto.nodes and again.cost == auto.cost and again.mesh == auto.mesh
     d = json.loads(text)
-    assert d["format"] == "autopar.plan" and d["version"] == 1
+    assert d["format"] == "autopar.plan" and d["version"] == 2
 
 
 def test_json_errors_are_clear(plans):

@@ -225,8 +225,8 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
         first = min(un.users_units.get(n) or {0})
         if 0 < first < U - 2:
             continue  # a parameter of a proxy block other than the template (the last): the template stands for all
-        params[n] = (0 if first == 0 else 1 if first == U - 2 else 2, problem.grad_spec(n, choice.strategy.__getitem__), problem.meta[n],
-                     zero3_uses(tg, n))
+        unit = 0 if first == 0 else 1 if first == U - 2 else 2
+        params[n] = (unit, problem.grad_spec(n, choice.strategy.__getitem__), problem.meta[n], zero3_uses(tg, n))
     return _Profile(out, params)
 
 

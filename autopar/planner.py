@@ -179,8 +179,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             continue
         g, copies, gparams = zgroups[name]
         spec, meta = problem.grad_spec(name, strategy.__getitem__), problem.meta[name]  # whole where its gradient is
-        if spec != strategy[name].output:
-            whole_grads[name] = tuple(mesh.names[a] for a, (q, r) in enumerate(zip(strategy[name].output.placements, spec.placements)) if q != r)
+        stored = strategy[name].output
+        if spec != stored:
+            whole_grads[name] = tuple(mesh.names[a] for a in range(mesh.ndim) if spec[a] != stored[a])
         opt = choice.zero.get(g, ZeroOption(0))
         if not eligible(opt, spec, meta, mesh):
             opt = ZeroOption(0)

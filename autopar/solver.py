@@ -86,7 +86,8 @@ from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
-from autopar.zero import ZeroCost, ZeroOption, bucket_latency, eligible, grad_bucket, grad_spec, group_latency, param_cost, zero3_traffic, zero3_uses, zero_options
+from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, eligible, grad_bucket, grad_spec, group_latency, param_cost, zero3_traffic,
+                          zero3_uses, zero_options)
 
 
 def gc_paused(fn):

@@ -27,6 +27,10 @@ from autopar.spec import Partial, Shard, Spec, Strategy
 VERSION = 2
 
 
+def _whole(axes) -> str:
+    return f"gradient whole on {','.join(axes)}, not summed"
+
+
 @dataclass(frozen=True)
 class Collective:
     """One collective of a training step. ``where`` names what it serves, in one of three forms (the plan's JSON
@@ -343,6 +347,8 @@ class Plan:
                 rows.append([f"[{block}] x{copies[block]} (tied copies share this plan)" if copies[block] > 1 else f"[{block}]", "", "", "", "", ""])
                 shown_block = block
             what = str(n.strategy.output) if n.op in placeholder else str(n.strategy)
+            if n.name in self.whole_grads:
+                what += f" ({_whole(self.whole_grads[n.name])})"
             rows.append([n.path, _short_op(n.op), what, f"{n.time * 1e3:.4f}", _fmt_bytes(n.memory), colstr(cols)])
         for b in list(self.grad_buckets) + list(self.zero_buckets):
             block = b.name.split("[", 1)[1].split("]")[0]
@@ -372,6 +378,9 @@ class Plan:
             tie = f" (tied to {r.path})" if n.rep != n.name else ""
             out.append(f"{n.path}  [{n.op}, shape {list(n.shape)}]{tie}")
             out.append(f"  chosen: {n.strategy}")
+            if n.name in self.whole_grads:
+                out.append(f"  {_whole(self.whole_grads[n.name])}: its only use reads it as P there, and the gradient of a P "
+                           "value is whole on every rank (Megatron's row-parallel bias)")
             rows = []
             for s, t, m in r.alternatives:
                 mark = "<- chosen" if s == str(r.strategy) else ""

@@ -68,6 +68,8 @@ def test_small_batch_large_hidden_is_megatron():
     assert not [c for c in plan.collectives() if c.where.startswith("grads")]
     biases = {n.name for n in plan.nodes.values() if n.path.endswith(".down.bias")}
     assert len(biases) == cfg.n_layer and plan.whole_grads == {b: ("x",) for b in biases}
+    assert "gradient whole on x, not summed" in plan.explain("layers.0.down.bias")
+    assert plan.table().count("gradient whole on x") == 1  # the blocks are tied: one row stands for all four
 
 
 GPT_BLOCKS = GPTConfig(n_layer=2, n_head=32, n_embd=4096, vocab_size=50304, block_size=2048)

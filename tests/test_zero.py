@@ -50,12 +50,16 @@ def test_hsdp_shards_within_and_replicates_across(name, stage):
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_zero3_composes_with_tensor_parallel(name):
+@pytest.mark.parametrize("name,stage", [("gpt", 1), ("gpt", 2), ("gpt", 3), ("llama", 3)])
+def test_zero_composes_with_tensor_parallel(name, stage):
+    """ZeRO over dp under Megatron's tp: the GPT's row-parallel biases keep whole gradients on tp (sharded over dp,
+    summed over nothing else), its norms' are summed over tp -- two buckets, every replica equal afterwards."""
     axes = {"dp": 2, "tp": 2}
-    pins = megatron_pins(name, axes) + [autopar.ZeroPin("*", 3)]
+    pins = megatron_pins(name, axes) + [autopar.ZeroPin("*", stage)]
     r = parity(_model(name), _inputs(), axes, constraints=pins)
-    assert {s for s, _ in r["plan"].zero_stages.values()} == {3}
+    plan = r["plan"]
+    assert {s for s, _ in plan.zero_stages.values()} == {stage}
+    assert bool(plan.whole_grads) == (name == "gpt") and all(v == ("tp",) for v in plan.whole_grads.values())
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
 
 

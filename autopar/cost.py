@@ -140,14 +140,19 @@ VIEW_OPS = {
     aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.unsqueeze.default, aten.squeeze.dim,
     aten.squeeze.dims, aten.squeeze.default, aten.alias.default, aten.detach.default,
 }
-MATMUL_OPS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default}
+MATMUL_OPS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.bmm.default, aten.matmul.default}
+
+
+def contracted(target, ins: list[tuple[int, ...]]) -> int:
+    """The contracted size of a matmul on these input shapes (``addmm``'s first input is its bias)."""
+    return ins[1][-1] if target is aten.addmm.default else ins[0][-1]
 ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
 
 
 def op_flops(target, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]) -> float:
     """Forward FLOPs of one op on the given (local) shapes."""
     if target in MATMUL_OPS:
-        return 2.0 * math.prod(outs[0]) * ins[0][-1]
+        return 2.0 * math.prod(outs[0]) * contracted(target, ins)
     if target in ATTENTION_OPS:
         b, h, t, d = ins[0]
         s = ins[1][2]
@@ -287,7 +292,7 @@ class CostModel:
             return hw.attention_efficiency
         if target not in MATMUL_OPS or not outs or not ins or not ins[0]:
             return 1.0
-        k = ins[0][-1]
+        k = contracted(target, ins)
         n = outs[0][-1] if outs[0] else 1
         m = math.prod(outs[0][:-1]) if len(outs[0]) > 1 else 1
         d = min(m, n, k)

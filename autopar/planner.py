@@ -48,7 +48,8 @@ def cost_model(tg: TracedGraph, mesh: Mesh, recompute: str = "none") -> CostMode
         float8 = frozenset(n for b in tg.blocks for n in b.nodes if linear(n))
     linears = frozenset(n for n in nodes if linear(n)) if mesh.hardware.tp_overlap else frozenset()
     fused = _fusion(tg) if mesh.hardware.fused_elementwise else None
-    casts = frozenset(tensor_inputs(nodes[n])[0].name for n in float8)  # each float8 linear's input operand
+    # each float8 linear's input operand (``addmm``'s first input is its bias)
+    casts = frozenset(tensor_inputs(nodes[n])[int(nodes[n].target is torch.ops.aten.addmm.default)].name for n in float8)
     if recompute == "none" or not tg.blocks:
         return CostModel(mesh, float8=float8, linears=linears, fused=fused, casts=casts)
     every = mesh.hardware.selective_recomputes_every if recompute == "selective" else 0

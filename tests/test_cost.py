@@ -39,6 +39,7 @@ def test_parameter_memory_is_value_gradient_and_adam_state():
 
 def test_flops_and_sharded_compute():
     assert op_flops(aten.linear.default, [(8, 16), (32, 16)], [(8, 32)]) == 2 * 8 * 32 * 16
+    assert op_flops(aten.addmm.default, [(32,), (8, 16), (16, 32)], [(8, 32)]) == 2 * 8 * 32 * 16  # K from x, not the bias
     assert op_flops(aten.scaled_dot_product_attention.default, [(2, 4, 16, 8)] * 3, [(2, 4, 16, 8)]) == 4 * 2 * 4 * 16 * 16 * 8
     cm = CostModel(Mesh({"tp": 4}, hardware="h100-80gb"))
     from autopar.strategies import OpInfo

@@ -84,3 +84,40 @@ def test_a_norm_computed_from_its_parts_matches_single_device(pins):
     axes = {"dp": 2, "tp": 2}
     r = parity(model, _inputs(), axes, constraints=megatron_pins("llama", axes, True) if pins else ())
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
+class _Conv1D(torch.nn.Module):
+    """Hugging Face's GPT-2 linear: ``addmm(bias, x, w)``, the weight stored [in, out]."""
+
+    def __init__(self, nin: int, nout: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(nin, nout) * 0.02)
+        self.bias = torch.nn.Parameter(torch.randn(nout) * 0.02)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.weight.shape[1])
+
+
+class _Conv1DMLP(torch.nn.Module):
+    def __init__(self, d: int = 32, h: int = 128):
+        super().__init__()
+        self.up, self.down = _Conv1D(d, h), _Conv1D(h, d)
+
+    def forward(self, x, y):
+        return ((self.down(torch.relu(self.up(x))) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("axes,pins", [({"tp": 4}, [("up:addmm", "S(1)"), ("down:addmm_1", "P")]),
+                                       ({"dp": 2, "tp": 2}, [("up:addmm", "S(0)S(1)"), ("down:addmm_1", "S(0)P")])],
+                         ids=["tp4", "dp2xtp2"])
+def test_gpt2_style_conv1d_runs_megatron_and_matches_single_device(axes, pins):
+    """``addmm`` splits like a linear: column then row parallel, the row-parallel bias a partial share whose
+    gradient is whole on every rank (no all-reduce over tp)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, 32, generator=g), torch.randn(8, 4, 32, generator=g)
+    r = parity(_Conv1DMLP(), (x, y), axes, constraints=pins)
+    plan = r["plan"]
+    assert str(plan.spec_of("up.weight"))[-4:] == "S(1)" and str(plan.spec_of("down.weight"))[-4:] == "S(0)"
+    assert plan.whole_grads == {"p_down_bias": ("tp",)}
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r

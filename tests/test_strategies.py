@@ -318,6 +318,8 @@ def _zoo():
         (aten.matmul.default, (r(2, 4, 6), r(6, 8)), {}), (aten.matmul.default, (r(1, 4, 6), r(2, 6, 8)), {}),
         (aten.matmul.default, (r(2, 2, 4, 6), r(2, 6, 8)), {}), (aten.matmul.default, (r(4, 6), r(2, 6, 8)), {}),
         (aten.linear.default, (r(16), r(8, 16), r(8)), {}), (aten.linear.default, (r(2, 4, 16), r(8, 16)), {}),
+        (aten.addmm.default, (r(8), r(4, 6), r(6, 8)), {}), (aten.addmm.default, (r(4, 8), r(4, 6), r(6, 8)), {}),
+        (aten.addmm.default, (r(1, 8), r(4, 6), r(6, 8)), {"beta": 0.5, "alpha": 2.0}),
         # reductions
         (aten.amax.default, (r(4, 6), [1], True), {}), (aten.amax.default, (r(4, 6, 2), [0]), {}),
         (aten.amin.default, (r(4, 6), [1]), {}), (aten.sum.dim_IntList, (r(4, 6, 2), [1], True), {}),
@@ -459,6 +461,14 @@ def test_linear_column_and_row_parallel():
     # on 2 x 2: Megatron's 2-D layouts compose from the per-axis ones
     two = _strs(op_candidates(_info(aten.linear.default, (x, w), {}, [(4, 16, 64)]), (2, 2)))
     assert {"(RR, S(0)S(0)) -> S(2)S(2)", "(S(0)S(2), RS(1)) -> S(0)P", "(S(2)R, S(1)S(0)) -> PS(2)"} <= two
+
+
+def test_addmm_column_and_row_parallel():
+    """Hugging Face's Conv1D (GPT-2): ``addmm(bias, x, w)`` with the weight stored [in, out]."""
+    b, x, w = _tm(64), _tm(16, 32), _tm(32, 64)
+    got = _strs(op_candidates(_info(aten.addmm.default, (b, x, w), {}, [(16, 64)]), (2,)))
+    assert {"(S(0), R, S(1)) -> S(1)", "(P, S(1), S(0)) -> P", "(R, S(0), R) -> S(0)", "(R, R, R) -> R"} <= got
+    assert not any(s.endswith("-> P") and s.startswith("(R,") for s in got)  # a replicated bias would be added n times
 
 
 def test_view_split_follows_the_data():

@@ -1,4 +1,4 @@
-"""Rules for contractions: linear, mm, bmm, matmul.
+"""Rules for contractions: linear, addmm, mm, bmm, matmul.
 
 Per axis, a contraction can split a free dim of either operand (the output is split the same way), split the
 contracted dim of both (each rank holds a partial sum: ``P``), or carry a partial operand through (it is linear
@@ -28,6 +28,28 @@ def linear(info: OpInfo) -> list[Option]:
     opts.append(Option((Shard(last), Shard(1)) + ((P,) if b else ()), P))  # row parallel: partial sums
     opts.append(Option((P, R) + ((P,) if b else ()), P))
     return opts
+
+
+@register(aten.addmm.default)
+def addmm(info: OpInfo) -> list[Option]:
+    """``bias + x @ w`` (x [M, K], w [K, N], bias broadcast to [M, N]): Hugging Face's ``Conv1D`` (GPT-2) is this
+    linear with its weight stored [in, out]. The bias follows the output: whole for rows, split with the columns,
+    a partial share (``zero``: coordinate 0 holds it) beside row-parallel partial sums."""
+    bias, x, w = info.inputs[0], info.inputs[1], info.inputs[2]
+    if len(info.inputs) != 3 or x.ndim != 2 or w.ndim != 2 or bias.ndim > 2:
+        return []
+
+    def along(out_dim: int):  # the bias's placement when the output is split on ``out_dim``
+        d = bias.ndim - 2 + out_dim  # dims aligned from the right
+        return Shard(d) if d >= 0 and bias.shape[d] == info.out.shape[out_dim] else R
+
+    return [
+        Option((along(0), Shard(0), R), Shard(0)),  # rows of x
+        Option((along(1), R, Shard(1)), Shard(1)),  # column parallel
+        Option((P, Shard(1), Shard(0)), P),  # row parallel: partial sums
+        Option((P, P, R), P),
+        Option((P, R, P), P),
+    ]
 
 
 def _batched(a_shape, b_shape, out_shape) -> list[Option]:

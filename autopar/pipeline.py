@@ -770,5 +770,6 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
         mesh=mesh, graph_hash=tg.hash, nodes=nodes, input_spec=lift_spec(inner_plan.input_spec, inner, axis),
         output_specs=[lift_spec(s, inner, axis) for s in inner_plan.output_specs], blocks=inner_plan.blocks,
         collective_list=cols, cost=cost, grad_buckets=inner_plan.grad_buckets, zero_buckets=[],
-        whole_grads=inner_plan.whole_grads, zero_stages={}, group_memory={}, solver_status=inner_plan.solver_status, label=label, pipeline=pplan,
+        whole_grads=inner_plan.whole_grads, zero_stages={}, group_memory={}, solver_status=inner_plan.solver_status, label=label,
+        pipeline=pplan,
     )

@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, grad_sync_bandwidth_time, itemsize, probe_saved
+from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_saved
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.milp import INF, Model, Solution
@@ -617,18 +617,15 @@ def solve(
     ins_of: dict[str, dict[int, tuple[str, TensorMeta]]] = {}
     for u, v, i, m in P_.edges:
         ins_of.setdefault(v, {})[i] = (u, m)
+    zgroups = zero_groups(tg, P_.order)
     for n in P_.order:
         r = rep(P_.root[n])
         k = P_.kind[n]
         for s in range(nstrat[r]):
             nc = P_.costs[n][P_.index(n, s)]
             t = nc.compute
-            comm = nc.comm
-            if comm and n in P_.direct_use:  # a parameter whose gradient may be whole on some axes: not summed there
-                gs = P_.grad_spec(n, lambda v: P_.strategy(v, s))
-                if gs != P_.strategy(n, s).output:
-                    comm = grad_sync_bandwidth_time(gs, P_.meta[n], mesh)
-            t_ovl[r][s] += comm  # a parameter's gradient sync: overlappable
+            if n not in zgroups:  # a parameter's gradient sync is its ZeRO facts' (below), by its ``grad_spec``
+                t_ovl[r][s] += nc.comm
             regen[r][s] += nc.regen * (n in first_block)
             if k == FOLLOWER:
                 u, m = ins_of[n][P_.main_slot[n]]
@@ -643,7 +640,6 @@ def solve(
             m_grad[r][s] += nc.grad
             m_act[r][s] += nc.act
     # ZeRO: per parameter group a stage (z), and how it changes each decision's parameters (w = x * z)
-    zgroups = zero_groups(tg, P_.order)
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
     zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, copies]
     # one-at-a-time buffers, as their largest instance: a gradient bucket (stage 0: flat copy + cut gradients, 2x;
@@ -663,7 +659,7 @@ def solve(
                             (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.copy - base.copy),
                             grad_bucket(opt, spec, meta, mesh)))
             b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
-            zfacts[key] = (base.copy, b, bool(grad_sync_axes(spec, mesh)), per)
+            zfacts[key] = (base.copy, base.comm, b, bool(grad_sync_axes(spec, mesh)), per)
         return zfacts[key]
 
     zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
@@ -673,8 +669,9 @@ def solve(
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
             gs = P_.grad_spec(n, lambda v: P_.strategy(v, s))  # its Spec, whole where its gradient is (``grad_spec``)
-            base_copy, b, synced, per = zero_facts(gs, P_.meta[n], copies, gparams, zuses[n])
+            base_copy, base_comm, b, synced, per = zero_facts(gs, P_.meta[n], copies, gparams, zuses[n])
             t_lin[r][s] += base_copy  # the runtime's copies run on the compute stream: the critical path, as priced
+            t_ovl[r][s] += base_comm  # its stage-0 gradient sync, overlappable (other stages: their deltas in zdelta)
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
             for k, (stage, delta, gb) in enumerate(per):

@@ -190,6 +190,40 @@ def test_a_norm_computed_from_its_parts_adds_one_decision_and_no_collective():
     assert decisions["fp32-composite"] == decisions["fused"], decisions  # a mean in place of each rms_norm
 
 
+def test_a_data_axis_splits_the_batch_and_nothing_else():
+    """On a data axis every tensor that carries the batch is split along its rows or whole (``Mesh.role``), so an op
+    has two placements there, not five: the batch is followed from the token ids through the embedding, the
+    attention's head-major views and the logits' (B * T, V) view into the loss, whose partial sum is free again.
+    With sequence and hidden splits on dp as options, Llama's blocks with the RMSNorm from its parts took 14k ILP
+    edge variables on dp 32 x tp 2 (16k in all, 3.6 s to solve); now 4k and 0.8 s, the same plan."""
+    from dataclasses import replace
+
+    from autopar.planner import cost_model
+    from autopar.solver import build_problem
+    from autopar.spec import Partial, Replicate, Shard
+    from autopar.trace import trace
+    from models.llama import Llama, LlamaConfig
+
+    B, T = 12, 64
+    x = torch.empty(B, T, dtype=torch.long, device="meta")
+    cfg = replace(LlamaConfig(**LLAMA_BLOCKS), norm="fp32-composite", dim=256, ffn_dim=512, n_head=4, n_kv_head=2, vocab_size=1000)
+    tg = trace(_meta(Llama, cfg), (x, x))
+    mesh = autopar.Mesh({"dp": 4, "tp": 2}, hardware=H100)
+    problem = build_problem(tg, mesh, cost_model(tg, mesh))
+    batch = [n for n in problem.order if problem.meta[n].shape[:1] in ((B,), (B * T,)) and tg.kinds.get(n) != "param"]
+    assert len(batch) > 20
+    for n in batch:
+        for c in problem.cands[n]:
+            assert c.output[0] in (Shard(0), Replicate()), (tg.path(n), str(c))
+    (loss,) = [n for n, m in problem.outputs if m.shape == ()]
+    assert any(isinstance(c.output[0], Partial) for c in problem.cands[loss])  # the mean over the rows: partial on dp
+    # on tp the same tensors keep their other splits: heads, a sequence split (sequence parallel), hidden
+    attn = [n for n in batch if len(problem.meta[n].shape) == 4]
+    assert attn and all({c.output[1] for c in problem.cands[n]} & {Shard(1), Shard(2), Shard(3)} for n in attn)
+    plan = autopar.plan(_meta(Llama, cfg), mesh, (x, x))
+    assert str(plan.input_spec).startswith("S(0)")
+
+
 @pytest.mark.parametrize("axes,overlap", [({"dp": 16}, 0.0), ({"dp": 16}, 1.0), ({"dp": 8, "tp": 2}, 1.0),
                                           ({"dp": 2, "fsdp": 8}, 0.0), ({"dp": 2, "fsdp": 4, "tp": 2}, 1.0), ({"tp": 8}, 0.0)],
                          ids=["dp16", "dp16-overlap", "dp8xtp2-overlap", "hsdp", "hsdp-x-tp-overlap", "tp8"])

@@ -121,3 +121,47 @@ def test_gpt2_style_conv1d_runs_megatron_and_matches_single_device(axes, pins):
     assert str(plan.spec_of("up.weight"))[-4:] == "S(1)" and str(plan.spec_of("down.weight"))[-4:] == "S(0)"
     assert plan.whole_grads == {"p_down_bias": ("tp",)}
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
+class _LMLoss(torch.nn.Module):
+    """A Hugging Face causal LM as a trainer calls it: token ids and labels in, the loss out."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, labels):
+        return self.lm(input_ids=ids, labels=labels).loss
+
+
+def _hugging_face(name):
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models from configs: nothing to download, no traffic
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, loss_type="ForCausalLM")
+        return _LMLoss(transformers.GPT2LMHeadModel(cfg))
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    return _LMLoss(transformers.LlamaForCausalLM(cfg))
+
+
+HF_MEGATRON = [("lm.model.layers.*.self_attn.[qkv]_proj.weight", "RS(0)"), ("lm.model.layers.*.mlp.gate_proj.weight", "RS(0)"),
+               ("lm.model.layers.*.mlp.up_proj.weight", "RS(0)"), ("lm.model.layers.*.self_attn.o_proj.weight", "RS(1)"),
+               ("lm.model.layers.*.mlp.down_proj.weight", "RS(1)")]
+
+
+@pytest.mark.parametrize("name,pins", [("gpt2", []), ("llama", HF_MEGATRON)], ids=["gpt2-auto", "llama-megatron"])
+def test_hugging_face_models_match_single_device(name, pins):
+    """transformers' own GPT-2 (Conv1D, ``addmm``) and Llama (rotary, grouped-query attention, its RMSNorm from
+    parts, positions made in forward with ``arange(device=...)``) on dp 2 x tp 2: the solver's plan, and Megatron's
+    column / row split written against transformers' module names."""
+    x, y = _inputs(batch=4, seq=16)
+    r = parity(_hugging_face(name), (x, y), {"dp": 2, "tp": 2}, constraints=pins, steps=2)
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+    if pins:
+        assert str(r["plan"].spec_of("lm.model.layers.1.self_attn.k_proj.weight")) == "RS(0)"
+        assert str(r["plan"].spec_of("lm.model.layers.0.mlp.down_proj.weight")) == "RS(1)"

@@ -77,3 +77,30 @@ def test_check_local_catches_a_wrong_local_shape():
         view.args = (view.args[0], shape)  # corrupt the local shape
         with pytest.raises(AutoparError, match="local shape"):
             check_local.run(gm, pm.plan, mesh)
+
+
+class _DeviceInForward(torch.nn.Module):
+    """Hugging Face's habit: positions made with ``arange(..., device=x.device)`` and masks moved with ``.to``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.pos = torch.nn.Embedding(16, 32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids, labels):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        keep = (ids >= 0).to(device=ids.device, dtype=torch.float32)
+        h = (self.emb(ids) + self.pos(pos)) * keep.unsqueeze(-1)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_check_local_runs_a_graph_that_names_a_device():
+    """The check runs the graph on meta tensors: a device the trace baked into an op (here cpu) is read as meta,
+    not copied out of a meta tensor (every Hugging Face model failed ``parallelize`` there)."""
+    from tests._util import parity
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (4, 16))
+    out = parity(_DeviceInForward(), (x, x.clone()), {"dp": 2, "tp": 2}, steps=1)
+    assert out["loss"] < 1e-5 and out["grad"] < 1e-6, out

@@ -46,11 +46,15 @@ UNARY_NONLINEAR = [
 UNARY_LINEAR = [
     aten.neg.default, aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default,
     aten.mul.Scalar, aten.div.Scalar, aten.type_as.default, aten.to.dtype, aten.to.dtype_layout,
+    # copies Hugging Face's models make: ``.contiguous()`` after the attention's transpose, ``.to(device)``,
+    # a lifted constant's fresh copy and in-place detach (its empty KV cache)
+    aten.contiguous.default, aten.to.device, aten.lift_fresh_copy.default, aten.detach_.default,
 ]
 NARY_NONLINEAR = [
     aten.where.self, aten.maximum.default, aten.minimum.default, aten.masked_fill.Scalar, aten.ne.Tensor,
     aten.eq.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.pow.Tensor_Tensor, aten.logical_and.default,
-    aten.logical_or.default,
+    aten.logical_or.default, aten.le.Tensor, aten.ge.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
+    aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
 ]
 
 

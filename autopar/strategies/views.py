@@ -157,8 +157,23 @@ def split(info: OpInfo) -> list[Option]:
 def cat(info: OpInfo) -> list[Option]:
     ins = info.inputs
     nd = info.out.ndim
-    if any(m.ndim != nd for m in ins):
-        return []  # legacy cat of 1-D empty tensors
+    # torch.cat skips 1-D empty tensors of any rank (legacy): nothing to split or to sum, they stay R (Hugging
+    # Face's KV cache starts as one, concatenated with each layer's keys and values)
+    empty = [m.ndim != nd and m.shape == (0,) for m in ins]
+    if any(m.ndim != nd and not e for m, e in zip(ins, empty)):
+        return []
     dim = info.arg(1, "dim", 0) % nd
-    n = len(ins)
-    return [Option((Shard(d),) * n, Shard(d)) for d in range(nd) if d != dim] + _partial(info)
+    return [Option(tuple(R if e else Shard(d) for e in empty), Shard(d)) for d in range(nd) if d != dim] + [
+        Option(tuple(R if e else o for e, o in zip(empty, opt.inputs)), opt.output) for opt in _partial(info)]
+
+
+@register(aten.pad.default, aten.constant_pad_nd.default)
+def pad(info: OpInfo) -> list[Option]:
+    """Constant padding (``pad`` lists (before, after) pairs from the last dim back): any dim it leaves alone may
+    be split (Hugging Face's causal-LM loss pads the labels' sequence to shift them)."""
+    x = info.inputs[0]
+    widths = list(info.arg(1, "pad", ()))
+    if info.target == aten.pad.default and info.arg(2, "mode", "constant") != "constant":
+        return []
+    padded = {x.ndim - 1 - i // 2 for i, w in enumerate(widths) if w != 0}
+    return [Option((Shard(d),), Shard(d)) for d in range(x.ndim) if d not in padded]

@@ -165,3 +165,17 @@ def test_hugging_face_models_match_single_device(name, pins):
     if pins:
         assert str(r["plan"].spec_of("lm.model.layers.1.self_attn.k_proj.weight")) == "RS(0)"
         assert str(r["plan"].spec_of("lm.model.layers.0.mlp.down_proj.weight")) == "RS(1)"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hugging_face_models_on_data_parallel_move_only_gradients(name):
+    """On dp alone transformers' models keep every activation split by the batch: their empty KV cache (a legacy
+    1-D cat), the attention's ``.contiguous()`` and the loss's label padding used to have no rule and were gathered
+    over dp (Llama-3-8B at 64 A100s: 255 GiB a device, no plan)."""
+    import autopar
+
+    x, y = _inputs(batch=8, seq=16)
+    plan = autopar.plan(_hugging_face(name), autopar.Mesh({"dp": 4}, hardware="h100-80gb"), (x, y))
+    # the loss's token count (a 128-byte mask, or its 8-byte sum) may move; no activation (>= 32 KiB here) does
+    moved = [c for c in plan.collectives() if c.bytes > 1024 and not c.where.startswith(("grads", "zero"))]
+    assert not moved, [f"{c.kind} {c.where} {c.bytes}" for c in moved]

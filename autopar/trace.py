@@ -278,6 +278,8 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
                         return ("local", index[a.name])
                     f = fqns.get(a.name)
                     if f is not None and f.startswith(bfqn + "."):
+                        if a.name.startswith(_PREFIX["CONSTANT_TENSOR"]):
+                            return ("const", _NUMBER.sub("", f[len(bfqn) + 1 :]))
                         return ("param", f[len(bfqn) + 1 :])
                     return ("ext",)
                 return repr(a)
@@ -286,6 +288,14 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
             shapes = pytree.tree_map(lambda v: (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v), val)
             sig.append(repr((str(n.target), shapes, pytree.tree_map(enc, list(n.args)), sorted(n.kwargs.items(), key=str))))
         return tuple(sig)
+
+    def const_twin(name: str, bfqn: str, rfqn: str) -> str | None:
+        """The representative's constant in the same place as constant ``name`` of block ``bfqn`` (in order)."""
+        def of(b):
+            return [n for n, f in fqns.items() if f.startswith(b + ".") and n.startswith(_PREFIX["CONSTANT_TENSOR"])]
+
+        mine, theirs = of(bfqn), of(rfqn)
+        return theirs[mine.index(name)] if name in mine and len(mine) == len(theirs) else None
 
     blocks: list[Block] = []
     rep: dict[str, str] = {}
@@ -300,7 +310,7 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
                 rep[n.name] = r.name
             for name, f in fqns.items():
                 if f.startswith(bfqn + "."):
-                    twin = placeholder_of_fqn.get(rfqn + f[len(bfqn) :])
+                    twin = placeholder_of_fqn.get(rfqn + f[len(bfqn) :]) or const_twin(name, bfqn, rfqn)
                     if twin is not None and tuple(placeholders[name].meta["val"].shape) == tuple(placeholders[twin].meta["val"].shape):
                         rep[name] = twin
         else:
@@ -367,7 +377,8 @@ _INDEX_ATTR = re.compile(r"(idx|index|layer_id|layer_num|block_id)")
 # torch.fx names a node ``base`` or ``base_<n>`` (export keeps those names; placeholders: prefix + FQN); a node's
 # ``torch_fn`` name may hold an overload (``_assert_tensor_metadata.default_0``, before a ``.float()``)
 _NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_.]*?)(?:_(\d+))?$")
-_PREFIX = {"PARAMETER": "p_", "BUFFER": "b_"}
+_PREFIX = {"PARAMETER": "p_", "BUFFER": "b_", "CONSTANT_TENSOR": "c_"}
+_NUMBER = re.compile(r"_\d+$")  # export's model-wide count on a constant a forward makes (``lifted_tensor_<n>``)
 _MIN_LAYERS = 4  # below this, tracing 2 and 3 layers to prove the copy is no faster than tracing them all
 
 
@@ -563,6 +574,7 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
         return out
 
     # layer 1 reads what layer 0 reads, except layer 0's own values and parameters for layer 1's
+    const_pairs: list[tuple[str, str]] = []  # (layer 0's, layer 1's) constants, FQNs below the layer
     for x0, x1 in zip(b0, b1):
         f0, f1 = flat(x0), flat(x1)
         if len(f0) != len(f1):
@@ -573,12 +585,19 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
             elif a1 in in0:
                 ok = a0 not in in0 and a0 not in own0 and a0 not in own1  # the layer's input: layer 0 had the model's
             elif a1 in own1:
-                ok = a0 in own0 and fqns[a0.name][len(names[0]) :] == fqns[a1.name][len(names[1]) :]
+                s1 = fqns[a1.name][len(names[1]) + 1 :]
+                s0 = fqns[a0.name][len(names[0]) + 1 :] if a0 in own0 else None
+                if s0 is not None and kind_of[a1.name] == "CONSTANT_TENSOR":  # export numbers these model-wide
+                    ok = _split(s0)[0] == _split(s1)[0]
+                    const_pairs.append((s0, s1))
+                else:
+                    ok = s0 == s1
             else:
                 ok = a0 is a1  # read alike from outside the layers (RoPE tables)
             if not ok:
                 raise _Unsafe(f"{x1.name} reads {a1.name} where {x0.name} reads {a0.name}")
     step = _steps((x0.name, x1.name) for x0, x1 in zip(b0, b1))
+    const_step = _steps(const_pairs)  # a tensor a layer makes in forward (HF's empty KV cache): lifted_tensor_<2k>
     fns = [(x0.meta.get("torch_fn"), x1.meta.get("torch_fn")) for x0, x1 in zip(b0, b1)]
     if any((a is None) != (b is None) for a, b in fns):
         raise _Unsafe("torch_fn metadata differs")
@@ -603,6 +622,7 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
         return m
 
     new = fx.Graph()
+    constants = dict(ex.constants)
     env: dict[fx.Node, fx.Node] = {}  # node of the 2-layer graph -> its node in the new one
     params: dict[tuple[fx.Node, int], fx.Node] = {}  # (layer 1's placeholder, k) -> layer k's
     inputs: list[tuple[str, str, str | None]] = []
@@ -649,15 +669,18 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
         if x in last_own:
             for k in range(2, n):
                 for p in last_own[x]:
-                    fqn = f"{path}.{k}" + fqns[p.name][len(names[1]) :]
                     kind = kind_of[p.name]
+                    below = fqns[p.name][len(names[1]) + 1 :]
+                    fqn = f"{path}.{k}." + (_shift(below, const_step, k - 1) if kind == "CONSTANT_TENSOR" else below)
+                    if kind == "CONSTANT_TENSOR":
+                        constants[fqn] = ex.constants[fqns[p.name]].clone()  # made alike by the same code
                     y = emit(p, _fqn_name(kind, fqn), p.args, p.kwargs)
                     y.meta = copy.copy(p.meta)
                     params[p, k] = y
                     inputs.append((y.name, kind, fqn))
     gm = fx.GraphModule(ex.gm, new)
     gm.meta.update(ex.gm.meta)
-    return _Exported(gm, inputs, ex.outputs, ex.in_spec, ex.out_spec, ex.constants, synthesized=n - 2)
+    return _Exported(gm, inputs, ex.outputs, ex.in_spec, ex.out_spec, constants, synthesized=n - 2)
 
 
 def _fingerprint(ex: _Exported) -> tuple:

@@ -689,7 +689,19 @@ def _fingerprint(ex: _Exported) -> tuple:
         (x.name, x.meta.get("nn_module_stack"), x.meta.get("torch_fn"), x.meta.get("stack_trace"), x.type)
         for x in ex.gm.graph.nodes
     ]
-    return _graph_hash(ex.gm), meta, ex.inputs, ex.outputs, sorted(ex.constants), str(ex.in_spec), str(ex.out_spec)
+    # a copied layer's constants are layer 1's: their values must be what the layers made (not from their index)
+    constants = sorted((k, _digest(v)) for k, v in ex.constants.items())
+    return _graph_hash(ex.gm), meta, ex.inputs, ex.outputs, constants, str(ex.in_spec), str(ex.out_spec)
+
+
+def _digest(v) -> tuple:
+    """A constant's shape, dtype and (off the meta device) values, for comparing two exports."""
+    if not isinstance(v, torch.Tensor):
+        return (type(v).__name__,)
+    data = None
+    if v.device.type != "meta":
+        data = hashlib.sha256(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return tuple(v.shape), str(v.dtype), data
 
 
 def _repeated(model: torch.nn.Module, args: tuple) -> _Exported | None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.ops import aten
 
-from autopar.trace import BUFFER, INPUT, PARAM, trace
+from autopar.trace import BUFFER, CONSTANT, INPUT, PARAM, trace
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 from models.mlp import MLP, MLPConfig
@@ -22,6 +22,8 @@ def _run(tg, model, inputs):
             args.append(model.get_parameter(tg.fqns[name]))
         elif kind == BUFFER:
             args.append(model.get_buffer(tg.fqns[name]))
+        elif kind == CONSTANT:
+            args.append(tg.constants[tg.fqns[name]])
     return tg.gm(*args, *inputs)[0]
 
 
@@ -274,6 +276,33 @@ def test_layer_attributes(double_at, scales, copied):
     fast, full = trace(net, (x,)), trace(net, (x,), full=True)
     assert fast.synthesized_blocks == copied
     _assert_same(fast, full)
+    assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
+
+
+class _Makes(torch.nn.Module):
+    """A layer that makes a tensor in forward (export lifts it as a constant, numbered across the model)."""
+
+    def __init__(self, layer_idx: int, by_index: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.layer_idx, self.by_index = layer_idx, by_index
+
+    def forward(self, x):
+        return x + self.lin(x) * torch.tensor([float(self.layer_idx) if self.by_index else 0.5, 1.0])[0]
+
+
+@pytest.mark.parametrize("by_index,copied", [(False, 3), (True, 0)])
+def test_tensors_a_layer_makes_are_copied_only_when_alike(by_index, copied):
+    """Layer k's constant is layer 1's, copied: the 3-layer proof compares the constants' values, so a tensor made
+    from the layer's index is seen to differ at layer 2 and the whole model is exported."""
+    torch.manual_seed(0)
+    net = _Net([_Makes(i, by_index) for i in range(5)])
+    x = torch.randn(3, 8)
+    fast, full = trace(net, (x,)), trace(net, (x,), full=True)
+    assert sum(k == "constant" for k in full.kinds.values()) == 5
+    assert fast.synthesized_blocks == copied
+    _assert_same(fast, full)
+    assert all(torch.equal(fast.constants[k], full.constants[k]) for k in full.constants)
     assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
 
 

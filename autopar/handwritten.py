@@ -13,7 +13,9 @@ Strategies:
 - ``fsdp``: ZeRO-3 over the data axes (``zero`` may lower the stage).
   On a mesh with a ``tp`` axis both compose with Megatron on ``tp`` (torchtitan's 2-D: "ddp+tp", "fsdp+tp").
 - ``megatron``: column-parallel then row-parallel projections on ``tp`` (GPT: c_attn/c_fc then c_proj; Llama,
-  Mixtral: wq/wk/wv, w1/w3 then wo, w2; Mixtral's experts split along their hidden dim), with
+  Mixtral: wq/wk/wv, w1/w3 then wo, w2; Mixtral's experts split along their hidden dim; Hugging Face's GPT-2,
+  whose Conv1D weights are stored (in, out), and its Llama-style models: q/k/v_proj, gate/up_proj then o_proj,
+  down_proj), with
   ``sequence_parallel`` the residual stream split by sequence; data parallel (``zero``) on the data axes.
 - ``megatron-3d`` (and ``explicit`` on a mesh with pp): Megatron on tp, data parallel on dp, and a pipeline on pp
   with Megatron's cut (blocks split evenly, the embedding with the first stage, the head with the last), 1F1B (or
@@ -25,6 +27,7 @@ it yet and says so when handed such a plan.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 
 from autopar.errors import AutoparError, NotRealised, ShardingError
@@ -48,17 +51,36 @@ _MEGATRON = {
         ("*.attention.w[qkv].weight", "S(0)"), ("*.attention.wo.weight", "S(1)"),
         ("*.moe.w[13]", "S(1)"), ("*.moe.w2", "S(2)"),
     ],
+    # Hugging Face: GPT-2's Conv1D keeps its weight (in, out), so a column split is S(1) and a row split S(0)
+    "hf-gpt2": [
+        ("*.attn.c_attn.weight", "S(1)"), ("*.attn.c_attn.bias", "S(0)"), ("*.attn.c_proj.weight", "S(0)"),
+        ("*.mlp.c_fc.weight", "S(1)"), ("*.mlp.c_fc.bias", "S(0)"), ("*.mlp.c_proj.weight", "S(0)"),
+    ],
+    # Llama, Mistral, Qwen2/3, Gemma (Qwen2's q/k/v biases split with their columns)
+    "hf-llama": [
+        ("*.self_attn.[qkv]_proj.weight", "S(0)"), ("*.self_attn.[qkv]_proj.bias", "S(0)"), ("*.self_attn.o_proj.weight", "S(1)"),
+        ("*.mlp.gate_proj.weight", "S(0)"), ("*.mlp.up_proj.weight", "S(0)"), ("*.mlp.down_proj.weight", "S(1)"),
+    ],
 }
 
 
-def _family(fqns: list[str]) -> str | None:
-    if any(f.endswith("attn.c_attn.weight") for f in fqns):
-        return "gpt"
-    if any(f.endswith(".moe.w1") for f in fqns):
+def _family(tg) -> str | None:
+    shape = {f: tuple(tg.gm.graph.find_nodes(op="placeholder", target=n)[0].meta["val"].shape) for n, f in tg.fqns.items()}
+    for f, s in shape.items():
+        if f.endswith("attn.c_attn.weight"):
+            return "hf-gpt2" if s[1] > s[0] else "gpt"  # (in, 3 x in): a Conv1D; (3 x out, in): a Linear
+    if any(f.endswith(".moe.w1") for f in shape):
         return "mixtral"
-    if any(f.endswith("attention.wq.weight") for f in fqns):
+    if any(f.endswith("attention.wq.weight") for f in shape):
         return "llama"
+    if any(f.endswith("self_attn.q_proj.weight") for f in shape) and any(f.endswith("mlp.gate_proj.weight") for f in shape):
+        return "hf-llama"
     return None
+
+
+def _layout(tg, family: str) -> list[tuple[str, str]]:
+    """The family's (glob, placement) pairs that name something in this model (Llama has no q/k/v biases)."""
+    return [(g, p) for g, p in _MEGATRON[family] if any(fnmatch.fnmatchcase(f, g) for f in tg.fqns.values())]
 
 
 def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, microbatches, recompute, zero) -> None:
@@ -102,12 +124,13 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
     if tp_axes:
         with _compat.no_local_tensor_mode():
             tg = trace_rows(model, args, (batch or 1) // microbatches, traces)
-        family = _family(sorted(tg.fqns.values()))
+        family = _family(tg)
         if family is None:
-            raise AutoparError("megatron-3d has no tensor-parallel layout for this model (no GPT-, Llama- or Mixtral-style projections found)")
+            raise AutoparError("megatron-3d has no tensor-parallel layout for this model (no GPT-, Llama- or Mixtral-style projections, "
+                               "nor Hugging Face's GPT-2 or Llama-style ones found)")
         t = tp_axes[0]
         on_tp = lambda p: "".join(p if a == t else "R" for a in range(mesh.ndim))  # noqa: E731
-        pins = [Pin(glob, on_tp(placement)) for glob, placement in _MEGATRON[family]]
+        pins = [Pin(glob, on_tp(placement)) for glob, placement in _layout(tg, family)]
         if sequence_parallel:
             for b in tg.blocks:
                 pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
@@ -201,16 +224,16 @@ def handwritten(
     if tg is None:
         with _compat.no_local_tensor_mode():
             tg = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
-    fqns = sorted(tg.fqns.values())
     if strategy in ("ddp", "fsdp"):
         pins += [Pin(f, rep_all) for n, f in tg.fqns.items() if tg.kinds.get(n) == "param"]
     elif strategy == "megatron":
         if not tp_axes:
             raise ShardingError(f"megatron needs a tp axis larger than 1; mesh {mesh} has none")
-        family = _family(fqns)
+        family = _family(tg)
         if family is None:
             raise AutoparError(
-                "megatron has no tensor-parallel layout for this model (no GPT-, Llama- or Mixtral-style projections "
+                "megatron has no tensor-parallel layout for this model (no GPT-, Llama- or Mixtral-style projections, "
+                "nor Hugging Face's GPT-2 or Llama-style ones "
                 "found); pin its weights yourself with autopar.plan(..., constraints=[autopar.Pin(fqn, spec)])"
             )
         t = tp_axes[0]
@@ -218,7 +241,7 @@ def handwritten(
         def on_tp(p: str) -> str:
             return "".join(p if a == t else "R" for a in range(mesh.ndim))
 
-        for glob, placement in _MEGATRON[family]:
+        for glob, placement in _layout(tg, family):
             pins.append(Pin(glob, on_tp(placement)))
         if sequence_parallel:
             for b in tg.blocks:  # the residual adds of each block run split by sequence (dim 1) on tp

@@ -149,22 +149,26 @@ def _hugging_face(name):
     return _LMLoss(transformers.LlamaForCausalLM(cfg))
 
 
-HF_MEGATRON = [("lm.model.layers.*.self_attn.[qkv]_proj.weight", "RS(0)"), ("lm.model.layers.*.mlp.gate_proj.weight", "RS(0)"),
-               ("lm.model.layers.*.mlp.up_proj.weight", "RS(0)"), ("lm.model.layers.*.self_attn.o_proj.weight", "RS(1)"),
-               ("lm.model.layers.*.mlp.down_proj.weight", "RS(1)")]
-
-
-@pytest.mark.parametrize("name,pins", [("gpt2", []), ("llama", HF_MEGATRON)], ids=["gpt2-auto", "llama-megatron"])
-def test_hugging_face_models_match_single_device(name, pins):
+@pytest.mark.parametrize("name,strategy", [("gpt2", None), ("gpt2", "megatron"), ("llama", "megatron-sp")])
+def test_hugging_face_models_match_single_device(name, strategy):
     """transformers' own GPT-2 (Conv1D, ``addmm``) and Llama (rotary, grouped-query attention, its RMSNorm from
-    parts, positions made in forward with ``arange(device=...)``) on dp 2 x tp 2: the solver's plan, and Megatron's
-    column / row split written against transformers' module names."""
+    parts, positions made in forward with ``arange(device=...)``, an empty KV cache) on dp 2 x tp 2: the solver's
+    plan, and ``handwritten``'s Megatron, which reads transformers' module names and Conv1D's (in, out) weights."""
+    import autopar
+
     x, y = _inputs(batch=4, seq=16)
-    r = parity(_hugging_face(name), (x, y), {"dp": 2, "tp": 2}, constraints=pins, steps=2)
+    model, plan = _hugging_face(name), None
+    if strategy:
+        mesh = autopar.Mesh({"dp": 2, "tp": 2}, hardware="cpu-gloo")
+        plan = autopar.handwritten(model, mesh, (x, y), "megatron", sequence_parallel=strategy.endswith("sp"))
+    r = parity(model, (x, y), {"dp": 2, "tp": 2}, plan=plan, steps=2)
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
-    if pins:
-        assert str(r["plan"].spec_of("lm.model.layers.1.self_attn.k_proj.weight")) == "RS(0)"
-        assert str(r["plan"].spec_of("lm.model.layers.0.mlp.down_proj.weight")) == "RS(1)"
+    spec = r["plan"].spec_of
+    if name == "gpt2" and strategy:  # column then row parallel, in Conv1D's (in, out) layout
+        assert [str(spec(f"lm.transformer.h.1.{p}.weight")) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] == ["RS(1)", "RS(0)", "RS(1)", "RS(0)"]
+    if name == "llama":
+        assert str(spec("lm.model.layers.1.self_attn.k_proj.weight")) == "RS(0)"
+        assert str(spec("lm.model.layers.0.mlp.down_proj.weight")) == "RS(1)"
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

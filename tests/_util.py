@@ -124,3 +124,34 @@ def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, 
     full = pm.full_state_dict()
     dp = max(float((full[k] - p.detach()).abs().max()) for k, p in reference.named_parameters())
     return dl, dg, dp
+
+
+class LMLoss(torch.nn.Module):
+    """A Hugging Face causal LM as a trainer calls it: token ids and labels in, the loss out."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, labels):
+        return self.lm(input_ids=ids, labels=labels).loss
+
+
+def hugging_face(name: str, layers: int = 2, device: str = "cpu") -> LMLoss:
+    """transformers' tiny GPT-2 (``gpt2``) or Llama (``llama``) from a config, as ``LMLoss`` (skips the test where
+    transformers is not installed). Nothing is downloaded."""
+    import pytest
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models from configs: nothing to download, no traffic
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, loss_type="ForCausalLM")
+        cls = transformers.GPT2LMHeadModel
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+        cls = transformers.LlamaForCausalLM
+    with torch.device(device):
+        return LMLoss(cls(cfg))

@@ -8,7 +8,7 @@ import torch
 
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from tests._util import parity
+from tests._util import hugging_face, parity
 
 MESHES = [{"dp": 2}, {"tp": 2}, {"tp": 4}, {"dp": 2, "tp": 2}]
 
@@ -123,32 +123,6 @@ def test_gpt2_style_conv1d_runs_megatron_and_matches_single_device(axes, pins):
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
 
 
-class _LMLoss(torch.nn.Module):
-    """A Hugging Face causal LM as a trainer calls it: token ids and labels in, the loss out."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, ids, labels):
-        return self.lm(input_ids=ids, labels=labels).loss
-
-
-def _hugging_face(name):
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models from configs: nothing to download, no traffic
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if name == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, loss_type="ForCausalLM")
-        return _LMLoss(transformers.GPT2LMHeadModel(cfg))
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
-    return _LMLoss(transformers.LlamaForCausalLM(cfg))
-
-
 @pytest.mark.parametrize("name,strategy", [("gpt2", None), ("gpt2", "megatron"), ("llama", "megatron-sp")])
 def test_hugging_face_models_match_single_device(name, strategy):
     """transformers' own GPT-2 (Conv1D, ``addmm``) and Llama (rotary, grouped-query attention, its RMSNorm from
@@ -157,7 +131,7 @@ def test_hugging_face_models_match_single_device(name, strategy):
     import autopar
 
     x, y = _inputs(batch=4, seq=16)
-    model, plan = _hugging_face(name), None
+    model, plan = hugging_face(name), None
     if strategy:
         mesh = autopar.Mesh({"dp": 2, "tp": 2}, hardware="cpu-gloo")
         plan = autopar.handwritten(model, mesh, (x, y), "megatron", sequence_parallel=strategy.endswith("sp"))
@@ -179,7 +153,7 @@ def test_hugging_face_models_on_data_parallel_move_only_gradients(name):
     import autopar
 
     x, y = _inputs(batch=8, seq=16)
-    plan = autopar.plan(_hugging_face(name), autopar.Mesh({"dp": 4}, hardware="h100-80gb"), (x, y))
+    plan = autopar.plan(hugging_face(name), autopar.Mesh({"dp": 4}, hardware="h100-80gb"), (x, y))
     # the loss's token count (a 128-byte mask, or its 8-byte sum) may move; no activation (>= 32 KiB here) does
     moved = [c for c in plan.collectives() if c.bytes > 1024 and not c.where.startswith(("grads", "zero"))]
     assert not moved, [f"{c.kind} {c.where} {c.bytes}" for c in moved]

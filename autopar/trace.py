@@ -33,7 +33,10 @@ many layers were copied, 0 when none were). Before the copy is used it must be p
   parameters plus values from outside the container that both read alike (RoPE tables), and nothing outside the
   layers reads layer 0's values or any layer's parameters;
 - the 3-layer copy grown from the 2-layer export equals the 3-layer export, name for name and shape for shape
-  (this catches a forward that uses the number of layers outside the layers, e.g. ``x / len(self.layers)``).
+  (this catches a forward that uses the number of layers outside the layers, e.g. ``x / len(self.layers)``), and
+  value for value for the tensors a layer makes in forward (export lifts them as constants numbered across the
+  model, ``layers.1.self_attn.lifted_tensor_2``, e.g. transformers' empty KV cache): layer k's are layer 1's,
+  renumbered, so one made from the layer's index fails here.
 
 The assumption left: the model's forward iterates its layer container, and neither the layers (beyond an index
 attribute such as ``layer_idx``) nor the rest of the forward behave differently past layer 3. A model that does

@@ -256,7 +256,8 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
     """Group ops by repeated layer (``<list>.<i>``) and tie each copy to the first one with the same structure.
 
     Two copies are tied when they run the same ops on the same shapes with the same non-tensor arguments, wire
-    them the same way inside the copy, and read the same parameters (by FQN suffix). Tied copies share the
+    them the same way inside the copy, and read the same parameters (by FQN suffix; a constant the layer made in
+    forward by its name without export's model-wide number, matched to the representative's in order). Tied copies share the
     solver's variables, so the plan gives them the same strategies.
     """
     by_block: dict[str, list[fx.Node]] = {}

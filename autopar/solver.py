@@ -308,8 +308,8 @@ def _batch_only(cs: list[Strategy], in_dims: list[int | None], axes: list[int]) 
     outs = {c.output[a] for c in fed}
     bd = next(iter(outs)).dim if len(outs) == 1 and isinstance(next(iter(outs)), Shard) else None
     ok = lambda p, d: isinstance(p, Replicate) or p == Shard(d)  # noqa: E731
-    keep = [c for c in cs if all((bd is None or ok(c.output[x], bd)) and all(d is None or ok(c.inputs[i][x], d) for i, d in enumerate(in_dims))
-                                 for x in axes)]
+    keep = [c for c in cs if all((bd is None or ok(c.output[x], bd))
+                                 and all(d is None or ok(c.inputs[i][x], d) for i, d in enumerate(in_dims)) for x in axes)]
     return (keep, bd) if keep else (cs, None)
 
 

@@ -55,8 +55,9 @@ def local_values(gm: fx.GraphModule, plan, mesh) -> dict[str, object]:
             continue
         # on meta tensors throughout: a device the trace baked in (Hugging Face's ``.to(device)``, ``arange(...,
         # device=...)``) would copy out of a meta tensor
-        args, kwargs = pytree.tree_map(lambda a: env[a.name] if isinstance(a, fx.Node) else torch.device("meta") if isinstance(a, torch.device) else a,
-                                       (node.args, node.kwargs))
+        args, kwargs = pytree.tree_map(
+            lambda a: env[a.name] if isinstance(a, fx.Node) else torch.device("meta") if isinstance(a, torch.device) else a,
+            (node.args, node.kwargs))
         t = node.target
         if t in _STEP_OF:
             x = args[0]

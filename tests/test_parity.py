@@ -139,7 +139,8 @@ def test_hugging_face_models_match_single_device(name, strategy):
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
     spec = r["plan"].spec_of
     if name == "gpt2" and strategy:  # column then row parallel, in Conv1D's (in, out) layout
-        assert [str(spec(f"lm.transformer.h.1.{p}.weight")) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] == ["RS(1)", "RS(0)", "RS(1)", "RS(0)"]
+        layers = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+        assert [str(spec(f"lm.transformer.h.1.{p}.weight")) for p in layers] == ["RS(1)", "RS(0)", "RS(1)", "RS(0)"]
     if name == "llama":
         assert str(spec("lm.model.layers.1.self_attn.k_proj.weight")) == "RS(0)"
         assert str(spec("lm.model.layers.0.mlp.down_proj.weight")) == "RS(1)"

@@ -8,6 +8,7 @@ Out: a Plan, or a ParallelModule ready to train on this rank. The user's model i
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -143,4 +144,25 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
         t0 = time.perf_counter()
         gm = passes.run_all(tg.gm, the_plan, mesh)
         the_plan.timings["rewrite"] = time.perf_counter() - t0
+    _warn_dropout(tg)
     return ParallelModule(tg, the_plan, gm, mesh, model)
+
+
+def _warn_dropout(tg) -> None:
+    """Say so when the program drops out at random: the ranks' masks are their own, not single-device training's."""
+    aten = torch.ops.aten
+
+    def p(n):  # the node's dropout probability (0: none)
+        if n.target == aten.dropout.default:
+            return float(n.args[1]) if n.args[2] else 0.0
+        if n.target == aten.scaled_dot_product_attention.default:  # its attention weights' dropout
+            return float(n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0))
+        return 0.0
+
+    drops = [n for n in tg.gm.graph.nodes if n.op == "call_function" and p(n) > 0]
+    if drops:
+        warnings.warn(
+            f"autopar: {len(drops)} dropout op(s) with p > 0 (the first: {tg.path(drops[0])}). Each rank draws the mask of "
+            "its own share, and the ranks that hold a replicated tensor draw different masks, so training equals "
+            "single-device training in distribution, not number for number; for a parity check use p = 0 or "
+            "model.eval()", stacklevel=3)

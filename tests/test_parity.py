@@ -158,3 +158,24 @@ def test_hugging_face_models_on_data_parallel_move_only_gradients(name):
     # the loss's token count (a 128-byte mask, or its 8-byte sum) may move; no activation (>= 32 KiB here) does
     moved = [c for c in plan.collectives() if c.bytes > 1024 and not c.where.startswith(("grads", "zero"))]
     assert not moved, [f"{c.kind} {c.where} {c.bytes}" for c in moved]
+
+
+def test_dropout_is_named_when_the_ranks_draw_their_own_masks():
+    """Hugging Face's GPT-2 drops out by default (p = 0.1: after the embeddings, the attention weights (in sdpa),
+    the attention's and the MLP's outputs): ``parallelize`` says where and why the run cannot equal
+    single-device training number for number; in eval mode it is silent and exact."""
+    import warnings
+
+    from tests._util import LMLoss
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = LMLoss(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=32)))
+    x, y = _inputs(batch=4, seq=16)
+    with pytest.warns(UserWarning, match=r"7 dropout op\(s\) with p > 0 \(the first: lm.transformer.drop"):
+        parity(model, (x, y), {"dp": 2, "tp": 2}, steps=1)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        r = parity(model, (x, y), {"dp": 2, "tp": 2}, steps=1)
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5, r

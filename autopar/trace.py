@@ -47,6 +47,7 @@ exported, silently. The user's model is not modified: the copies are shallow, wi
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import operator
 import re
@@ -396,6 +397,8 @@ def _equal(a, b) -> bool:
         return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, functools.partial):  # each layer makes its own (transformers' GELUTanh), equal by content
+        return a.func is b.func and _equal(a.args, b.args) and _equal(a.keywords, b.keywords)
     try:
         return bool(a == b)
     except (RuntimeError, TypeError, ValueError):  # an == that is not a truth value (arrays): treat as different

@@ -3,6 +3,7 @@ size traced on the meta device without allocating it."""
 
 from __future__ import annotations
 
+import functools
 import resource
 
 import pytest
@@ -272,6 +273,31 @@ class _Net(torch.nn.Module):
 def test_layer_attributes(double_at, scales, copied):
     torch.manual_seed(0)
     net = _Net([_Indexed(i, double_at, s) for i, s in enumerate(scales)])
+    x = torch.randn(3, 8)
+    fast, full = trace(net, (x,)), trace(net, (x,), full=True)
+    assert fast.synthesized_blocks == copied
+    _assert_same(fast, full)
+    assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
+
+
+class _Partial(torch.nn.Module):
+    """A layer holding a function with bound arguments, each layer its own object (transformers' GELUTanh)."""
+
+    def __init__(self, approximate: str):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.act = functools.partial(torch.nn.functional.gelu, approximate=approximate)
+
+    def forward(self, x):
+        return x + self.act(self.lin(x))
+
+
+@pytest.mark.parametrize("approx,copied", [(["tanh"] * 5, 3), (["tanh", "tanh", "tanh", "none", "tanh"], 0)])
+def test_layers_holding_equal_partials_are_copies(approx, copied):
+    """Two ``functools.partial`` objects are equal when their function and arguments are (Gemma's layers were
+    never copied: every layer's activation is its own partial); different arguments are different layers."""
+    torch.manual_seed(0)
+    net = _Net([_Partial(a) for a in approx])
     x = torch.randn(3, 8)
     fast, full = trace(net, (x,)), trace(net, (x,), full=True)
     assert fast.synthesized_blocks == copied

@@ -138,7 +138,7 @@ class LMLoss(torch.nn.Module):
 
 
 def hugging_face(name: str, layers: int = 2, device: str = "cpu") -> LMLoss:
-    """transformers' tiny GPT-2 (``gpt2``) or Llama (``llama``) from a config, as ``LMLoss`` (skips the test where
+    """transformers' tiny GPT-2 (``gpt2``), Llama (``llama``) or Mixtral (``mixtral``) from a config, as ``LMLoss`` (skips the test where
     transformers is not installed). Nothing is downloaded."""
     import pytest
 
@@ -149,6 +149,11 @@ def hugging_face(name: str, layers: int = 2, device: str = "cpu") -> LMLoss:
         cfg = transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
                                       embd_pdrop=0.0, attn_pdrop=0.0, loss_type="ForCausalLM")
         cls = transformers.GPT2LMHeadModel
+    elif name == "mixtral":
+        cfg = transformers.MixtralConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, num_local_experts=4,
+                                         num_experts_per_tok=2)
+        cls = transformers.MixtralForCausalLM
     else:
         cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)

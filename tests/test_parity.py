@@ -123,11 +123,12 @@ def test_gpt2_style_conv1d_runs_megatron_and_matches_single_device(axes, pins):
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
 
 
-@pytest.mark.parametrize("name,strategy", [("gpt2", None), ("gpt2", "megatron"), ("llama", "megatron-sp")])
+@pytest.mark.parametrize("name,strategy", [("gpt2", None), ("gpt2", "megatron"), ("llama", "megatron-sp"), ("mixtral", None)])
 def test_hugging_face_models_match_single_device(name, strategy):
     """transformers' own GPT-2 (Conv1D, ``addmm``) and Llama (rotary, grouped-query attention, its RMSNorm from
-    parts, positions made in forward with ``arange(device=...)``, an empty KV cache) on dp 2 x tp 2: the solver's
-    plan, and ``handwritten``'s Megatron, which reads transformers' module names and Conv1D's (in, out) weights."""
+    parts, positions made in forward with ``arange(device=...)``, an empty KV cache) and Mixtral (top-2 routing
+    over 4 experts) on dp 2 x tp 2: the solver's plan, and ``handwritten``'s Megatron, which reads transformers'
+    module names and Conv1D's (in, out) weights."""
     import autopar
 
     x, y = _inputs(batch=4, seq=16)

@@ -109,6 +109,14 @@ def _assert_same(fast, full):
     assert full.synthesized_blocks == 0
 
 
+def _both(model, inputs: tuple, copied: int):
+    """``model`` traced with its repeated layers copied and in full: ``copied`` layers copied, the same graph."""
+    fast, full = trace(model, inputs), trace(model, inputs, full=True)
+    assert fast.synthesized_blocks == copied
+    _assert_same(fast, full)
+    return fast, full
+
+
 def _tiny(name: str, layers: int):
     from dataclasses import replace
 
@@ -123,9 +131,7 @@ def test_repeated_layers_are_traced_once_and_copied_exactly(name, layers):
     torch.manual_seed(0)
     model = _tiny(name, layers)
     x = torch.randint(0, 64, (2, 8))
-    fast, full = trace(model, (x, torch.roll(x, -1, 1))), trace(model, (x, torch.roll(x, -1, 1)), full=True)
-    assert fast.synthesized_blocks == layers - 2
-    _assert_same(fast, full)
+    fast, full = _both(model, (x, torch.roll(x, -1, 1)), layers - 2)
     # the copied layers compute what the model does, with the model's own parameters
     inputs = (x, torch.roll(x, -1, 1))
     got, want = _run(fast, model, inputs), model(*inputs)
@@ -143,9 +149,7 @@ def test_layers_that_cast_to_fp32_and_back_are_copied_too():
     model = Llama(replace(LlamaConfig.tiny(), n_layer=5, norm="fp32-composite")).to(torch.bfloat16)
     x = torch.randint(0, 64, (2, 8))
     inputs = (x, torch.roll(x, -1, 1))
-    fast, full = trace(model, inputs), trace(model, inputs, full=True)
-    assert fast.synthesized_blocks == 3
-    _assert_same(fast, full)
+    fast, full = _both(model, inputs, 3)
     ops = [n.target for n in fast.gm.graph.nodes if n.op == "call_function"]
     assert aten.type_as.default not in ops and ops.count(aten.to.dtype) >= 2 * 11  # to fp32 and back, per norm
     assert torch.equal(_run(fast, model, inputs), model(*inputs))
@@ -156,9 +160,7 @@ def test_repeated_layers_on_meta_at_size():
 
     model, inputs = models.build("gpt2-medium", dtype=torch.bfloat16)  # 24 layers on the meta device
     args = inputs(4, 256)
-    fast, full = trace(model, args), trace(model, args, full=True)
-    assert fast.synthesized_blocks == 22
-    _assert_same(fast, full)
+    fast, full = _both(model, args, 22)
     assert len(fast.blocks) == 24 and sum(b.tied_to is not None for b in fast.blocks) == 23
 
 
@@ -218,9 +220,7 @@ def test_copy_only_when_proved_and_falls_back_silently(hidden, scale, copied):
     torch.manual_seed(0)
     model = _Stack(hidden, scale)
     x = torch.randn(3, 8)
-    fast, full = trace(model, (x,)), trace(model, (x,), full=True)
-    assert fast.synthesized_blocks == copied
-    _assert_same(fast, full)
+    fast, full = _both(model, (x,), copied)
     assert torch.allclose(_run(fast, model, (x,)), model(x), atol=1e-6)
 
 
@@ -233,9 +233,7 @@ def test_layer_outputs_read_after_the_layers_fall_back():
     # the load-balancing loss stacks every layer's value: the graph after the layers grows with depth
     model = Mixtral(replace(MixtralConfig.tiny(), n_layer=4, aux_loss_coef=0.01))
     x = torch.randint(0, 64, (2, 8))
-    fast, full = trace(model, (x, x)), trace(model, (x, x), full=True)
-    assert fast.synthesized_blocks == 0
-    _assert_same(fast, full)
+    fast, full = _both(model, (x, x), 0)
 
 
 class _Indexed(torch.nn.Module):
@@ -274,9 +272,7 @@ def test_layer_attributes(double_at, scales, copied):
     torch.manual_seed(0)
     net = _Net([_Indexed(i, double_at, s) for i, s in enumerate(scales)])
     x = torch.randn(3, 8)
-    fast, full = trace(net, (x,)), trace(net, (x,), full=True)
-    assert fast.synthesized_blocks == copied
-    _assert_same(fast, full)
+    fast, full = _both(net, (x,), copied)
     assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
 
 
@@ -299,9 +295,7 @@ def test_layers_holding_equal_partials_are_copies(approx, copied):
     torch.manual_seed(0)
     net = _Net([_Partial(a) for a in approx])
     x = torch.randn(3, 8)
-    fast, full = trace(net, (x,)), trace(net, (x,), full=True)
-    assert fast.synthesized_blocks == copied
-    _assert_same(fast, full)
+    fast, full = _both(net, (x,), copied)
     assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
 
 
@@ -324,10 +318,8 @@ def test_tensors_a_layer_makes_are_copied_only_when_alike(by_index, copied):
     torch.manual_seed(0)
     net = _Net([_Makes(i, by_index) for i in range(5)])
     x = torch.randn(3, 8)
-    fast, full = trace(net, (x,)), trace(net, (x,), full=True)
+    fast, full = _both(net, (x,), copied)
     assert sum(k == "constant" for k in full.kinds.values()) == 5
-    assert fast.synthesized_blocks == copied
-    _assert_same(fast, full)
     assert all(torch.equal(fast.constants[k], full.constants[k]) for k in full.constants)
     assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
 
@@ -337,9 +329,7 @@ def test_one_layer_object_repeated_is_not_copied():
     layer = _Indexed(0, None)
     net = _Net([layer] * 5)  # one set of weights run 5 times (ALBERT-style): one placeholder per weight, not five
     x = torch.randn(3, 8)
-    fast, full = trace(net, (x,)), trace(net, (x,), full=True)
-    assert fast.synthesized_blocks == 0
-    _assert_same(fast, full)
+    fast, full = _both(net, (x,), 0)
 
 
 def test_hugging_face_layers_with_their_kv_cache_are_tied_and_copied():
@@ -351,9 +341,7 @@ def test_hugging_face_layers_with_their_kv_cache_are_tied_and_copied():
 
     model = hugging_face("llama", layers=5, device="meta")
     x = torch.empty(2, 8, dtype=torch.long, device="meta")
-    fast, full = trace(model, (x, x)), trace(model, (x, x), full=True)
+    fast, full = _both(model, (x, x), 3)
     assert sum(k == "constant" for k in full.kinds.values()) == 2 * 5  # the cache's keys and values, per layer
-    assert fast.synthesized_blocks == 3
-    _assert_same(fast, full)
     assert [b.tied_to for b in fast.blocks] == [None] + ["lm.model.layers.0"] * 4
     assert all(full.rep[c] != c for c, f in full.fqns.items() if full.kinds[c] == "constant" and ".layers.0." not in f)

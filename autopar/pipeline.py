@@ -7,7 +7,9 @@ and whose ``pipeline`` (``PipelinePlan``) holds the stages, the schedule and the
 
 Two levels, as Alpa splits inter- and intra-operator parallelism:
 
-1. Microbatch counts ``m``: divisors of the per-replica batch (global batch / data axes), at most six of them.
+1. Microbatch counts ``m``: divisors of the per-replica batch (global batch / data axes), at most six of them,
+   the most microbatches first. Once the stages' smallest plan (step 2) does not fit, the larger microbatches are
+   not tried: each rank keeps ``min(p, m)`` microbatches in flight, so the rows in flight never fall as ``m`` does.
 2. For each ``m``, one microbatch (``batch / m`` rows) is traced and the intra-op ILP (``solver``) is solved on the
    mesh without pp, priced for the average stage of a 1F1B pipeline: the state of all layers shared by ``p``
    ranks (budget ``p x budget``) beside one microbatch in flight per layer on each rank (activations x ``p``, or
@@ -592,7 +594,13 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
     tried: list[str] = []
     smallest = math.inf
     timings = {"trace": 0.0, "solve": 0.0, "cuts": 0.0}
-    for m in ms:
+    # smallest microbatches first: a larger microbatch keeps at least as many rows in flight on each rank (rows x
+    # min(p, m) = per-replica rows x min(p, m) / m, which never falls as m does), so once the stages' own smallest
+    # plan does not fit, no larger microbatch's will, and their traces and solves (seconds each) are skipped
+    ms = sorted(ms, reverse=True)
+    n_tried = 0
+    for mi, m in enumerate(ms):
+        n_tried += 1
         t0 = time.perf_counter()
         tg = trace_rows(model, args, B // m, traces)
         units = graph_units(tg)
@@ -623,6 +631,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         # cluster screen knows how uneven the ranks are) that no stage plan meets falls back to the plain bound.
         squeeze, plain = first_squeeze, 0 if first_squeeze >= 1.0 else None  # plain: the attempt at the plain bound
         attempts = SQUEEZE_ATTEMPTS + (plain is None)
+        too_big = False
         for attempt in range(attempts):
             last = attempt == attempts - 1
             worst = math.inf  # this attempt's smallest rank peak over the cuts tried
@@ -634,6 +643,8 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                 choice = solve(tg, inner, cost, problem, budget * p * squeeze, inner_pins, floor=attempt == plain)
             except InfeasibleError as e:
                 problem.costs = raw
+                timings["solve"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
                 if plain is None:  # the hinted bound was too tight: start over from the plain one
                     squeeze, plain = 1.0, attempt + 1
                     continue
@@ -641,6 +652,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                     tried.append(f"m={m}: the stages' own plans do not fit ({e})")
                     if e.smallest_budget:
                         smallest = min(smallest, e.smallest_budget / p)
+                    too_big = True
                 else:
                     tried.append(f"m={m}: no stage cut fits {_fmt_bytes(budget)} per device, and no tighter stage plan exists")
                 break
@@ -684,6 +696,10 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             timings["cuts"] += time.perf_counter() - t0
             t0 = time.perf_counter()
         timings["cuts"] += time.perf_counter() - t0
+        if too_big and mi + 1 < len(ms):
+            rest = ", ".join(map(str, ms[mi + 1:]))
+            tried.append(f"m={rest}: not tried (larger microbatches keep at least as many rows in flight)")
+            break
     if best is None:
         why = "; ".join(tried[:6])
         raise InfeasibleError(
@@ -698,7 +714,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
     plan = _assemble(inner_plan, tg, mesh, axis, inner, units, ev, name, m, v, B, label)
     plan.recompute = recompute
     plan.timings = {"trace": timings["trace"], "solve": timings["solve"], "cuts+schedule": timings["cuts"],
-                    "price": time.perf_counter() - t0, "microbatch counts tried": float(len(ms))}
+                    "price": time.perf_counter() - t0, "microbatch counts tried": float(n_tried)}
     plan.timings["plan total"] = time.perf_counter() - t_start
     return plan
 

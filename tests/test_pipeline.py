@@ -59,6 +59,32 @@ def test_microbatches_shrink_the_step_until_activation_memory_binds():
     assert free.pipeline.microbatches in (1, 2, 4, 8, 16, 32) and free.pipeline.schedule in ("gpipe", "1f1b", "interleaved")
 
 
+def test_microbatches_too_big_for_the_budget_are_not_traced():
+    # gpt2-small on pp 4, 32 sequences: the stages' smallest plan needs about 1.5 / 2.4 / 4.4 / 8.4 GiB per device
+    # at 1 / 2 / 4 / 8 rows per microbatch. At 3 GiB the 4-row microbatch is the first that cannot fit: the 8-, 16-
+    # and 32-row ones keep at least as many rows in flight and are not traced; the plan is the best that fits
+    from autopar.pipeline import plan_pipeline
+
+    model, inputs = build("gpt2-small")
+    mesh = autopar.Mesh({"pp": 4}, hardware="h100-80gb")
+    batch, budget = inputs(32, 1024), 3 * GiB
+    traces: dict = {}
+    plan = plan_pipeline(model, batch, mesh, budget, [], traces=traces)
+    assert sorted(traces) == [1, 2, 4], sorted(traces)
+    fits = {}
+    for m in (32, 16, 8, 4, 2, 1):
+        try:
+            fits[m] = autopar.plan(model, mesh, batch, memory_budget=budget, constraints=[PipelinePin(microbatches=m)]).cost.step_time
+        except autopar.InfeasibleError:
+            pass
+    assert set(fits) <= {32, 16} and fits, fits
+    assert plan.cost.step_time == pytest.approx(min(fits.values()), rel=1e-9)
+    assert plan.timings["microbatch counts tried"] == 3 and plan.timings["trace"] > 0
+    # nothing fits: the error names the microbatch counts it skipped and why
+    with pytest.raises(autopar.InfeasibleError, match=r"m=16, 8, 4, 2, 1: not tried \(larger microbatches keep at least"):
+        plan_pipeline(model, batch, mesh, 1 * GiB, [])
+
+
 def test_a_rank_counts_the_block_it_recomputes_beside_its_checkpoints():
     """Under recomputation a block's activations come back while its backward runs: each pipeline rank's peak is its
     state, its in-flight microbatches' kept bytes, and one block's recomputed activations -- with full

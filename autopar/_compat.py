@@ -83,6 +83,47 @@ def local_values(x: torch.Tensor) -> dict[int, torch.Tensor]:
     return {dist.get_rank() if dist.is_initialized() else 0: x}
 
 
+def run_reseeded(fn, seed_of):
+    """Run ``fn()`` with each rank's random generators (CPU, and the CUDA device's) first reseeded with
+    ``seed_of(global_rank, base)``, where ``base`` is one number drawn from that rank's own CPU generator; afterwards
+    each rank's generators are as they were after that draw. Under LocalTensorMode every simulated rank keeps its
+    own generator state (the mode's per-rank states), so each draws and is reseeded apart."""
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    lm = enabled_local_tensor_mode()
+    if lm is None or not lm._per_rank_rng_states:
+        base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        seed = seed_of(dist.get_rank() if dist.is_initialized() else 0, base)
+        cpu = torch.random.default_generator
+        cuda = [torch.cuda.default_generators[i] for i in range(torch.cuda.device_count())] if torch.cuda.is_initialized() else []
+        saved = [g.get_state() for g in [cpu] + cuda]
+        try:
+            for g in [cpu] + cuda:
+                g.manual_seed(seed)
+            return fn()
+        finally:
+            for g, st in zip([cpu] + cuda, saved):
+                g.set_state(st)
+    states = lm._per_rank_rng_states
+    after, reseeded = {}, {}
+    with lm.disable():
+        outer = torch.get_rng_state()
+        for r in sorted(lm.ranks):
+            cpu_state, device_states = states[r]
+            torch.set_rng_state(cpu_state)
+            base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+            after[r] = (torch.get_rng_state(), device_states)
+            g = torch.Generator()
+            g.manual_seed(seed_of(r, base))
+            reseeded[r] = (g.get_state(), device_states)
+        torch.set_rng_state(outer)
+    lm._per_rank_rng_states = reseeded
+    try:
+        return fn()
+    finally:
+        lm._per_rank_rng_states = after
+
+
 def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     """A process group with no peers: collectives return at once (for planning and LocalTensorMode)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore

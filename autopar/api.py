@@ -149,7 +149,7 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
 
 
 def _warn_dropout(tg) -> None:
-    """Say so when the program drops out at random: the ranks' masks are their own, not single-device training's."""
+    """Say so when the program drops out at random: the ranks' masks are their shards', not single-device training's."""
     aten = torch.ops.aten
 
     def p(n):  # the node's dropout probability (0: none)
@@ -163,6 +163,6 @@ def _warn_dropout(tg) -> None:
     if drops:
         warnings.warn(
             f"autopar: {len(drops)} dropout op(s) with p > 0 (the first: {tg.path(drops[0])}). Each rank draws the mask of "
-            "its own share, and the ranks that hold a replicated tensor draw different masks, so training equals "
-            "single-device training in distribution, not number for number; for a parity check use p = 0 or "
-            "model.eval()", stacklevel=3)
+            "the shard it holds (ranks holding one shard draw the same mask when every rank is seeded alike, as copying "
+            "the model needs; different shards draw independent ones), so training equals single-device training in "
+            "distribution, not number for number; for a parity check use p = 0 or model.eval()", stacklevel=3)

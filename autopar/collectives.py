@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -271,6 +272,21 @@ def grad_sync(params: tuple, axes: tuple[str, ...], groups: tuple[str, ...]):
 
 def output_scale(x, fwd: float, bwd: float):
     return _OutputScale.apply(x, fwd, bwd)
+
+
+def reseeded(op, shard_axes: tuple[tuple[int, int], ...], *args, **kwargs):
+    """Run the random ``op`` (dropout, ``rand_like``...) with this rank's generators reseeded by the shard of its
+    output the rank holds: ``shard_axes`` lists the (size, stride in rank order) of the mesh axes that split it. The
+    seed mixes one number drawn from the rank's own generator (every rank draws it, so they stay in step, and
+    activation checkpointing, which restores the generators, replays it) with the rank's coordinates on those axes:
+    ranks holding the same shard draw the same mask, ranks holding different shards independent ones -- as one
+    device draws one mask for the whole tensor (in distribution; not its numbers)."""
+
+    def seed_of(rank: int, base: int) -> int:
+        coords = tuple((rank // stride) % size for size, stride in shard_axes)
+        return int.from_bytes(hashlib.blake2b(repr((base, coords)).encode(), digest_size=8).digest(), "little") >> 1
+
+    return _compat.run_reseeded(lambda: op(*args, **kwargs), seed_of)
 
 
 COLLECTIVE_OPS = (all_gather, reduce_scatter, all_reduce, all_to_all)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import autopar
+from autopar import _compat
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from tests._util import hugging_face, parity
+from tests._util import fake_world, hugging_face, parity
 
 MESHES = [{"dp": 2}, {"tp": 2}, {"tp": 4}, {"dp": 2, "tp": 2}]
 
@@ -159,6 +161,30 @@ def test_hugging_face_models_on_data_parallel_move_only_gradients(name):
     # the loss's token count (a 128-byte mask, or its 8-byte sum) may move; no activation (>= 32 KiB here) does
     moved = [c for c in plan.collectives() if c.bytes > 1024 and not c.where.startswith(("grads", "zero"))]
     assert not moved, [f"{c.kind} {c.where} {c.bytes}" for c in moved]
+
+
+def test_dropout_draws_one_mask_per_shard():
+    """Every rank seeded alike draws in step: without reseeding, each data-parallel rank's sequences (and each
+    tensor-parallel rank's heads) got the same mask. Now replicas draw one mask and shards independent ones, and
+    the stream advances from call to call (recomputation replaying them: tests/test_passes.py)."""
+    from tests._util import LMLoss
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = LMLoss(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=32)))
+    x, y = _inputs(batch=4, seq=16)
+    x[2:], y[2:] = x[:2], y[:2]  # both data-parallel ranks get the same two sequences
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, hardware="cpu-gloo")
+    with pytest.warns(UserWarning, match="dropout"), fake_world(4), _compat.local_tensor_mode(4) as ltm:
+        pm = autopar.parallelize(model, mesh, (x, y))
+        losses = []
+        for _ in range(2):
+            loss = pm(*pm.local_inputs(x, y))
+            with ltm.disable():
+                losses.append([float(v) for _, v in sorted(_compat.local_values(loss.detach()).items())])
+    for ls in losses:  # ranks 0, 1: dp 0 (tp 0, 1); ranks 2, 3: dp 1
+        assert ls[0] == ls[1] and ls[2] == ls[3] and abs(ls[0] - ls[2]) > 1e-4, ls
+    assert losses[0] != losses[1]
 
 
 def test_dropout_is_named_when_the_ranks_draw_their_own_masks():

@@ -104,3 +104,38 @@ def test_check_local_runs_a_graph_that_names_a_device():
     x = torch.randint(0, 64, (4, 16))
     out = parity(_DeviceInForward(), (x, x.clone()), {"dp": 2, "tp": 2}, steps=1)
     assert out["loss"] < 1e-5 and out["grad"] < 1e-6, out
+
+
+def test_a_reseeded_random_op_is_replayed_by_recomputation():
+    """``collectives.reseeded`` draws its seed from the rank's generator, which a checkpoint restores before it
+    recomputes: the recomputed mask is the one forward drew, and the generator ends where it would without the
+    checkpoint. (LocalTensorMode's per-rank generators are not restored by checkpoints, so this runs on one rank.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    from passes.reseed_random import draws
+
+    def f(x):
+        return collectives.reseeded(torch.ops.aten.dropout.default, ((2, 1),), x, 0.5, True) * 3
+
+    out = {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        x = torch.ones(64, requires_grad=True)
+        y = checkpoint(f, x, use_reentrant=False) if recompute else f(x)
+        y.sum().backward()
+        out[recompute] = (y.detach(), x.grad, torch.rand(4))
+    (y0, g0, r0), (y1, g1, r1) = out[False], out[True]
+    assert torch.equal(y0, y1) and torch.equal(g0, g1) and torch.equal(r0, r1)
+    assert torch.equal(g0, y0) and 0 < int((y0 == 0).sum()) < 64  # the gradient is the mask it drew, x 3
+    # which nodes draw: dropout in training with p > 0, attention with dropout_p > 0, rand_like; not eval-mode dropout
+
+    class M(torch.nn.Module):
+        def forward(self, q):
+            a = torch.nn.functional.dropout(q, 0.1, True) + torch.nn.functional.dropout(q, 0.1, False)
+            b = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.2)
+            c = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            return a + b + c + torch.rand_like(q)
+
+    gm = torch.export.export(M(), (torch.ones(1, 2, 4, 8),)).module()
+    drawn = [n.target.__name__ for n in gm.graph.nodes if draws(n)]
+    assert sorted(drawn) == ["dropout.default", "rand_like.default", "scaled_dot_product_attention.default"], drawn

@@ -149,20 +149,13 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
 
 
 def _warn_dropout(tg) -> None:
-    """Say so when the program drops out at random: the ranks' masks are their shards', not single-device training's."""
-    aten = torch.ops.aten
-
-    def p(n):  # the node's dropout probability (0: none)
-        if n.target == aten.dropout.default:
-            return float(n.args[1]) if n.args[2] else 0.0
-        if n.target == aten.scaled_dot_product_attention.default:  # its attention weights' dropout
-            return float(n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0))
-        return 0.0
-
-    drops = [n for n in tg.gm.graph.nodes if n.op == "call_function" and p(n) > 0]
+    """Say so when the program draws random numbers (dropout): the ranks' masks are their shards', not
+    single-device training's."""
+    drops = [n for n in tg.gm.graph.nodes if passes.reseed_random.draws(n)]
     if drops:
         warnings.warn(
-            f"autopar: {len(drops)} dropout op(s) with p > 0 (the first: {tg.path(drops[0])}). Each rank draws the mask of "
-            "the shard it holds (ranks holding one shard draw the same mask when every rank is seeded alike, as copying "
-            "the model needs; different shards draw independent ones), so training equals single-device training in "
-            "distribution, not number for number; for a parity check use p = 0 or model.eval()", stacklevel=3)
+            f"autopar: {len(drops)} op(s) draw random numbers (dropout with p > 0 and the like; the first: {tg.path(drops[0])}). "
+            "Each rank draws the mask of the shard it holds (ranks holding one shard draw the same mask when every rank "
+            "is seeded alike, as copying the model needs; different shards draw independent ones), so training equals "
+            "single-device training in distribution, not number for number; for a parity check use p = 0 or "
+            "model.eval()", stacklevel=3)

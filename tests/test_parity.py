@@ -199,7 +199,7 @@ def test_dropout_is_named_when_the_ranks_draw_their_own_masks():
     torch.manual_seed(0)
     model = LMLoss(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=32)))
     x, y = _inputs(batch=4, seq=16)
-    with pytest.warns(UserWarning, match=r"7 dropout op\(s\) with p > 0 \(the first: lm.transformer.drop"):
+    with pytest.warns(UserWarning, match=r"7 op\(s\) draw random numbers \(dropout with p > 0 and the like; the first: lm.transformer.drop"):
         parity(model, (x, y), {"dp": 2, "tp": 2}, steps=1)
     model.eval()
     with warnings.catch_warnings():

@@ -2,8 +2,8 @@
 
 In: a model, a Mesh, one example global batch, a strategy name and the knobs published configurations use:
 ``microbatch_size``, ``schedule`` (gpipe / 1f1b / interleaved), ``virtual_stages``, ``sequence_parallel``,
-``recompute`` (none / selective / full), ``zero`` (0-3), and for ``explicit`` the degrees ``tp``, ``pp``, ``dp``,
-``microbatches``. Degrees are read from the mesh axes (``dp...`` data axes, ``tp``).
+``recompute`` (none / selective / full), ``zero`` (0-3), ``blocks_per_stage`` (a pipeline's uneven cut), and for
+``explicit`` the degrees ``tp``, ``pp``, ``dp``, ``microbatches``. Degrees are read from the mesh axes (``dp...`` data axes, ``tp``).
 Out: a Plan. The strategy fixes what its authors fix (every weight's layout, the ZeRO stage, the residual
 stream's layout under sequence parallelism); the solver completes the rest (embeddings, loss, views) under the
 same cost model, so the comparison with ``autopar.plan`` measures the choices that differ.
@@ -18,11 +18,12 @@ Strategies:
   down_proj), with
   ``sequence_parallel`` the residual stream split by sequence; data parallel (``zero``) on the data axes.
 - ``megatron-3d`` (and ``explicit`` on a mesh with pp): Megatron on tp, data parallel on dp, and a pipeline on pp
-  with Megatron's cut (blocks split evenly, the embedding with the first stage, the head with the last), 1F1B (or
-  interleaved with ``virtual_stages``), microbatches of ``microbatch_size`` rows per replica (default 1).
+  with Megatron's cut (blocks split evenly, the embedding with the first stage, the head with the last; or
+  ``blocks_per_stage``, one count per stage, as Megatron-LM's first/last-stage layer counts and torchtitan's split
+  points cut a model whose blocks do not divide evenly), 1F1B (or interleaved with ``virtual_stages``),
+  microbatches of ``microbatch_size`` rows per replica (default 1).
 What cannot be realised yet (ZeRO with a pipeline, gradient accumulation without one) is rejected with an error
-that says so, never silently ignored. Activation recomputation is planned and priced; ``parallelize`` does not run
-it yet and says so when handed such a plan.
+that says so, never silently ignored.
 """
 
 from __future__ import annotations
@@ -83,14 +84,15 @@ def _layout(tg, family: str) -> list[tuple[str, str]]:
     return [(g, p) for g, p in _MEGATRON[family] if any(fnmatch.fnmatchcase(f, g) for f in tg.fqns.values())]
 
 
-def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, microbatches, recompute, zero) -> None:
+def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, microbatches, recompute, zero, blocks_per_stage=None) -> None:
     pipe = mesh.pipe_axis()
     if pp not in (None, 1) and (pipe is None or mesh.sizes[pipe] != pp):
         raise ShardingError(f"{strategy}: pp={pp} needs a mesh with a pp axis of that size; mesh {mesh} has {'none' if pipe is None else mesh.sizes[pipe]}")
     if strategy == "megatron-3d" and pipe is None:
         raise ShardingError(f"megatron-3d needs a mesh with a pp axis larger than 1 (e.g. dp=2,pp=2,tp=2); mesh {mesh} has none. Use megatron for tp + dp")
     if pipe is None:
-        for name, val in (("schedule", schedule), ("virtual_stages", virtual_stages), ("microbatches", microbatches)):
+        for name, val in (("schedule", schedule), ("virtual_stages", virtual_stages), ("microbatches", microbatches),
+                          ("blocks_per_stage", blocks_per_stage)):
             if val not in (None, 1):
                 raise ShardingError(f"{strategy}: {name}={val!r} is a pipeline knob; the mesh {mesh} has no pp axis")
     elif zero not in (None, 0):
@@ -102,7 +104,7 @@ def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, 
 
 
 def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, batch, microbatch_size, microbatches, schedule,
-                 virtual_stages, sequence_parallel, memory_budget, traces, recompute="none") -> Plan:
+                 virtual_stages, sequence_parallel, memory_budget, traces, recompute="none", blocks_per_stage=None) -> Plan:
     """Megatron-LM's 3-D parallelism: Megatron layouts on tp, data parallel on dp, and on pp the blocks split evenly
     (embedding with the first stage, head with the last), 1F1B by default (interleaved with ``virtual_stages``),
     microbatches of ``microbatch_size`` rows per replica (default 1, Megatron's default) or ``microbatches``."""
@@ -135,7 +137,10 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
             for b in tg.blocks:
                 pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
             knobs.append("sp")
-    pin = PipelinePin(schedule=schedule, microbatches=microbatches, virtual=virtual_stages if virtual_stages not in (None, 1) else None, cuts="equal")
+    if blocks_per_stage is not None:
+        knobs.append("cuts=" + "/".join(map(str, blocks_per_stage)))
+    pin = PipelinePin(schedule=schedule, microbatches=microbatches, virtual=virtual_stages if virtual_stages not in (None, 1) else None,
+                      cuts=tuple(blocks_per_stage) if blocks_per_stage is not None else "equal")
     if recompute != "none":
         knobs.append(f"recompute={recompute}")
     plan = plan_pipeline(model, args, mesh, memory_budget, pins, pin, traces=traces, recompute=recompute)
@@ -162,6 +167,7 @@ def handwritten(
     memory_budget: float | None = None,
     traced=None,
     traces: dict | None = None,
+    blocks_per_stage: tuple[int, ...] | None = None,
 ) -> Plan:
     """The Plan of a hand-written strategy (see the module docstring); raises for what is not realised yet.
 
@@ -176,7 +182,7 @@ def handwritten(
     strategy = strategy.lower()
     if strategy not in STRATEGIES:
         raise AutoparError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
-    _reject_unrealised(strategy, mesh, pp, schedule, virtual_stages, microbatches, recompute, zero)
+    _reject_unrealised(strategy, mesh, pp, schedule, virtual_stages, microbatches, recompute, zero, blocks_per_stage)
     pipe = mesh.pipe_axis()
     if zero is not None and zero not in (0, 1, 2, 3):
         raise AutoparError(f"zero={zero!r}: ZeRO stages are 0, 1, 2, 3")
@@ -199,7 +205,7 @@ def handwritten(
         raise NotRealised(f"{strategy} on a mesh with pp: use megatron-3d (pipeline + tp + dp), or a mesh without pp")
     if pipe is not None:
         return _megatron_3d(model, mesh, example_inputs, pipe, data, tp_axes, batch, microbatch_size, microbatches, schedule,
-                            virtual_stages, sequence_parallel, memory_budget, traces, recompute)
+                            virtual_stages, sequence_parallel, memory_budget, traces, recompute, blocks_per_stage)
     if microbatch_size is not None and batch is not None:
         local = batch // max(1, math.prod(mesh.sizes[a] for a in data))
         if microbatch_size != local:

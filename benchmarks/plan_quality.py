@@ -78,6 +78,9 @@ RUNTIMES["fsdp2+float8"] = dict(RUNTIMES["fsdp2"], float8_linears=True)
 # torchtitan with torch.compile (block by block): Inductor fuses each block's chains of memory-bound ops
 RUNTIMES["fsdp2+compile"] = dict(RUNTIMES["fsdp2"], fused_elementwise=True)
 RUNTIMES["fsdp2+float8+compile"] = dict(RUNTIMES["fsdp2+float8"], fused_elementwise=True)
+# and with Async TP (torch.compile's micro-pipelining of the tensor-parallel all-gathers and reduce-scatters with the
+# matmuls they feed or follow): the tensor-parallel collectives hidden under those matmuls
+RUNTIMES["fsdp2+float8+compile+asynctp"] = dict(RUNTIMES["fsdp2+float8+compile"], tp_overlap=1.0)
 # Megatron-Core through NeMo's Megatron-Bridge (2025), FP8 with Transformer Engine: the distributed optimizer overlaps
 # its gradient reduce-scatter and parameter all-gather with compute, and TE's userbuffers run the tensor-parallel
 # all-gathers and reduce-scatters pipelined with the GEMMs they feed or follow (tp_comm_overlap in its recipes)
@@ -113,6 +116,7 @@ class Case:
     virtual: int = 1  # pipeline stages per rank (interleaved 1F1B when > 1)
     time_only: bool = False  # priced without the memory budget: the run saves memory in ways the model leaves out
     norm: str = "fused"  # models.llama's RMSNorm as the run computed it ("fp32-composite": torchtitan's, see cases())
+    cuts: tuple | None = None  # a pipeline's blocks per stage where they do not divide evenly (None: Megatron's even cut)
 
 
 def _sc21_mfu(size: str, tflops: float, batch: int, seq: int = 2048, vocab: int = 51200) -> float:
@@ -162,6 +166,17 @@ def cases() -> list[Case]:
             out.append(Case("check", "llama3-8b", n, "h100-500w", 2 * n, 8192, 1, 1, "fsdp", "selective",
                             f"torchtitan: Llama-3.1 8B FSDP {n}, local batch 2, op-level selective AC, {what}: {tps:,.0f} tok/s/GPU",
                             None, tps, runtime, norm=norm))
+    # the same page, Table 5: Llama-3.1 405B (126 layers) on 512 of those GPUs, FSDP 8 x TP 8 x PP 8, local batch 32
+    # (global 256), microbatch 1, full AC, compiled, Float8, Async TP; 1F1B and interleaved 1F1B (torchtitan's
+    # default: 2 stages per rank). 126 layers do not divide into 8 or 16 stages: the middle stages take one more
+    # (the first and last also hold the embedding and the head). FSDP shards the stages' state, which a pipeline here
+    # does not (ZeRO-0): priced for time only
+    for schedule, v, tps in (("1F1B", 1, 100.0), ("interleaved 1F1B", 2, 128.0)):
+        base, extra = divmod(126, 8 * v)
+        cuts = tuple(base + (0 < k <= extra) for k in range(8 * v))
+        out.append(Case("check", "llama3-405b", 512, "h100-500w", 256, 8192, 8, 8, "megatron-3d", "full",
+                        f"torchtitan: Llama-3.1 405B FSDP 8 x TP 8 x PP 8, {schedule}, local batch 32, full AC, Float8 + "
+                        f"compile + Async TP: {tps:.0f} tok/s/GPU", None, tps, "fsdp2+float8+compile+asynctp", v, True, cuts=cuts))
     # NVIDIA's own DGX-H100s (700 W, what the preset describes): Megatron-Bridge's performance summary, NeMo 25.11, FP8.
     # 8B: FSDP 8, microbatch 1, global batch 128 (16 accumulated: one microbatch per rank is priced), 5 of 32 layers
     # recomputed (priced without). 70B: TP 4 x PP 8 x DP 2, interleaved v=5, microbatch 1, global batch 128; it fits
@@ -185,6 +200,8 @@ def _published_plan(case: Case, model, inputs, cluster: Cluster):
         kw["microbatch_size"] = 1
         if case.virtual > 1:
             kw.update(schedule="interleaved", virtual_stages=case.virtual)
+        if case.cuts is not None:
+            kw["blocks_per_stage"] = case.cuts
     if case.time_only:
         kw["memory_budget"] = 1e15
     if case.strategy == "megatron" or case.strategy == "ddp":
@@ -285,7 +302,8 @@ def main() -> None:
         print("GPUs (h100-500w: HBM2e, a 500 W limit) on the same page as the 256-GPU run above: one row fits the preset's clocks,")
         print("the rest and the 256-GPU run are priced with them. Eager rows: torchtitan's RMSNorm, fp32 from its parts (six")
         print("kernels; compiled, one op as here); float8 rows: float8 matmuls priced at twice the bf16 rate, which")
-        print("torchao's kernels do not quite reach. NVIDIA's")
+        print("torchao's kernels do not quite reach. The 405B rows: torchtitan's 3-D pipelines, Async TP priced as the")
+        print("tensor-parallel collectives hidden under their GEMMs (tp_overlap = 1), for time only. NVIDIA's")
         print("DGX-H100s (h100-80gb, 700 W) with Megatron-Core; the 70B TP 4 run is priced with Transformer Engine's overlap")
         print("of the tensor-parallel collectives with the GEMMs (tp_overlap = 1)")
         print(tabulate.tabulate(checks, headers=["case", "published configuration", "pub MFU %", "pred MFU %", "MFU err", "pred step s"]))

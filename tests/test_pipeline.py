@@ -186,6 +186,15 @@ def test_megatron_3d_is_the_even_cut_with_1f1b():
         autopar.handwritten(model, autopar.Mesh({"dp": 2, "tp": 2}), _batch(8), "megatron-3d")
     with pytest.raises(autopar.AutoparError, match="not realised"):
         autopar.handwritten(model, mesh, _batch(8), "megatron-3d", zero=1)
+    # blocks that do not divide evenly (Llama-3.1 405B's 126 over 8 stages): the cut given per stage
+    uneven = autopar.handwritten(_gpt(5), mesh, _batch(8), "megatron-3d", blocks_per_stage=(2, 3))
+    assert uneven.label == "megatron-3d(1f1b,m=4,cuts=2/3)" and [len(s.units) for s in uneven.pipeline.stages] == [3, 4]
+    with pytest.raises(autopar.ShardingError, match="equal cuts need the 5 blocks"):
+        autopar.handwritten(_gpt(5), mesh, _batch(8), "megatron-3d")
+    with pytest.raises(autopar.ShardingError, match=r"cuts \(2, 2\) must give 2 stages whose blocks sum to 5"):
+        autopar.handwritten(_gpt(5), mesh, _batch(8), "megatron-3d", blocks_per_stage=(2, 2))
+    with pytest.raises(autopar.ShardingError, match="blocks_per_stage=.* is a pipeline knob"):
+        autopar.handwritten(model, autopar.Mesh({"dp": 2, "tp": 2}), _batch(8), "megatron", blocks_per_stage=(2, 2))
 
 
 def test_each_device_reports_the_bytes_of_its_own_stages():

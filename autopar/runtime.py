@@ -12,6 +12,7 @@ Under LocalTensorMode every tensor holds the values of all simulated ranks at on
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -113,19 +114,31 @@ class ParallelModule(nn.Module):
         return self._constants[fqn]
 
     def _check_same_plan_everywhere(self) -> None:
-        """Rank 0's plan must be every rank's plan: checked before the first collective of training."""
+        """Rank 0's plan must be every rank's plan: checked before the first collective of training. In the same
+        all-reduce, where the program draws random numbers per shard (``passes/reseed_random.py``) and has no
+        pipeline (whose stages may be seeded apart), the ranks' random generators: replicas draw one dropout mask
+        only while their generators agree."""
         if not dist.is_initialized() or _compat.in_local_tensor_mode() or dist.get_world_size() == 1:
             return
         digest = int.from_bytes(hashlib.sha256(self._plan.to_json().encode()).digest()[:7], "big")
+        draws = self._pipe is None and any(n.target is collectives.reseeded for m in self._gm.modules() if isinstance(m, fx.GraphModule)
+                                           for n in m.graph.nodes)  # (recomputed blocks are submodules)
+        rng = int.from_bytes(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()[:7], "big") if draws else 0
         dm = self._mesh.to_device_mesh()
         dev = dm.device_type
-        mine = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
+        mine = torch.tensor([digest, -digest, rng, -rng], dtype=torch.int64, device=dev)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         if int(mine[0]) != digest or int(mine[1]) != -digest:
             raise PlanMismatchError(
                 f"rank {dist.get_rank()}: the plan differs between ranks (its hash {digest:x} is not every rank's). "
                 "Build the model, inputs and mesh identically on every rank, or load one plan with Plan.from_json on all ranks"
             )
+        if int(mine[2]) != rng or int(mine[3]) != -rng:
+            warnings.warn(
+                f"autopar: rank {dist.get_rank()}: the random generators differ between ranks, so ranks that hold the same "
+                "piece of a tensor would draw different dropout masks (and their copies of it would drift apart). Seed every "
+                "rank alike (torch.manual_seed(s) on all ranks) before parallelize, and give data loading its own generator",
+                stacklevel=3)
 
     # --- public -----------------------------------------------------------------------------------------------
     @property

@@ -75,32 +75,42 @@ def compared() -> None:
 def dropout() -> None:
     """Transformers' GPT-2 with its dropout on dp 2 x tp 2, both data-parallel ranks given the same sequences:
     prints every rank's loss (replicas alike, the two shards not) and, on each rank, how far the gradients of a
-    fully recomputed run are from those of a plain one drawn from the same seed (0: the masks were replayed)."""
+    fully recomputed run are from those of a plain one drawn from the same seed (0: the masks were replayed), and
+    whether a rank seeded apart is warned about."""
     import warnings
 
     import transformers
 
     from tests._util import LMLoss
 
-    warnings.simplefilter("ignore", UserWarning)
     torch.manual_seed(0)
     model = LMLoss(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=32)))
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)).repeat(2, 1)
     y = torch.roll(x, -1, 1)
     grads, losses = {}, {}
     for recompute in ("none", "full"):
-        pm = autopar.parallelize(model, autopar.Mesh({"dp": 2, "tp": 2}), (x, y), recompute=recompute)
+        with warnings.catch_warnings(record=True) as alike:  # every rank seeded alike: nothing to say
+            warnings.simplefilter("always")
+            pm = autopar.parallelize(model, autopar.Mesh({"dp": 2, "tp": 2}), (x, y), recompute=recompute)
+        if any("random generators differ" in str(w.message) for w in alike):
+            raise AssertionError(f"rank {dist.get_rank()}: warned of differing generators where every rank was seeded alike")
         torch.manual_seed(2)
         loss = pm(*pm.local_inputs(x, y))
         loss.backward()
         losses[recompute] = loss.detach().reshape(1)
         grads[recompute] = {k: p.grad.clone() for k, p in pm.named_parameters()}
+    # a rank seeded apart: its generator differs from its replicas', which parallelize says
+    torch.manual_seed(dist.get_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autopar.parallelize(model, autopar.Mesh({"dp": 2, "tp": 2}), (x, y))
+    differ = int(any("random generators differ" in str(w.message) for w in caught))
     gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, losses["none"])
     diff = torch.tensor([max(float((grads["none"][k] - grads["full"][k]).abs().max()) for k in grads["none"])])
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        print("DROPOUT " + " ".join(f"{float(v):.6f}" for v in gathered) + f" {float(diff):.3e}", flush=True)
+        print("DROPOUT " + " ".join(f"{float(v):.6f}" for v in gathered) + f" {float(diff):.3e} {differ}", flush=True)
 
 
 def main() -> None:

@@ -38,7 +38,8 @@ def draws(node: fx.Node) -> bool:
         i, key, train = _DROPOUTS[op]
         p = node.args[i] if len(node.args) > i else node.kwargs.get(key, 0.0)
         on = True if train is None else (node.args[train] if len(node.args) > train else node.kwargs.get("train", True))
-        return bool(on) and p is not None and float(p) > 0
+        # (native_dropout's train is optional: None drops out, as training does)
+        return on is not False and p is not None and float(p) > 0
     return True
 
 

@@ -139,3 +139,7 @@ def test_a_reseeded_random_op_is_replayed_by_recomputation():
     gm = torch.export.export(M(), (torch.ones(1, 2, 4, 8),)).module()
     drawn = [n.target.__name__ for n in gm.graph.nodes if draws(n)]
     assert sorted(drawn) == ["dropout.default", "rand_like.default", "scaled_dot_product_attention.default"], drawn
+    g = torch.fx.Graph()
+    q = g.placeholder("q")
+    native = [g.call_function(torch.ops.aten.native_dropout.default, (q, p, train)) for p, train in ((0.1, None), (0.1, False), (0.0, True))]
+    assert [draws(n) for n in native] == [True, False, False]  # an unset train flag drops out, as training does

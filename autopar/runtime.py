@@ -121,9 +121,14 @@ class ParallelModule(nn.Module):
         if not dist.is_initialized() or _compat.in_local_tensor_mode() or dist.get_world_size() == 1:
             return
         digest = int.from_bytes(hashlib.sha256(self._plan.to_json().encode()).digest()[:7], "big")
-        draws = self._pipe is None and any(n.target is collectives.reseeded for m in self._gm.modules() if isinstance(m, fx.GraphModule)
-                                           for n in m.graph.nodes)  # (recomputed blocks are submodules)
-        rng = int.from_bytes(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()[:7], "big") if draws else 0
+        from passes.reseed_random import draws as random_op
+
+        draws = self._pipe is None and any(n.target is collectives.reseeded or random_op(n) for m in self._gm.modules()
+                                           if isinstance(m, fx.GraphModule) for n in m.graph.nodes)  # (recomputed blocks: submodules)
+        rng = 0
+        if draws:  # the CPU generator (reseeded ops draw their seeds from it) and the device's (the ops left as they are)
+            states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else [])
+            rng = int.from_bytes(hashlib.sha256(b"".join(t.numpy().tobytes() for t in states)).digest()[:7], "big")
         dm = self._mesh.to_device_mesh()
         dev = dm.device_type
         mine = torch.tensor([digest, -digest, rng, -rng], dtype=torch.int64, device=dev)

@@ -115,14 +115,14 @@ class ParallelModule(nn.Module):
 
     def _check_same_plan_everywhere(self) -> None:
         """Rank 0's plan must be every rank's plan: checked before the first collective of training. In the same
-        all-reduce, where the program draws random numbers per shard (``passes/reseed_random.py``) and has no
+        all-reduce, where the program draws random numbers (dropout: ``passes/reseed_random.py``) and has no
         pipeline (whose stages may be seeded apart), the ranks' random generators: replicas draw one dropout mask
         only while their generators agree."""
+        from passes.reseed_random import draws as random_op
+
         if not dist.is_initialized() or _compat.in_local_tensor_mode() or dist.get_world_size() == 1:
             return
         digest = int.from_bytes(hashlib.sha256(self._plan.to_json().encode()).digest()[:7], "big")
-        from passes.reseed_random import draws as random_op
-
         draws = self._pipe is None and any(n.target is collectives.reseeded or random_op(n) for m in self._gm.modules()
                                            if isinstance(m, fx.GraphModule) for n in m.graph.nodes)  # (recomputed blocks: submodules)
         rng = 0

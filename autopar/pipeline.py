@@ -598,9 +598,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
     # min(p, m) = per-replica rows x min(p, m) / m, which never falls as m does), so once the stages' own smallest
     # plan does not fit, no larger microbatch's will, and their traces and solves (seconds each) are skipped
     ms = sorted(ms, reverse=True)
-    n_tried = 0
     for mi, m in enumerate(ms):
-        n_tried += 1
         t0 = time.perf_counter()
         tg = trace_rows(model, args, B // m, traces)
         units = graph_units(tg)
@@ -714,7 +712,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
     plan = _assemble(inner_plan, tg, mesh, axis, inner, units, ev, name, m, v, B, label)
     plan.recompute = recompute
     plan.timings = {"trace": timings["trace"], "solve": timings["solve"], "cuts+schedule": timings["cuts"],
-                    "price": time.perf_counter() - t0, "microbatch counts tried": float(n_tried)}
+                    "price": time.perf_counter() - t0, "microbatch counts tried": float(mi + 1)}  # up to the first too big
     plan.timings["plan total"] = time.perf_counter() - t_start
     return plan
 

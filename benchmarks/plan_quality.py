@@ -247,7 +247,7 @@ def main() -> None:
     rows, errs, ratios, checks = [], [], [], []
     fit = None
     seen: dict[tuple, tuple] = {}  # (model, devices, strategy) -> (published plan, autopar plan)
-    checked_auto: dict[tuple, tuple] = {}  # (model, devices, "check") -> (autopar plan, seconds, [(case, published plan)])
+    checked_auto: dict[tuple, tuple] = {}  # (model, devices) -> (autopar plan, seconds, [published plan])
     for case in cases():
         if case.group not in groups or (only and case.model not in only):
             continue
@@ -270,11 +270,11 @@ def main() -> None:
                 fit = (case, _fit_clocks(case))
             if case.strategy == "megatron-3d" and case.runtime and case.runtime.startswith("fsdp2"):
                 # torchtitan's 3-D runs: autopar's own plan for the same cluster and batch, beside them (once)
-                key = (case.model, case.devices, "check")
+                key = (case.model, case.devices)
                 if key not in checked_auto:
                     t0 = time.perf_counter()
                     checked_auto[key] = (plan_cluster(model, inputs, cluster), time.perf_counter() - t0, [])
-                checked_auto[key][2].append((case, pub))
+                checked_auto[key][2].append(pub)
             continue
         if mfu is not None:
             e = (pub.cost.mfu - mfu) / mfu
@@ -318,10 +318,9 @@ def main() -> None:
         if fit is not None:
             print(f"h100-500w's clocks refitted on {fit[0].published.split(': ')[1]}: {fit[1]:.3f} of the 700 W part's "
                   f"tensor-core peaks (the preset: {H100_500W_CLOCKS})")
-        for (name, n, _), (auto, took, pubs) in checked_auto.items():
+        for (name, n), (auto, took, pubs) in checked_auto.items():
             tp = dict(zip(auto.mesh.names, auto.mesh.sizes)).get("tp", 1)
-            against = ", ".join(f"{c.published.split(', ')[1]} {p.cost.step_time:.2f} s ({auto.cost.step_time / p.cost.step_time:.3f}x)"
-                                for c, p in pubs)
+            against = ", ".join(f"{p.pipeline.label} {p.cost.step_time:.2f} s ({auto.cost.step_time / p.cost.step_time:.3f}x)" for p in pubs)
             print(f"{name} @{n}: autopar's plan {_shape(auto)}, {auto.cost.step_time:.2f} s predicted, tp = {tp}"
                   + (f" ({_tp_axis_use(auto)})" if tp > 1 else "") + f"; planned in {took:.1f} s; the published, predicted: {against}")
     print("\nshapes:")

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree
+
+# pytree over torch's containers (tree_map / tree_flatten / tree_leaves / TreeSpec); the rest of autopar imports it here
+pytree = _pytree
 
 # functional collectives (traceable, group by name); each must be followed by wait_tensor before use
 _c10d = torch.ops._c10d_functional

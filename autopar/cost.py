@@ -207,9 +207,8 @@ class Saved:
 
 def probe_saved(target, args: tuple, kwargs: dict, requires_grad: tuple) -> Saved:
     """Run the op once on fake tensors and record what autograd saves (no memory, no compute)."""
-    from torch.utils import _pytree as pytree
-
     from autopar import _compat
+    from autopar._compat import pytree
 
     with _compat.fake_mode():
         made: list[torch.Tensor] = []

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from autopar import _compat, collectives
+from autopar._compat import pytree
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.mesh import Mesh
 from autopar.plan import Plan

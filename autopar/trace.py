@@ -56,8 +56,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
+from autopar._compat import pytree
 from autopar.errors import TraceError
 
 aten = torch.ops.aten

@@ -13,9 +13,9 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from autopar import collectives
+from autopar._compat import pytree
 from autopar.errors import AutoparError
 from autopar.redistribute import Step
 from passes._util import spec_of

@@ -15,8 +15,8 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
+from autopar._compat import pytree
 from autopar.redistribute import redistribute
 from passes._util import emit_step, runtime_axes, spec_of
 

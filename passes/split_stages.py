@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar._compat import pytree
 from autopar.errors import AutoparError
 from passes.check_local import local_values
 
@@ -68,7 +69,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         elif n.op == "call_function":
             if all(a.name in static for a in n.all_input_nodes):
                 static.add(n.name)
-            vals = [v for v in torch.utils._pytree.tree_leaves(env.get(n.name)) if isinstance(v, torch.Tensor)]
+            vals = [v for v in pytree.tree_leaves(env.get(n.name)) if isinstance(v, torch.Tensor)]
             grad[n.name] = any(v.dtype.is_floating_point for v in vals) and any(grad.get(a.name, False) for a in n.all_input_nodes)
     # stages of the input-dependent nodes: the plan's, or (added nodes) the first stage that reads them
     stage: dict[str, int] = {n.name: 0 for n in inputs}

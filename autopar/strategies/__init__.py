@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
+from autopar._compat import pytree
 from autopar.spec import Partial, Placement, Replicate, Shard, Spec, Strategy
 
 R = Replicate()

@@ -30,13 +30,17 @@ graph, node for node (``trace(..., full=True)`` forces the full export; ``Traced
 many layers were copied, 0 when none were). Before the copy is used it must be proved on the model itself:
 
 - layers 0 and 1 are tied (same ops, shapes, wiring; see ``_find_blocks``), run back to back, read only their own
-  parameters plus values from outside the container that both read alike (RoPE tables), and nothing outside the
-  layers reads layer 0's values or any layer's parameters;
+  parameters plus values from outside the container that both read alike (RoPE tables) or that each reads from a
+  side chain of its own, and nothing outside the layers reads layer 0's values or any layer's parameters. A side
+  chain is the ops outside the layers made from constants alone that one layer only reads (transformers'
+  sliding-window cache makes one per layer before the layers run); layer 1's must be layer 0's made again, back
+  to back, and layer k's is layer 1's, copied right after it;
 - the 3-layer copy grown from the 2-layer export equals the 3-layer export, name for name and shape for shape
   (this catches a forward that uses the number of layers outside the layers, e.g. ``x / len(self.layers)``), and
-  value for value for the tensors a layer makes in forward (export lifts them as constants numbered across the
-  model, ``layers.1.self_attn.lifted_tensor_2``, e.g. transformers' empty KV cache): layer k's are layer 1's,
-  renumbered, so one made from the layer's index fails here.
+  value for value for the tensors a layer or its side chain makes in forward (export lifts them as constants
+  numbered across the model in the order it lifts them, ``layers.1.self_attn.lifted_tensor_2``, e.g. transformers'
+  empty KV cache; the copy numbers them all afresh in that order): layer k's are layer 1's, so one made from the
+  layer's index fails here.
 
 The assumption left: the model's forward iterates its layer container, and neither the layers (beyond an index
 attribute such as ``layer_idx``) nor the rest of the forward behave differently past layer 3. A model that does
@@ -49,6 +53,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import itertools
 import operator
 import re
 from collections import Counter
@@ -384,6 +389,7 @@ _INDEX_ATTR = re.compile(r"(idx|index|layer_id|layer_num|block_id)")
 _NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_.]*?)(?:_(\d+))?$")
 _PREFIX = {"PARAMETER": "p_", "BUFFER": "b_", "CONSTANT_TENSOR": "c_"}
 _NUMBER = re.compile(r"_\d+$")  # export's model-wide count on a constant a forward makes (``lifted_tensor_<n>``)
+_LIFTED = re.compile(r"(^|\.)lifted_tensor_\d+$")
 _MIN_LAYERS = 4  # below this, tracing 2 and 3 layers to prove the copy is no faster than tracing them all
 
 
@@ -527,6 +533,30 @@ def _fqn_name(kind: str, fqn: str) -> str:
     return _PREFIX[kind] + re.sub(r"[^a-zA-Z0-9]", "_", fqn).lower()
 
 
+def _side_chains(nodes: list[fx.Node], in0: set, in1: set, own: set, kind_of: dict[str, str]) -> tuple[list, list]:
+    """Layer 0's and layer 1's side chains, in graph order: the nodes outside the layers (and not among ``own``, the
+    layers' parameters and constants) made from constants alone, or from nothing, that only that one layer reads.
+    Transformers' sliding-window cache makes one per layer at model level before the layers run
+    (``model.lifted_tensor_<k>`` -> ``lift_fresh_copy_<k>`` -> ``detach__<k>``)."""
+    made: set[fx.Node] = set()  # outside the layers, from constants alone
+    for x in nodes:
+        if x in in0 or x in in1 or x in own:
+            continue
+        if x.op == "placeholder":
+            if kind_of[x.name] == "CONSTANT_TENSOR":
+                made.add(x)
+        elif x.op == "call_function" and all(a in made for a in x.all_input_nodes):
+            made.add(x)
+    owner: dict[fx.Node, int] = {}
+    for x in reversed(nodes):
+        if x not in made or not x.users:
+            continue
+        layers = {0 if u in in0 else 1 if u in in1 else owner.get(u) for u in x.users}
+        if len(layers) == 1 and None not in layers:
+            owner[x] = layers.pop()
+    return [x for x in nodes if owner.get(x) == 0], [x for x in nodes if owner.get(x) == 1]
+
+
 def _grow(ex: _Exported, path: str, n: int) -> _Exported:
     """The export of the model with ``n`` layers at ``path``, built from ``ex``, its export with 2 of them."""
     g = ex.gm.graph
@@ -580,6 +610,33 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
         fx.node.map_arg((x.args, x.kwargs), out.append)
         return out
 
+    # each layer's side chain: layer 1's is layer 0's made again, and layer k's will be layer 1's
+    chain0, chain1 = _side_chains(nodes, in0, in1, own0 | own1, kind_of)
+    cindex0, cindex1 = {x: i for i, x in enumerate(chain0)}, {x: i for i, x in enumerate(chain1)}
+    if len(chain0) != len(chain1):
+        raise _Unsafe("layers 0 and 1 have side chains of different lengths")
+
+    def shape(x: fx.Node, cindex: dict) -> str:
+        """x's op, arguments (its chain's by place) and result shapes, or for a placeholder its kind and FQN base."""
+        if x.op == "placeholder":
+            where, _, what = fqns[x.name].rpartition(".")
+            return repr((kind_of[x.name], where, _split(what)[0]))
+        enc = fx.node.map_arg((x.args, x.kwargs), lambda a: ("chain", cindex[a]) if a in cindex else ("node", a.name))
+        val = pytree.tree_map(lambda v: (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v), x.meta.get("val"))
+        return repr((x.op, str(x.target), enc, val))
+
+    for x0, x1 in zip(chain0, chain1):
+        if shape(x0, cindex0) != shape(x1, cindex1):
+            raise _Unsafe(f"side chains differ at {x0.name} and {x1.name}")
+    for kind in ("placeholder", "call_function"):  # chain 0's, then chain 1's, back to back (and so chain k's)
+        run = [pos[x] for x in chain0 + chain1 if x.op == kind]
+        if run and run != list(range(run[0], run[0] + len(run))):
+            raise _Unsafe("the side chains are not contiguous")
+    if any(pos[x] >= start for x in chain0 + chain1):
+        raise _Unsafe("a side chain runs inside or after the layers")
+    last_chain = {kind: max((x for x in chain1 if x.op == kind), key=pos.__getitem__, default=None) for kind in ("placeholder", "call_function")}
+    chain_step = _steps((x0.name, x1.name) for x0, x1 in zip(chain0, chain1) if x0.op != "placeholder")
+
     # layer 1 reads what layer 0 reads, except layer 0's own values and parameters for layer 1's
     const_pairs: list[tuple[str, str]] = []  # (layer 0's, layer 1's) constants, FQNs below the layer
     for x0, x1 in zip(b0, b1):
@@ -599,6 +656,8 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
                     const_pairs.append((s0, s1))
                 else:
                     ok = s0 == s1
+            elif a1 in cindex1:
+                ok = cindex0.get(a0) == cindex1[a1]  # its own side chain's
             else:
                 ok = a0 is a1  # read alike from outside the layers (RoPE tables)
             if not ok:
@@ -610,6 +669,22 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
         raise _Unsafe("torch_fn metadata differs")
     # a torch_fn name the two layers share is not numbered per call (export's ``_assert_tensor_metadata.default_0``)
     fn_step = _steps((a[0], b[0]) for a, b in fns if a is not None and a[0] != b[0])
+    chain_fns = [(x0.meta.get("torch_fn"), x1.meta.get("torch_fn")) for x0, x1 in zip(chain0, chain1)]
+    if any((a is None) != (b is None) for a, b in chain_fns):
+        raise _Unsafe("torch_fn metadata differs")
+    chain_fn_step = _steps((a[0], b[0]) for a, b in chain_fns if a is not None and a[0] != b[0])
+    if any(x.op == "placeholder" and not _LIFTED.search(fqns[x.name]) for x in chain1):
+        raise _Unsafe("a side chain reads a constant that is not a lifted tensor")
+    # export numbers the tensors a forward makes model-wide, in the order it lifts them (the placeholders' order):
+    # layer 1's become layer n-1's once the chains and layers in between are there, so all are numbered afresh
+    lifted = [fqns[x.name] for x in nodes if x.op == "placeholder" and kind_of[x.name] == "CONSTANT_TENSOR" and _LIFTED.search(fqns[x.name])]
+    if [int(_split(f.rsplit(".", 1)[-1])[1]) for f in lifted] != list(range(len(lifted))):
+        raise _Unsafe("the lifted constants are not numbered in order")
+    count = itertools.count()
+
+    def numbered(fqn: str) -> str:
+        m = _LIFTED.search(fqn)
+        return fqn[: m.start()] + f"{m.group(1)}lifted_tensor_{next(count)}" if m else fqn
 
     def meta(x: fx.Node, k: int) -> dict:
         """x's metadata, for its copy in layer k (x in layer 1) or for a node after the layers (k = n - 1)."""
@@ -629,9 +704,10 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
         return m
 
     new = fx.Graph()
-    constants = dict(ex.constants)
+    constants = {f: v for f, v in ex.constants.items() if f not in lifted}
     env: dict[fx.Node, fx.Node] = {}  # node of the 2-layer graph -> its node in the new one
     params: dict[tuple[fx.Node, int], fx.Node] = {}  # (layer 1's placeholder, k) -> layer k's
+    chains: dict[tuple[fx.Node, int], fx.Node] = {}  # (node of layer 1's side chain, k) -> layer k's
     inputs: list[tuple[str, str, str | None]] = []
 
     def emit(x: fx.Node, name: str, args, kwargs) -> fx.Node:
@@ -655,6 +731,8 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
                         return prev[a]
                     if a in own1:
                         return params[a, k]
+                    if a in cindex1:
+                        return chains[a, k]
                     return env[a]
 
                 for x1 in b1:
@@ -664,15 +742,39 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
                 prev = {x0: cur[x1] for x0, x1 in zip(b0, b1)}
             env.update({x1: prev[x0] for x0, x1 in zip(b0, b1)})  # what read layer 1's output reads layer n-1's
         if x.op == "placeholder":
-            y = emit(x, x.name, x.args, x.kwargs)
+            fqn = target_of[x.name]
+            if kind_of[x.name] == "CONSTANT_TENSOR":
+                fqn = numbered(fqn)
+                constants[fqn] = ex.constants[target_of[x.name]]
+            y = emit(x, x.name if fqn == target_of[x.name] else _fqn_name(kind_of[x.name], fqn), x.args, x.kwargs)
             y.meta = copy.copy(x.meta)
-            inputs.append((x.name, kind_of[x.name], target_of[x.name]))
+            inputs.append((y.name, kind_of[x.name], fqn))
         else:
             later = pos[x] >= after
             name = _shift(x.name, step, n - 2) if later else x.name
             y = emit(x, name, fx.node.map_arg(x.args, env.__getitem__), fx.node.map_arg(x.kwargs, env.__getitem__))
             y.meta = meta(x, n - 1) if later else copy.copy(x.meta)
         env[x] = y
+        if x is last_chain["placeholder"] or x is last_chain["call_function"]:
+            # side chains 2 .. n-1: chain 1's constants (numbered on) or ops again, right after chain 1's
+            for k in range(2, n):
+                for x1 in chain1:
+                    if x1.op != x.op:
+                        continue
+                    if x1.op == "placeholder":
+                        fqn = numbered(target_of[x1.name])
+                        constants[fqn] = ex.constants[target_of[x1.name]].clone()  # made alike by the same code
+                        y = emit(x1, _fqn_name("CONSTANT_TENSOR", fqn), x1.args, x1.kwargs)
+                        inputs.append((y.name, "CONSTANT_TENSOR", fqn))
+                    else:
+                        def carg(a: fx.Node, k=k) -> fx.Node:
+                            return chains[a, k] if a in cindex1 else env[a]
+
+                        y = emit(x1, _shift(x1.name, chain_step, k - 1), fx.node.map_arg(x1.args, carg), fx.node.map_arg(x1.kwargs, carg))
+                    y.meta = copy.copy(x1.meta)
+                    if y.meta.get("torch_fn") is not None:
+                        y.meta["torch_fn"] = (_shift(y.meta["torch_fn"][0], chain_fn_step, k - 1), y.meta["torch_fn"][1])
+                    chains[x1, k] = y
         if x in last_own:
             for k in range(2, n):
                 for p in last_own[x]:
@@ -680,6 +782,7 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
                     below = fqns[p.name][len(names[1]) + 1 :]
                     fqn = f"{path}.{k}." + (_shift(below, const_step, k - 1) if kind == "CONSTANT_TENSOR" else below)
                     if kind == "CONSTANT_TENSOR":
+                        fqn = numbered(fqn)
                         constants[fqn] = ex.constants[fqns[p.name]].clone()  # made alike by the same code
                     y = emit(p, _fqn_name(kind, fqn), p.args, p.kwargs)
                     y.meta = copy.copy(p.meta)

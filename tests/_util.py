@@ -138,8 +138,9 @@ class LMLoss(torch.nn.Module):
 
 
 def hugging_face(name: str, layers: int = 2, device: str = "cpu") -> LMLoss:
-    """transformers' tiny GPT-2 (``gpt2``), Llama (``llama``) or Mixtral (``mixtral``) from a config, as ``LMLoss`` (skips the test where
-    transformers is not installed). Nothing is downloaded."""
+    """transformers' tiny GPT-2 (``gpt2``), Llama (``llama``), Mixtral (``mixtral``) or Mistral with a sliding window
+    (``mistral``) from a config, as ``LMLoss`` (skips the test where transformers is not installed). Nothing is
+    downloaded."""
     import pytest
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models from configs: nothing to download, no traffic
@@ -154,6 +155,10 @@ def hugging_face(name: str, layers: int = 2, device: str = "cpu") -> LMLoss:
                                          num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, num_local_experts=4,
                                          num_experts_per_tok=2)
         cls = transformers.MixtralForCausalLM
+    elif name == "mistral":
+        cfg = transformers.MistralConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, sliding_window=4)
+        cls = transformers.MistralForCausalLM
     else:
         cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)

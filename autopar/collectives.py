@@ -289,6 +289,42 @@ def reseeded(op, shard_axes: tuple[tuple[int, int], ...], *args, **kwargs):
     return _compat.run_reseeded(lambda: op(*args, **kwargs), seed_of)
 
 
+def causal_rows(q, k, v, offset: int, scale: float | None = None, enable_gqa: bool = False):
+    """Causal attention of the queries at global rows ``offset`` .. ``offset + rows`` over whole keys and values:
+    each query sees the keys up to its own row. The keys past the last query's row are never read, and the mask is
+    torch's lower-right causal bias (no mask tensor; fused kernels skip the tiles above the diagonal)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    rows, end = q.shape[2], offset + q.shape[2]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(rows, end), scale=scale, enable_gqa=enable_gqa)
+
+
+def causal_attention(shard_axes: tuple[tuple[int, int], ...], q, k, v, scale: float | None = None, enable_gqa: bool = False):
+    """A causal attention whose queries (dim 2) the mesh axes ``shard_axes`` ((size, stride in rank order), outer
+    first) split and whose keys and values are whole: this rank's queries are the chunk at its row-major index
+    over those axes, and see the keys up to their own global rows (``causal_rows``). Under LocalTensorMode, where
+    every rank's tensors must keep one shape, the keys are not cut: a boolean mask per rank hides those past each
+    query's row (the same values)."""
+    rows = q.shape[2]
+    if _compat.in_local_tensor_mode():
+        keys = k.shape[2]
+        mask = _compat.rank_map(
+            lambda r: torch.ones(rows, keys, dtype=torch.bool, device=q.device).tril(first_row(shard_axes, rows, r)))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return causal_rows(q, k, v, first_row(shard_axes, rows, rank), scale, enable_gqa)
+
+
+def first_row(shard_axes: tuple[tuple[int, int], ...], rows: int, rank: int) -> int:
+    """The global index of the first of ``rows`` that ``rank`` holds of a dim the axes ``shard_axes`` ((size,
+    stride), outer first) split: its chunk's index is row-major over its coordinates on them."""
+    index = 0
+    for size, stride in shard_axes:
+        index = index * size + _coord(rank, size, stride)
+    return index * rows
+
+
 COLLECTIVE_OPS = (all_gather, reduce_scatter, all_reduce, all_to_all)
 
 

@@ -300,10 +300,14 @@ class CostModel:
     def attention_work(self, info: OpInfo, ins: list[tuple[int, ...]]) -> float:
         """Share of an op's FLOPs its kernel runs: a causal fused attention over as many keys as queries skips the
         tiles above the diagonal (FlashAttention's 128 x 128 tiles: (n + 1) / 2n of them run, n = ceil(T / 128)) when
-        the hardware's kernel does (``attention_skips_masked``); 1 for everything else."""
+        the hardware's kernel does (``attention_skips_masked``); 1 for everything else. With its queries split (T
+        of S rows on a rank, ``collectives.causal_attention``), the step waits for the rank holding the last rows,
+        whose queries see every key but those above its own diagonal block: 1 - T / 2S."""
         if info.target not in ATTENTION_OPS or not self.hw.attention_skips_masked or not info.arg(5, "is_causal", False):
             return 1.0
         t, s = ins[0][2], ins[1][2]
+        if t < s:
+            return 1.0 - t / (2 * s)
         if t != s:
             return 1.0
         n = -(-t // 128)

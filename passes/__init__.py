@@ -11,8 +11,8 @@ import copy
 
 import torch.fx as fx
 
-from passes import (check_local, grad_sync, insert_collectives, localize_shapes, output_adapter, recompute, reseed_random, split_stages,
-                    zero)
+from passes import (causal_offsets, check_local, grad_sync, insert_collectives, localize_shapes, output_adapter, recompute, reseed_random,
+                    split_stages, zero)
 
 PASSES = [
     insert_collectives.run,  # redistributions between producers and consumers, as the plan priced them
@@ -22,6 +22,7 @@ PASSES = [
     output_adapter.run,  # outputs handed to the user as a rank's share; gradients seeded to match
     check_local.run,  # every local shape matches the plan (fails loudly, before any collective runs)
     split_stages.run,  # with a pipeline: the program cut into its stages, each a GraphModule
+    causal_offsets.run,  # causal attention over split queries: each rank's mask offset by its first row
     reseed_random.run,  # random ops (dropout) drawn per shard: replicas alike, shards independent
     recompute.run,  # recomputed blocks moved into checkpointed submodules (of each stage, with a pipeline)
 ]

@@ -130,6 +130,8 @@ def main() -> None:
                 variants.append(("megatron-sp", megatron_pins(name, axes, sequence_parallel=True)))
             if axes == {"tp": 2}:  # activation recomputation (torch.utils.checkpoint) with collectives inside the blocks
                 variants.append(("megatron-sp+full-ac", megatron_pins(name, axes, sequence_parallel=True), "full"))
+                # context parallel: causal attention's queries split by sequence, each rank's mask offset by its rank
+                variants.append(("context-parallel", [("*:scaled_dot_product_attention*", "S(2)")]))
             if "dp" in axes and "tp" in axes:
                 variants.append(("zero3+megatron", megatron_pins(name, axes) + [autopar.ZeroPin("*", 3)]))
             if axes in ({"dp": 2}, {"dp": 4}):

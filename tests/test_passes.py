@@ -143,3 +143,32 @@ def test_a_reseeded_random_op_is_replayed_by_recomputation():
     q = g.placeholder("q")
     native = [g.call_function(torch.ops.aten.native_dropout.default, (q, p, train)) for p, train in ((0.1, None), (0.1, False), (0.0, True))]
     assert [draws(n) for n in native] == [True, False, False]  # an unset train flag drops out, as training does
+
+
+def test_causal_attention_with_split_queries_runs_with_its_rank_offset():
+    """The pass swaps a causal attention whose queries the plan splits for ``collectives.causal_attention`` with the
+    axes that split them (outer first), and leaves attention it does not split by query, or one given a mask, as
+    it is; the op computes each rank's rows of the single-device causal attention."""
+    from passes import causal_offsets
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny())
+    x = torch.randint(0, 64, (4, 16))
+    for axes, spec, expect in (({"dp": 2, "cp": 2}, "S(0)S(2)", ((2, 1),)), ({"cp": 2, "dp": 2}, "S(2)S(0)", ((2, 2),)),
+                               ({"dp": 2, "cp": 2}, "S(0)S(1)", None)):
+        mesh = autopar.Mesh(axes)
+        plan = autopar.plan(model, mesh, (x, x.clone()), constraints=[("*:scaled_dot_product_attention*", spec)])
+        with fake_world(mesh.size):
+            pm = autopar.parallelize(model, mesh, (x, x.clone()), plan=plan)
+        calls = [n for n in pm.graph_module.graph.nodes if n.op == "call_function" and n.target is collectives.causal_attention]
+        kept = [n for n in pm.graph_module.graph.nodes if n.target is causal_offsets.SDPA]
+        if expect is None:
+            assert not calls and len(kept) == 2
+        else:
+            assert len(calls) == 2 and not kept and all(n.args[0] == expect for n in calls)
+    # the op, rank by rank (no process group: rank 0 holds the first rows), against single-device attention
+    q, k, v = torch.randn(2, 4, 8, 6), torch.randn(2, 2, 8, 6), torch.randn(2, 2, 8, 6)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    got = [collectives.causal_rows(q[:, :, r * 2 : r * 2 + 2], k, v, collectives.first_row(((4, 1),), 2, r), enable_gqa=True) for r in range(4)]
+    assert torch.allclose(torch.cat(got, 2), want, atol=1e-6)
+    assert torch.allclose(collectives.causal_attention(((4, 1),), q[:, :, :2], k, v, enable_gqa=True), want[:, :, :2], atol=1e-6)

@@ -26,7 +26,10 @@ from autopar.mesh import Mesh
 from autopar.runtime import shard_of
 from autopar.spec import Partial, Shard, Spec, Strategy
 from autopar.strategies import OpInfo, TensorMeta, candidates, op_candidates, op_info, tensor_inputs
+from autopar import collectives
+from autopar.strategies.attention import split_query_axes
 from autopar.trace import BUFFER, CONSTANT, INPUT, PARAM, trace
+from passes.causal_offsets import SDPA
 from passes.localize_shapes import SHAPE_ARG
 
 aten = torch.ops.aten
@@ -99,8 +102,20 @@ def simulate(target, args, kwargs, strategy: Strategy, mesh: Mesh, seed: int = 0
         a, kw = pytree.tree_unflatten(local, tree)
         if out_shape is not None:
             a[SHAPE_ARG[target]] = list(strategy.output.local_shape(out_shape, mesh.sizes))
-        outs.append(_tensor_leaves(target(*a, **kw)))
+        outs.append(_tensor_leaves(_local_op(target, a, kw, strategy, mesh, rank)(*a, **kw)))
     return outs
+
+
+def _local_op(target, args, kwargs, strategy: Strategy, mesh: Mesh, rank: int):
+    """What ``rank`` runs for ``target`` under ``strategy``: the op itself, or for a causal attention with split
+    queries what ``passes/causal_offsets.py`` makes of it (its mask offset by the rank's first query row)."""
+    causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+    axes = split_query_axes(strategy, mesh.sizes) if target is SDPA and causal else ()
+    if not axes:
+        return target
+    shard_axes = tuple((mesh.sizes[a], mesh.stride(a)) for a in axes)
+    first = collectives.first_row(shard_axes, args[0].shape[2], rank)
+    return lambda q, k, v, *_, scale=None, enable_gqa=False, **__: collectives.causal_rows(q, k, v, first, scale, enable_gqa)
 
 
 def check_strategy(target, args, kwargs, strategy: Strategy, mesh: Mesh, seed: int = 0) -> str | None:
@@ -369,6 +384,8 @@ def _zoo():
         (sdpa, (q(), q(), q()), {}), (sdpa, (q(), q(), q(), r(2, 1, 8, 8) > -1), {}),
         (sdpa, (q(), q(), q(), r(8, 8)), {}), (sdpa, (q(), q(), q(), r(2, 4, 8, 8)), {}),
         (sdpa, (r(2, 4, 4, 6), q(), q()), {}), (sdpa, (q(), r(2, 2, 8, 6), r(2, 2, 8, 6)), {"enable_gqa": True}),
+        (sdpa, (q(), q(), q(), None, 0.0, True), {}), (sdpa, (q(), q(), q()), {"is_causal": True, "scale": 0.3}),
+        (sdpa, (q(), r(2, 2, 8, 6), r(2, 2, 8, 6)), {"is_causal": True, "enable_gqa": True}),
     ]
 
 
@@ -511,7 +528,10 @@ def test_sdpa_splits_batch_and_heads():
     causal = _strs(op_candidates(_info(aten.scaled_dot_product_attention.default, (q, q, q, None, 0.0, True), {}, [(4, 4, 8, 8)]), (2,)))
     assert "(S(0), S(0), S(0)) -> S(0)" in causal
     assert "(S(1), S(1), S(1)) -> S(1)" in causal
-    assert not any("S(2)" in s or "S(3)" in s or "P" in s for s in causal)  # causal: the sequence stays whole
+    assert "(S(2), R, R) -> S(2)" in causal  # the queries split, their mask offset by passes/causal_offsets.py
+    assert not any("S(3)" in s or "P" in s for s in causal)
+    dropped = _strs(op_candidates(_info(aten.scaled_dot_product_attention.default, (q, q, q, None, 0.1, True), {}, [(4, 4, 8, 8)]), (2,)))
+    assert not any("S(2)" in s for s in dropped)  # with attention dropout, a causal sequence stays whole
     full = _strs(op_candidates(_info(aten.scaled_dot_product_attention.default, (q, q, q), {}, [(4, 4, 8, 8)]), (2,)))
     assert "(S(2), R, R) -> S(2)" in full  # no mask: queries may be split
     # grouped-query attention: 4 query heads on 2 key/value heads split by 2 keeps each group together ...
@@ -532,11 +552,11 @@ def test_expansion_drops_dims_that_do_not_divide():
     q = _tm(4, 3, 8, 8)
     info = _info(aten.scaled_dot_product_attention.default, (q, q, q, None, 0.0, True), {}, [(4, 3, 8, 8)])
     one = _strs(op_candidates(info, (2,)))
-    assert one == {"(S(0), S(0), S(0)) -> S(0)", "(R, R, R) -> R"}
+    assert one == {"(S(0), S(0), S(0)) -> S(0)", "(S(2), R, R) -> S(2)", "(R, R, R) -> R"}
     two = _strs(op_candidates(info, (2, 2)))
     assert "(S(0)S(0), S(0)S(0), S(0)S(0)) -> S(0)S(0)" in two
     assert not any("S(1)" in s for s in two)
-    # a mesh axis of size 3 splits the heads but not the batch
+    # a mesh axis of size 3 splits the heads but not the batch (nor the 8 queries)
     three = _strs(op_candidates(info, (3,)))
     assert three == {"(S(1), S(1), S(1)) -> S(1)", "(R, R, R) -> R"}
     # a size-1 axis splits nothing

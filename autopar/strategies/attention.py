@@ -2,8 +2,14 @@
 
 q, k, v are ``(B, H, T, D)`` (k, v may have fewer heads with ``enable_gqa``: heads split in contiguous chunks
 keep each query head with its key/value head as long as the axis divides the key/value heads, which the mesh
-expansion checks). Without a causal mask or an explicit mask, the query sequence may also be split, with the
-keys and values replicated. An explicit mask is split like the scores it masks, or replicated where it broadcasts.
+expansion checks). An explicit mask is split like the scores it masks, or replicated where it broadcasts.
+
+The query sequence may also be split, with the keys and values whole on every rank (context parallelism, the
+all-gather form Llama 3 was trained with): each rank's queries attend over every key. Without a mask or with an
+explicit one (split by its query rows) the local op is the op itself. A causal one needs each rank's queries to
+see the keys up to their own global rows, which depend on the rank: ``passes/causal_offsets.py`` runs it as
+``collectives.causal_attention`` (not offered with attention dropout, whose masks that op would not draw per
+shard).
 """
 
 from __future__ import annotations
@@ -36,6 +42,14 @@ def sdpa(info: OpInfo) -> list[Option]:
         if has_mask:
             pl = pl + (_mask_placement(info.inputs[3], d, q.shape[d]),)
         opts.append(Option(pl, Shard(d)))
-    if not is_causal and not has_mask:
+    dropout = float(info.arg(4, "dropout_p", 0.0) or 0.0)
+    if has_mask:
+        opts.append(Option((Shard(2), R, R, _mask_placement(info.inputs[3], 2, q.shape[2])), Shard(2)))
+    elif not is_causal or dropout == 0.0:
         opts.append(Option((Shard(2), R, R), Shard(2)))
     return opts
+
+
+def split_query_axes(strategy, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The mesh axes (of more than one device) that split the queries' sequence under ``strategy``, outer first."""
+    return tuple(a for a, p in enumerate(strategy.inputs[0].placements) if p == Shard(2) and sizes[a] > 1)

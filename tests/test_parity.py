@@ -79,6 +79,17 @@ def test_context_parallel_causal_attention_matches_single_device(axes, spec):
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
 
 
+def test_ulysses_style_attention_on_heads_between_sequence_split_layers_matches_single_device():
+    """The other context-parallel form: the residual stream split by sequence, attention by heads, the weights
+    whole; the redistribution between them is an all-to-all (sequence- to head-split and back)."""
+    axes = {"cp": 2}
+    pins = [("*:scaled_dot_product_attention*", "S(1)"), ("layers.[0-9]:add*", "S(1)"),
+            ("layers.*.attention.w[qkvo].weight", "R"), ("layers.*.feed_forward.w[123].weight", "R")]
+    r = parity(_model("llama"), _inputs(), axes, constraints=pins)
+    assert ("all_to_all", "forward") in {(c.kind, c.phase) for c in r["plan"].collectives()}
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
 def test_data_parallel_splits_the_batch_and_returns_share_means():
     r = parity(_model("gpt"), _inputs(batch=8), {"dp": 4}, hardware="h100-80gb")
     plan = r["plan"]

@@ -638,7 +638,8 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                 # the separate feasibility solves only word the first attempt's error; a tighter bound that cannot
                 # be met just ends the tightening
                 # (a hinted first attempt comes from a screen that found the plan fits: no separate feasibility solves)
-                choice = solve(tg, inner, cost, problem, budget * p * squeeze, inner_pins, floor=attempt == plain)
+                # overlap 0: the schedule syncs the gradients after its last backward (``evaluate``), it hides none
+                choice = solve(tg, inner, cost, problem, budget * p * squeeze, inner_pins, floor=attempt == plain, overlap=0.0)
             except InfeasibleError as e:
                 problem.costs = raw
                 timings["solve"] += time.perf_counter() - t0

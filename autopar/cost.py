@@ -86,13 +86,18 @@ class Priced:
 
 
 FLOAT8_MOVES = ("all_gather", "all_to_all")  # what a float8 tensor can travel through (a reduction cannot)
+# what a runtime overlapping tensor parallelism with its GEMMs hides (torchtitan's Async TP, Transformer Engine's
+# userbuffers): the all-gather a column-parallel linear reads, fused into it chunk by chunk, the reduce-scatter of a
+# row-parallel linear's output, and their transposes under the backward GEMMs; not all-to-alls nor all-reduces
+TP_OVERLAPPED = ("all_gather", "reduce_scatter")
 
 
 def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad: bool, again: bool = False,
                 hidden: float = 0.0, float8: tuple[bool, bool] = (False, False)) -> list[Priced]:
     """The collectives of a redistribution: forward, once more when its consumer is recomputed (``again``), and
     their transposes in backward when the tensor carries a gradient. ``hidden``: the share of the time of those on
-    model axes (tp...) that runs under an adjacent linear (``Hardware.tp_overlap``); the bytes are the same.
+    model axes (tp...) that runs under an adjacent linear (``Hardware.tp_overlap``; gathers and reduce-scatters
+    only, ``TP_OVERLAPPED``); the bytes are the same.
     ``float8``: (forward, backward) gathers and all-to-alls that move the value, or its gradient, already cast to
     float8 (one byte an element): torchao's float8 tensor parallelism casts a float8 linear's input before it is
     gathered, and the gradient of its output before that is gathered in backward; reductions stay in ``dtype``."""
@@ -101,7 +106,7 @@ def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad
 
     def seconds(kind: str, b: int, axis: int) -> float:
         t = collective_time(kind, b, mesh.sizes[axis], mesh.link(axis))
-        return t * (1 - hidden) if hidden and mesh.role(axis) == "model" else t
+        return t * (1 - hidden) if hidden and kind in TP_OVERLAPPED and mesh.role(axis) == "model" else t
 
     for phase in ("forward", "recompute") if again and requires_grad else ("forward",):
         for st in steps:

@@ -293,3 +293,26 @@ def test_float8_tensor_parallelism_casts_before_the_gather_once_per_input():
                        float8=(False, True))
     assert [(p.kind, p.phase, p.bytes) for p in back] == [("reduce_scatter", "forward", 2 * 256 * 4096),
                                                            ("all_gather", "backward", 256 * 4096)]
+
+
+def test_tensor_parallel_overlap_hides_gathers_and_reduce_scatters_only():
+    """``tp_overlap`` (Async TP, Transformer Engine's userbuffers) pipelines an all-gather with the GEMM it feeds
+    and a GEMM with the reduce-scatter of its output, and their transposes in backward; an all-to-all or an
+    all-reduce next to a linear still costs its full time (priced free, the solver shuffled layouts around
+    every linear at no cost: Llama-3.1 405B's stages through S(2) -> S(1) all-to-alls)."""
+    from autopar.cost import price_steps
+    from autopar.redistribute import redistribute
+
+    mesh = Mesh({"tp": 8}, hardware="h100-80gb")
+    meta = TensorMeta((2, 256, 64, 128), torch.bfloat16)
+    for src, dst, hidden in (("S(1)", "R", True), ("P", "S(1)", True), ("S(1)", "S(2)", False), ("P", "R", False)):
+        steps = redistribute(Spec.parse(src), Spec.parse(dst), meta.shape, mesh.sizes)
+        full = price_steps(steps, meta.dtype, mesh, True)
+        under = price_steps(steps, meta.dtype, mesh, True, hidden=1.0)
+        assert full and all(p.seconds > 0 for p in full), (src, dst)
+        assert [p.bytes for p in under] == [p.bytes for p in full]
+        if hidden:
+            assert {p.kind for p in full} <= {"all_gather", "reduce_scatter"} and all(p.seconds == 0 for p in under), (src, dst)
+        else:
+            assert {p.kind for p in full} & {"all_to_all", "all_reduce"}
+            assert [p.seconds for p in under] == [p.seconds for p in full], (src, dst, [p.kind for p in full])

@@ -31,6 +31,8 @@ from __future__ import annotations
 import fnmatch
 import math
 
+import torch
+
 from autopar.errors import AutoparError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Plan
@@ -84,6 +86,16 @@ def _layout(tg, family: str) -> list[tuple[str, str]]:
     return [(g, p) for g, p in _MEGATRON[family] if any(fnmatch.fnmatchcase(f, g) for f in tg.fqns.values())]
 
 
+def _attention_pins(tg, t: int, data, ndim: int) -> list:
+    """Megatron runs attention on its tp rank's heads (dim 1 of (B, H, T, D)), the batch split on the data axes:
+    pinned, so that the solver does not swap it for a split of the queries (context parallelism), which the
+    published Megatron runs do not use. None where the model's attention is not one fused op (eager attention)."""
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    if not any(n.op == "call_function" and n.target is sdpa for n in tg.gm.graph.nodes):
+        return []
+    return [Pin("*:scaled_dot_product_attention*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(ndim)))]
+
+
 def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, microbatches, recompute, zero, blocks_per_stage=None) -> None:
     pipe = mesh.pipe_axis()
     if pp not in (None, 1) and (pipe is None or mesh.sizes[pipe] != pp):
@@ -132,7 +144,7 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
                                "nor Hugging Face's GPT-2 or Llama-style ones found)")
         t = tp_axes[0]
         on_tp = lambda p: "".join(p if a == t else "R" for a in range(mesh.ndim))  # noqa: E731
-        pins = [Pin(glob, on_tp(placement)) for glob, placement in _layout(tg, family)]
+        pins = [Pin(glob, on_tp(placement)) for glob, placement in _layout(tg, family)] + _attention_pins(tg, t, data, mesh.ndim)
         if sequence_parallel:
             for b in tg.blocks:
                 pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
@@ -249,6 +261,7 @@ def handwritten(
 
         for glob, placement in _layout(tg, family):
             pins.append(Pin(glob, on_tp(placement)))
+        pins += _attention_pins(tg, t, data, mesh.ndim)
         if sequence_parallel:
             for b in tg.blocks:  # the residual adds of each block run split by sequence (dim 1) on tp
                 pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))

@@ -79,6 +79,18 @@ def test_context_parallel_causal_attention_matches_single_device(axes, spec):
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
 
 
+def test_context_parallel_attention_with_an_explicit_mask_matches_single_device():
+    """Hugging Face's Mistral hands attention a sliding-window mask it builds itself: split with the queries by
+    their rows, the local op is the op (no offset needed)."""
+    model = hugging_face("mistral", layers=2)
+    x = _inputs()[0]
+    r = parity(model, (x, x.clone()), {"dp": 2, "cp": 2}, constraints=[("*:scaled_dot_product_attention*", "S(0)S(2)")])
+    plan = r["plan"]
+    attention = [str(plan.nodes[n].strategy) for n in plan.nodes if "scaled_dot_product_attention" in n]
+    assert attention and all(s == "(S(0)S(2), S(0)R, S(0)R, S(0)S(2)) -> S(0)S(2)" for s in attention), attention
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
 def test_ulysses_style_attention_on_heads_between_sequence_split_layers_matches_single_device():
     """The other context-parallel form: the residual stream split by sequence, attention by heads, the weights
     whole; the redistribution between them is an all-to-all (sequence- to head-split and back)."""

@@ -67,11 +67,13 @@ def test_textbook_plans_match_single_device(name, axes, sp):
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
 
 
-@pytest.mark.parametrize("axes,spec", [({"cp": 4}, "S(2)"), ({"dp": 2, "cp": 2}, "S(0)S(2)")], ids=["cp4", "dp2xcp2"])
+@pytest.mark.parametrize("axes,spec", [({"cp": 4}, "S(2)"), ({"dp": 2, "cp": 2}, "S(0)S(2)"), ({"pp": 2, "cp": 2}, "RS(2)")],
+                         ids=["cp4", "dp2xcp2", "pp2xcp2"])
 def test_context_parallel_causal_attention_matches_single_device(axes, spec):
     """Every attention's queries split by sequence over cp, keys and values gathered whole (the all-gather form of
     context parallelism): the causal mask of each rank's queries is offset by their first row
-    (``passes/causal_offsets.py``; without it the loss is off by 3e-3). Llama: grouped-query attention, RoPE."""
+    (``passes/causal_offsets.py``, on each pipeline stage's program too; without it the loss is off by 3e-3).
+    Llama: grouped-query attention, RoPE."""
     r = parity(_model("llama"), _inputs(), axes, constraints=[("*:scaled_dot_product_attention*", spec)])
     plan = r["plan"]
     attention = [n for n in plan.nodes if "scaled_dot_product_attention" in n]

@@ -29,7 +29,8 @@ memory-bound ops. Its MFU here is its model FLOPs against that preset's bf16 pea
 depend on the peak). The preset's one fitted constant, the tensor-core clocks the power limit leaves, comes from
 another run on the same page (Table 1: Llama-3.1 8B, FSDP 8, compiled, bf16); the page's other 8B runs (Tables 1
 and 3: FSDP on 8 and 128 GPUs, eager / compiled / compiled float8) are printed apart as checks (``--cases check``),
-with the fit redone; its eager runs are priced with torchtitan's RMSNorm, computed in fp32 from its parts
+with the fit redone and the change per GPU from one node to 16 (FSDP across the nodes, at the tokens per GPU FSDP
+256 has in the 256-GPU case), measured and predicted; its eager runs are priced with torchtitan's RMSNorm, computed in fp32 from its parts
 (``norm="fp32-composite"``: six kernels in eager mode; as one op they were predicted 9-12 % faster than they ran).
 Beside them, two of NVIDIA's DGX-H100 (700 W, ``h100-80gb``) runs from Megatron-Bridge's
 performance summary (NeMo 25.11, FP8): Llama3 8B on FSDP 8 and Llama3 70B on TP 4 x PP 8 (interleaved, v=5), at
@@ -245,6 +246,7 @@ def main() -> None:
     groups = set(args.cases.split(","))
     only = set(filter(None, args.only.split(",")))
     rows, errs, ratios, checks = [], [], [], []
+    scaling: dict[tuple, float] = {}  # (runtime, devices) -> (published, predicted) tok/s/GPU of torchtitan's 8B FSDP rows
     fit = None
     seen: dict[tuple, tuple] = {}  # (model, devices, strategy) -> (published plan, autopar plan)
     checked_auto: dict[tuple, tuple] = {}  # (model, devices) -> (autopar plan, seconds, [published plan])
@@ -268,6 +270,8 @@ def main() -> None:
                            f"{pub.cost.step_time:.2f}"])
             if fitted:
                 fit = (case, _fit_clocks(case))
+            if case.model == "llama3-8b" and case.hardware == "h100-500w":
+                scaling[case.runtime, case.devices] = (case.tps, case.batch * case.seq / (case.devices * pub.cost.step_time))
             if case.strategy == "megatron-3d" and case.runtime and case.runtime.startswith("fsdp2"):
                 # torchtitan's 3-D runs: autopar's own plan for the same cluster and batch, beside them (once)
                 key = (case.model, case.devices)
@@ -317,6 +321,12 @@ def main() -> None:
         print("DGX-H100s (h100-80gb, 700 W) with Megatron-Core; the 70B TP 4 run is priced with Transformer Engine's overlap")
         print("of the tensor-parallel collectives with the GEMMs (tp_overlap = 1)")
         print(tabulate.tabulate(checks, headers=["case", "published configuration", "pub MFU %", "pred MFU %", "MFU err", "pred step s"]))
+        pairs = [(r, scaling[r, 8], scaling[r, 128]) for r, _ in TITAN_TECHNIQUES if (r, 8) in scaling and (r, 128) in scaling]
+        if pairs:
+            # FSDP across 16 nodes at the tokens per GPU (and so the ratio of FSDP traffic to compute) of FSDP 256
+            # at the 256-GPU case's 512 sequences: does FSDP lose across the nodes?
+            print("torchtitan's 8B FSDP from 8 GPUs (one node) to 128 (16 nodes), 16,384 tokens per GPU either way, tok/s/GPU change: "
+                  + ", ".join(f"{r}: measured {100 * (b[0] / a[0] - 1):+.1f}%, predicted {100 * (b[1] / a[1] - 1):+.1f}%" for r, a, b in pairs))
         if fit is not None:
             print(f"h100-500w's clocks refitted on {fit[0].published.split(': ')[1]}: {fit[1]:.3f} of the 700 W part's "
                   f"tensor-core peaks (the preset: {H100_500W_CLOCKS})")

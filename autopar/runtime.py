@@ -115,32 +115,41 @@ class ParallelModule(nn.Module):
 
     def _check_same_plan_everywhere(self) -> None:
         """Rank 0's plan must be every rank's plan: checked before the first collective of training. In the same
-        all-reduce, where the program draws random numbers (dropout: ``passes/reseed_random.py``) and has no
-        pipeline (whose stages may be seeded apart), the ranks' random generators: replicas draw one dropout mask
-        only while their generators agree."""
+        all-reduce, where the program draws random numbers (dropout: ``passes/reseed_random.py``), the random
+        generators of the ranks that run the same stages (all ranks without a pipeline; with one, those of one pp
+        coordinate, since stages may be seeded apart, as torchtitan seeds each pp rank): replicas draw one dropout
+        mask only while their generators agree."""
         from passes.reseed_random import draws as random_op
 
         if not dist.is_initialized() or _compat.in_local_tensor_mode() or dist.get_world_size() == 1:
             return
         digest = int.from_bytes(hashlib.sha256(self._plan.to_json().encode()).digest()[:7], "big")
-        draws = self._pipe is None and any(n.target is collectives.reseeded or random_op(n) for m in self._gm.modules()
-                                           if isinstance(m, fx.GraphModule) for n in m.graph.nodes)  # (recomputed blocks: submodules)
+        draws = any(n.target is collectives.reseeded or random_op(n) for m in self._gm.modules()
+                    if isinstance(m, fx.GraphModule) for n in m.graph.nodes)  # (recomputed blocks and stages: submodules)
         rng = 0
         if draws:  # the CPU generator (reseeded ops draw their seeds from it) and the device's (the ops left as they are)
             states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else [])
             rng = int.from_bytes(hashlib.sha256(b"".join(t.numpy().tobytes() for t in states)).digest()[:7], "big")
+        pipe = self._mesh.pipe_axis() if self._pipe is not None else None
+        groups = self._mesh.sizes[pipe] if pipe is not None else 1
+        mine_group = self._mesh.coordinate(dist.get_rank())[pipe] if pipe is not None else 0
+        # one (max, max of the negation) pair per group of ranks running the same stages; the others' slots hold
+        # the smallest value, which the max ignores
+        low = -(1 << 62)
+        slots = [v for g in range(groups) for v in ((rng, -rng) if g == mine_group else (low, low))]
         dm = self._mesh.to_device_mesh()
         dev = dm.device_type
-        mine = torch.tensor([digest, -digest, rng, -rng], dtype=torch.int64, device=dev)
+        mine = torch.tensor([digest, -digest] + slots, dtype=torch.int64, device=dev)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         if int(mine[0]) != digest or int(mine[1]) != -digest:
             raise PlanMismatchError(
                 f"rank {dist.get_rank()}: the plan differs between ranks (its hash {digest:x} is not every rank's). "
                 "Build the model, inputs and mesh identically on every rank, or load one plan with Plan.from_json on all ranks"
             )
-        if int(mine[2]) != rng or int(mine[3]) != -rng:
+        if int(mine[2 + 2 * mine_group]) != rng or int(mine[3 + 2 * mine_group]) != -rng:
+            which = "between ranks" if pipe is None else "between ranks that run the same pipeline stages"
             warnings.warn(
-                f"autopar: rank {dist.get_rank()}: the random generators differ between ranks, so ranks that hold the same "
+                f"autopar: rank {dist.get_rank()}: the random generators differ {which}, so ranks that hold the same "
                 "piece of a tensor would draw different dropout masks (and their copies of it would drift apart). Seed every "
                 "rank alike (torch.manual_seed(s) on all ranks) before parallelize, and give data loading its own generator",
                 stacklevel=3)

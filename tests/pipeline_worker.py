@@ -50,11 +50,39 @@ def compared() -> None:
             print(f"COMPARE {r.name.replace(' ', '')} {r.plan.pipeline.label.replace(' ', '')} {m['loss_diff']:.3e} {m['grad_diff']:.3e} {m['step_time']:.4f}", flush=True)
 
 
+def generators() -> None:
+    """Transformers' GPT-2 with its dropout on dp 2 x pp 2: ranks seeded by their pp coordinate (as torchtitan seeds
+    its stages) draw alike wherever they run the same stages, so nothing is said; ranks seeded apart from their
+    replicas are warned about. Prints ``PIPE-RNG <warned when seeded by stage> <warned when seeded by rank>``."""
+    import warnings
+
+    import transformers
+
+    from tests._util import LMLoss
+
+    torch.manual_seed(0)
+    model = LMLoss(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=32)))
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    mesh = autopar.Mesh({"dp": 2, "pp": 2})
+    warned = []
+    for seed in (mesh.coordinate(dist.get_rank())[1], dist.get_rank()):
+        torch.manual_seed(seed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            autopar.parallelize(model, mesh, (x, torch.roll(x, -1, 1)))
+        warned.append(int(any("random generators differ" in str(w.message) for w in caught)))
+    flags = torch.tensor(warned)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"PIPE-RNG {int(flags[0])} {int(flags[1])}", flush=True)
+
+
 def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world = dist.get_world_size()
     if world == 4:
         compared()
+        generators()
     if world == 2:
         meshes = [({"pp": 2}, 4)]
     else:

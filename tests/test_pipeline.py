@@ -281,6 +281,9 @@ def test_pipelines_in_real_gloo_processes_match_single_device(nproc, meshes):
         assert set(compared) == {"auto", "megatron-3d(1f1b,m=4)", "megatron-3d(interleaved,m=2,v=2)"}, lines
         for name, (label, dl, dg, _t) in compared.items():
             assert max(float(dl), float(dg)) <= 1e-5, (name, dl, dg)
+        # dropout on a pipeline: stages seeded apart are fine, replicas of one stage seeded apart are named
+        (rng,) = [line.split()[1:] for line in lines if line.startswith("PIPE-RNG")]
+        assert rng == ["0", "1"], rng
     assert len(rows) == 6 * len(meshes), rows  # gpt and llama x gpipe, 1f1b, interleaved on each mesh
     recomputed = [line.split()[1:] for line in lines if line.startswith("PIPE-AC")]
     assert len(recomputed) == (2 if nproc == 2 else 0), lines

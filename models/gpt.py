@@ -24,7 +24,7 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     bias: bool = True
-    dropout: float = 0.0
+    dropout: float = 0.0  # GPT-2's: on the embeddings, the attention weights, each block's two outputs (training only)
 
     @staticmethod
     def tiny() -> "GPTConfig":
@@ -83,10 +83,15 @@ MEGATRON_SIZES = {
 }
 
 
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    return F.dropout(x, p, training) if p else x
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
@@ -96,19 +101,22 @@ class CausalSelfAttention(nn.Module):
         # the fused projection holds (q, k, v) head by head (Megatron's layout), so heads split cleanly
         qkv = self.c_attn(x).view(B, T, self.n_head, 3 * D)  # (B, T, H, 3D)
         q, k, v = (t.transpose(1, 2) for t in qkv.split(D, dim=3))  # 3 x (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        # (no dropout argument without dropout: the graph of the default model is the one it always was)
+        drop = {"dropout_p": self.dropout} if self.dropout and self.training else {}
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **drop)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)
-        return self.c_proj(y)
+        return _dropout(self.c_proj(y), self.dropout, self.training)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.dropout = cfg.dropout
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))  # (B, T, 4C) in the middle
+        return _dropout(self.c_proj(F.gelu(self.c_fc(x))), self.dropout, self.training)  # (B, T, 4C) in the middle
 
 
 class Block(nn.Module):
@@ -147,7 +155,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        x = _dropout(self.wte(idx) + self.wpe(pos), self.cfg.dropout, self.training)  # (B, T, C)
         for block in self.h:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)

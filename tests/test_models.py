@@ -61,3 +61,28 @@ def test_torchtitans_rmsnorm_is_the_same_norm_in_more_passes():
         plan = autopar.plan(model, autopar.Mesh({"dp": 1}, hardware=get_hardware("h100-80gb")), make(1, 2048))
         seconds[norm] = sum(n.time for n in plan.nodes.values() if n.path.startswith("layers.0.") and "_norm" in n.path)
     assert seconds["fp32-composite"] > 4 * seconds["fused"] > 0, seconds
+
+
+def test_gpt_dropout_drops_in_training_only_and_leaves_the_default_graph_alone():
+    """GPTConfig.dropout is GPT-2's: embeddings, attention weights and each block's outputs, in training only; at
+    0 (the default) the model calls no dropout at all, so its traced graph is what it always was."""
+    from dataclasses import replace
+
+    from autopar.trace import trace
+    from models.gpt import GPT, GPTConfig
+    from passes.reseed_random import draws
+
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig.tiny())
+    dropped = GPT(replace(GPTConfig.tiny(), dropout=0.2))
+    dropped.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 64, (2, 16))
+    y = torch.roll(x, -1, 1)
+    a, b = dropped(x, y), dropped(x, y)
+    assert not torch.equal(a, b)  # a new mask each call
+    dropped.eval()
+    assert torch.equal(dropped(x, y), plain(x, y))
+    dropped.train()
+    drawn = [n for n in trace(dropped, (x, y)).gm.graph.nodes if draws(n)]
+    assert len(drawn) == 1 + 3 * GPTConfig.tiny().n_layer  # the embeddings', and per block attention's and two outputs'
+    assert not any(draws(n) or "dropout" in n.name for n in trace(plain, (x, y)).gm.graph.nodes)

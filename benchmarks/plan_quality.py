@@ -246,7 +246,7 @@ def main() -> None:
     groups = set(args.cases.split(","))
     only = set(filter(None, args.only.split(",")))
     rows, errs, ratios, checks = [], [], [], []
-    scaling: dict[tuple, float] = {}  # (runtime, devices) -> (published, predicted) tok/s/GPU of torchtitan's 8B FSDP rows
+    scaling: dict[tuple, tuple[float, float]] = {}  # (runtime, devices) -> (published, predicted) tok/s/GPU, torchtitan's 8B FSDP
     fit = None
     seen: dict[tuple, tuple] = {}  # (model, devices, strategy) -> (published plan, autopar plan)
     checked_auto: dict[tuple, tuple] = {}  # (model, devices) -> (autopar plan, seconds, [published plan])

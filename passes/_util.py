@@ -1,4 +1,5 @@
-"""Helpers the passes share: the Spec of a node's value, and emitting redistribution steps as graph nodes."""
+"""Helpers the passes share: the programs a pass rewrites, an op's argument by place or keyword, the Spec of a
+node's value, and emitting redistribution steps as graph nodes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ from autopar import collectives
 from autopar.plan import block_of_path
 from autopar.redistribute import Step
 from autopar.spec import Spec
+
+
+def programs(gm: fx.GraphModule, plan) -> list[fx.GraphModule]:
+    """The GraphModules a pass after ``split_stages`` rewrites: the program, or with a pipeline each stage's."""
+    return [gm] if plan.pipeline is None else [getattr(gm, f"stage_{s}") for s in range(len(plan.pipeline.stages))]
+
+
+def arg(node: fx.Node, i: int, name: str, default=None):
+    """The op's argument at position ``i``, or given by keyword ``name``, or ``default``."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
 def source(node: fx.Node) -> fx.Node:

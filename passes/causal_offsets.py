@@ -16,23 +16,19 @@ import torch.fx as fx
 
 from autopar import collectives
 from autopar.strategies.attention import split_query_axes
+from passes._util import arg, programs
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 
 
-def _arg(node: fx.Node, i: int, name: str, default):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
-    programs = [gm] if plan.pipeline is None else [getattr(gm, f"stage_{s}") for s in range(len(plan.pipeline.stages))]
-    for program in programs:
+    for program in programs(gm, plan):
         changed = False
         for node in program.graph.nodes:
             if node.op != "call_function" or node.target is not SDPA or node.name not in plan.nodes:
                 continue
-            if not _arg(node, 5, "is_causal", False) or _arg(node, 3, "attn_mask", None) is not None:
+            if not arg(node, 5, "is_causal", False) or arg(node, 3, "attn_mask") is not None:
                 continue
             axes = split_query_axes(plan.nodes[node.name].strategy, mesh.sizes)
             if not axes:

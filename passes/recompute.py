@@ -19,7 +19,7 @@ import operator
 import torch.fx as fx
 
 from autopar.recompute import Recomputed
-from passes._util import block_members, runtime_axes
+from passes._util import block_members, programs, runtime_axes
 
 STATE = ("param", "buffer", "constant")
 
@@ -31,8 +31,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     names, _sizes, _strides, groups = runtime_axes(mesh)
     zero_axes = frozenset(a for b in plan.zero_buckets if b.stage == 3 for a in b.shard_axes)
     zero_groups = {a: groups[names.index(a)] for a in sorted(zero_axes)}
-    programs = [gm] if plan.pipeline is None else [getattr(gm, f"stage_{s}") for s in range(len(plan.pipeline.stages))]
-    for program in programs:
+    for program in programs(gm, plan):
         _wrap_blocks(program, plan, members, zero_groups, plan.mesh.hardware.selective_recomputes_every)
         program.graph.lint()
         program.recompile()

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from autopar import collectives
 from autopar.spec import Shard
+from passes._util import arg, programs
 
 aten = torch.ops.aten
 # (op, index of its probability argument, its keyword, index of its ``train`` flag or None)
@@ -36,16 +37,15 @@ def draws(node: fx.Node) -> bool:
         return False
     if op in _DROPOUTS:
         i, key, train = _DROPOUTS[op]
-        p = node.args[i] if len(node.args) > i else node.kwargs.get(key, 0.0)
-        on = True if train is None else (node.args[train] if len(node.args) > train else node.kwargs.get("train", True))
+        p = arg(node, i, key, 0.0)
+        on = True if train is None else arg(node, train, "train", True)
         # (native_dropout's train is optional: None drops out, as training does)
         return on is not False and p is not None and float(p) > 0
     return True
 
 
 def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
-    programs = [gm] if plan.pipeline is None else [getattr(gm, f"stage_{s}") for s in range(len(plan.pipeline.stages))]
-    for program in programs:
+    for program in programs(gm, plan):
         changed = False
         for node in list(program.graph.nodes):
             if not draws(node) or node.name not in plan.nodes:

@@ -86,14 +86,21 @@ def _layout(tg, family: str) -> list[tuple[str, str]]:
     return [(g, p) for g, p in _MEGATRON[family] if any(fnmatch.fnmatchcase(f, g) for f in tg.fqns.values())]
 
 
-def _attention_pins(tg, t: int, data, ndim: int) -> list:
-    """Megatron runs attention on its tp rank's heads (dim 1 of (B, H, T, D)), the batch split on the data axes:
-    pinned, so that the solver does not swap it for a split of the queries (context parallelism), which the
-    published Megatron runs do not use. None where the model's attention is not one fused op (eager attention)."""
+def _megatron_pins(tg, family: str, t: int, data, ndim: int, sequence_parallel: bool) -> list:
+    """Megatron's layout on tp axis ``t``: the family's projections column- then row-parallel (whole on the other
+    axes); attention on its tp rank's heads (dim 1 of (B, H, T, D)), pinned so that the solver does not swap it for
+    a split of the queries (context parallelism), which Megatron does not use -- where attention is one fused op;
+    with ``sequence_parallel`` each block's residual adds split by sequence (dim 1 of (B, T, C)) on tp. Activations
+    keep the batch split on the data axes."""
+    on_tp = lambda p: "".join(p if a == t else "R" for a in range(ndim))  # noqa: E731
+    dim1 = "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(ndim))
+    pins = [Pin(glob, on_tp(placement)) for glob, placement in _layout(tg, family)]
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
-    if not any(n.op == "call_function" and n.target is sdpa for n in tg.gm.graph.nodes):
-        return []
-    return [Pin("*:scaled_dot_product_attention*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(ndim)))]
+    if any(n.op == "call_function" and n.target is sdpa for n in tg.gm.graph.nodes):
+        pins.append(Pin("*:scaled_dot_product_attention*", dim1))
+    if sequence_parallel:
+        pins += [Pin(f"{b.fqn}:add*", dim1) for b in tg.blocks]
+    return pins
 
 
 def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, microbatches, recompute, zero, blocks_per_stage=None) -> None:
@@ -142,12 +149,8 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
         if family is None:
             raise AutoparError("megatron-3d has no tensor-parallel layout for this model (no GPT-, Llama- or Mixtral-style projections, "
                                "nor Hugging Face's GPT-2 or Llama-style ones found)")
-        t = tp_axes[0]
-        on_tp = lambda p: "".join(p if a == t else "R" for a in range(mesh.ndim))  # noqa: E731
-        pins = [Pin(glob, on_tp(placement)) for glob, placement in _layout(tg, family)] + _attention_pins(tg, t, data, mesh.ndim)
+        pins = _megatron_pins(tg, family, tp_axes[0], data, mesh.ndim, sequence_parallel)
         if sequence_parallel:
-            for b in tg.blocks:
-                pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
             knobs.append("sp")
     if blocks_per_stage is not None:
         knobs.append("cuts=" + "/".join(map(str, blocks_per_stage)))
@@ -254,17 +257,7 @@ def handwritten(
                 "nor Hugging Face's GPT-2 or Llama-style ones "
                 "found); pin its weights yourself with autopar.plan(..., constraints=[autopar.Pin(fqn, spec)])"
             )
-        t = tp_axes[0]
-
-        def on_tp(p: str) -> str:
-            return "".join(p if a == t else "R" for a in range(mesh.ndim))
-
-        for glob, placement in _layout(tg, family):
-            pins.append(Pin(glob, on_tp(placement)))
-        pins += _attention_pins(tg, t, data, mesh.ndim)
-        if sequence_parallel:
-            for b in tg.blocks:  # the residual adds of each block run split by sequence (dim 1) on tp
-                pins.append(Pin(f"{b.fqn}:add*", "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
+        pins += _megatron_pins(tg, family, tp_axes[0], data, mesh.ndim, sequence_parallel)
         if data:
             pins.append(ZeroPin("*", zero if zero is not None else 0))
     plan = make_plan(tg, mesh, memory_budget, pins, recompute)

@@ -638,7 +638,6 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
     chain_step = _steps((x0.name, x1.name) for x0, x1 in zip(chain0, chain1) if x0.op != "placeholder")
 
     # layer 1 reads what layer 0 reads, except layer 0's own values and parameters for layer 1's
-    const_pairs: list[tuple[str, str]] = []  # (layer 0's, layer 1's) constants, FQNs below the layer
     for x0, x1 in zip(b0, b1):
         f0, f1 = flat(x0), flat(x1)
         if len(f0) != len(f1):
@@ -652,8 +651,7 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
                 s1 = fqns[a1.name][len(names[1]) + 1 :]
                 s0 = fqns[a0.name][len(names[0]) + 1 :] if a0 in own0 else None
                 if s0 is not None and kind_of[a1.name] == "CONSTANT_TENSOR":  # export numbers these model-wide
-                    ok = _split(s0)[0] == _split(s1)[0]
-                    const_pairs.append((s0, s1))
+                    ok = _split(s0)[0] == _split(s1)[0]  # (numbered afresh below, as export does)
                 else:
                     ok = s0 == s1
             elif a1 in cindex1:
@@ -663,7 +661,6 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
             if not ok:
                 raise _Unsafe(f"{x1.name} reads {a1.name} where {x0.name} reads {a0.name}")
     step = _steps((x0.name, x1.name) for x0, x1 in zip(b0, b1))
-    const_step = _steps(const_pairs)  # a tensor a layer makes in forward (HF's empty KV cache): lifted_tensor_<2k>
     fns = [(x0.meta.get("torch_fn"), x1.meta.get("torch_fn")) for x0, x1 in zip(b0, b1)]
     if any((a is None) != (b is None) for a, b in fns):
         raise _Unsafe("torch_fn metadata differs")
@@ -780,8 +777,8 @@ def _grow(ex: _Exported, path: str, n: int) -> _Exported:
                 for p in last_own[x]:
                     kind = kind_of[p.name]
                     below = fqns[p.name][len(names[1]) + 1 :]
-                    fqn = f"{path}.{k}." + (_shift(below, const_step, k - 1) if kind == "CONSTANT_TENSOR" else below)
-                    if kind == "CONSTANT_TENSOR":
+                    fqn = f"{path}.{k}.{below}"
+                    if kind == "CONSTANT_TENSOR":  # a tensor a layer makes in forward (HF's empty KV cache)
                         fqn = numbered(fqn)
                         constants[fqn] = ex.constants[fqns[p.name]].clone()  # made alike by the same code
                     y = emit(p, _fqn_name(kind, fqn), p.args, p.kwargs)

@@ -87,6 +87,26 @@ def local_values(x: torch.Tensor) -> dict[int, torch.Tensor]:
     return {dist.get_rank() if dist.is_initialized() else 0: x}
 
 
+def exchange(x: torch.Tensor, peer_of) -> torch.Tensor:
+    """Each rank's ``x`` goes to the global rank ``peer_of(rank)``, whose own comes back: ``peer_of`` pairs ranks
+    (``peer_of(peer_of(r)) == r``; a rank that is its own peer keeps its value). Real processes send and receive
+    point to point in the default group; under LocalTensorMode the values of the simulated ranks swap places."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(x, LocalTensor):
+        values = x._local_tensors
+        return LocalTensor({r: values[peer_of(r)].detach().clone() for r in values})
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    peer = peer_of(rank)
+    if peer == rank:
+        return x.clone()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, out, peer)]):
+        req.wait()
+    return out
+
+
 def run_reseeded(fn, seed_of):
     """Run ``fn()`` with each rank's random generators (CPU, and the CUDA device's) first reseeded with
     ``seed_of(global_rank, base)``, where ``base`` is one number drawn from that rank's own CPU generator; afterwards

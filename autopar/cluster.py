@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import RECOMPUTE, collective_time, peak_memory
+from autopar.cost import RECOMPUTE, collective_time, peak_memory, send_time
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
@@ -341,7 +341,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     refined), priced by the schedule's analytic step -- exact for 1F1B and interleaved 1F1B on their steady state
     (tested against the simulator in tests/test_schedule.py) -- plus the boundary transfers and each rank's
     gradient sync; the real plan then simulates the schedule."""
-    from autopar.pipeline import _p2p_seconds, _prefix, _rank_memory
+    from autopar.pipeline import _prefix, _rank_memory
 
     uc = _at_rows(prof, c.recompute, rows, L)
     units = _units(L)
@@ -378,7 +378,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     for starts in options:
         ends = list(starts[1:]) + [U]
         ts = [sum(t[i:j]) for i, j in zip(starts, ends)]
-        hop = max(_p2p_seconds(uc.cross[j], link) for j in ends[:-1]) if S > 1 else 0.0
+        hop = max(send_time(uc.cross[j], link) for j in ends[:-1]) if S > 1 else 0.0
         step = analytic_step(ts, p, m, v) + 2 * (S - 1) * hop
         sync = [0.0] * p
         for k, (i, j) in enumerate(zip(starts, ends)):

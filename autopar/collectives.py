@@ -300,29 +300,80 @@ def causal_rows(q, k, v, offset: int, scale: float | None = None, enable_gqa: bo
         q, k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(rows, end), scale=scale, enable_gqa=enable_gqa)
 
 
-def causal_attention(shard_axes: tuple[tuple[int, int], ...], q, k, v, scale: float | None = None, enable_gqa: bool = False):
+def balances(rows: int, chunks: int) -> bool:
+    """Whether a causal attention whose queries are split into ``chunks`` chunks of ``rows`` is load-balanced
+    (``causal_attention``): each chunk must halve."""
+    return chunks > 1 and rows % 2 == 0
+
+
+def causal_attention(shard_axes: tuple[tuple[int, int], ...], q, k, v, scale: float | None = None, enable_gqa: bool = False,
+                     axis: str = ""):
     """A causal attention whose queries (dim 2) the mesh axes ``shard_axes`` ((size, stride in rank order), outer
-    first) split and whose keys and values are whole: this rank's queries are the chunk at its row-major index
-    over those axes, and see the keys up to their own global rows (``causal_rows``). Under LocalTensorMode, where
-    every rank's tensors must keep one shape, the keys are not cut: a boolean mask per rank hides those past each
-    query's row (the same values)."""
+    first) split and whose keys and values are whole: this rank's queries are the chunk at its row-major index i
+    over those axes, and see the keys up to their own global rows.
+
+    Load balance: under a causal mask the chunk of the last rows does about twice the average work, and every rank
+    waits for it. Where the chunks halve (``balances``), the ranks at indexes i and n - 1 - i (mirrored coordinates
+    on every axis) swap their second halves: rank i attends with half 2i of the 2n halves and half 2n - 1 - 2i,
+    whose work adds up to the same for every rank (half the rectangle of its rows by all keys), then the output of
+    the half it took is sent back. The two sends, and their transposes in backward, are noted on ``axis``.
+    Under LocalTensorMode, where every rank's tensors must keep one shape, the keys are not cut: a boolean mask per
+    rank hides those past each query's row (the same values)."""
     rows = q.shape[2]
+    n = math.prod(size for size, _ in shard_axes)
+    if not balances(rows, n):
+        return _causal_from(q, k, v, lambda r: first_row(shard_axes, rows, r), scale, enable_gqa)
+    half = rows // 2
+    own = _causal_from(q.narrow(2, 0, half), k, v, lambda r: 2 * chunk_index(shard_axes, r) * half, scale, enable_gqa)
+    taken = _MirrorSwap.apply(q.narrow(2, half, half), shard_axes, axis)
+    out = _causal_from(taken, k, v, lambda r: (2 * n - 1 - 2 * chunk_index(shard_axes, r)) * half, scale, enable_gqa)
+    return torch.cat([own, _MirrorSwap.apply(out, shard_axes, axis)], dim=2)
+
+
+def _causal_from(q, k, v, first_of, scale, enable_gqa):
+    """Causal attention of queries at global rows ``first_of(rank)`` onwards over whole keys and values."""
     if _compat.in_local_tensor_mode():
-        keys = k.shape[2]
-        mask = _compat.rank_map(
-            lambda r: torch.ones(rows, keys, dtype=torch.bool, device=q.device).tril(first_row(shard_axes, rows, r)))
+        rows, keys = q.shape[2], k.shape[2]
+        mask = _compat.rank_map(lambda r: torch.ones(rows, keys, dtype=torch.bool, device=q.device).tril(first_of(r)))
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    return causal_rows(q, k, v, first_row(shard_axes, rows, rank), scale, enable_gqa)
+    return causal_rows(q, k, v, first_of(rank), scale, enable_gqa)
+
+
+class _MirrorSwap(torch.autograd.Function):
+    """Swap a tensor with the rank at the mirrored index over ``shard_axes`` (its own transpose)."""
+
+    @staticmethod
+    def forward(ctx, x, shard_axes, axis):
+        ctx.args = (shard_axes, axis)
+        _note("send", axis, x, "forward")
+        return _compat.exchange(x, lambda r: mirror_rank(shard_axes, r))
+
+    @staticmethod
+    def backward(ctx, g):
+        shard_axes, axis = ctx.args
+        _note("send", axis, g, "backward")
+        return _compat.exchange(g, lambda r: mirror_rank(shard_axes, r)), None, None
+
+
+def chunk_index(shard_axes: tuple[tuple[int, int], ...], rank: int) -> int:
+    """The row-major index of ``rank``'s coordinates on the axes ``shard_axes`` ((size, stride), outer first)."""
+    index = 0
+    for size, stride in shard_axes:
+        index = index * size + _coord(rank, size, stride)
+    return index
+
+
+def mirror_rank(shard_axes: tuple[tuple[int, int], ...], rank: int) -> int:
+    """The global rank whose chunk index over ``shard_axes`` is n - 1 - ``rank``'s (row-major: each coordinate
+    mirrored), its other coordinates the same."""
+    return rank + sum((size - 1 - 2 * _coord(rank, size, stride)) * stride for size, stride in shard_axes)
 
 
 def first_row(shard_axes: tuple[tuple[int, int], ...], rows: int, rank: int) -> int:
     """The global index of the first of ``rows`` that ``rank`` holds of a dim the axes ``shard_axes`` ((size,
     stride), outer first) split: its chunk's index is row-major over its coordinates on them."""
-    index = 0
-    for size, stride in shard_axes:
-        index = index * size + _coord(rank, size, stride)
-    return index * rows
+    return chunk_index(shard_axes, rank) * rows
 
 
 COLLECTIVE_OPS = (all_gather, reduce_scatter, all_reduce, all_to_all)

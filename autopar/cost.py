@@ -41,11 +41,13 @@ from functools import lru_cache
 
 import torch
 
+from autopar.collectives import balances
 from autopar.hardware import Link
 from autopar.mesh import Mesh
 from autopar.redistribute import Step, redistribute
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.strategies import OpInfo, TensorMeta
+from autopar.strategies.attention import split_query_axes
 
 aten = torch.ops.aten
 
@@ -57,8 +59,14 @@ def wire_bytes(kind: str, nbytes: float, n: int) -> float:
     """Bytes each device sends for a collective over ``n`` ranks on a buffer of ``nbytes``."""
     if n == 1:
         return 0.0
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n}[kind]
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n,
+              "send": 1.0}[kind]
     return factor * nbytes
+
+
+def send_time(nbytes: float, link: Link) -> float:
+    """One point-to-point send of ``nbytes`` (a pipeline's stage transfer, a balanced attention's swap)."""
+    return 0.0 if nbytes == 0 else link.launch + link.latency + nbytes / link.bandwidth
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
@@ -306,17 +314,41 @@ class CostModel:
         """Share of an op's FLOPs its kernel runs: a causal fused attention over as many keys as queries skips the
         tiles above the diagonal (FlashAttention's 128 x 128 tiles: (n + 1) / 2n of them run, n = ceil(T / 128)) when
         the hardware's kernel does (``attention_skips_masked``); 1 for everything else. With its queries split (T
-        of S rows on a rank, ``collectives.causal_attention``), the step waits for the rank holding the last rows,
-        whose queries see every key but those above its own diagonal block: 1 - T / 2S."""
+        of S rows on a rank, ``collectives.causal_attention``) and balanced (mirrored ranks swap half their rows,
+        ``collectives.balances``), every rank runs half the rectangle of its rows by all keys; unbalanced, the step
+        waits for the rank holding the last rows, whose queries see every key but those above its own diagonal
+        block: 1 - T / 2S."""
         if info.target not in ATTENTION_OPS or not self.hw.attention_skips_masked or not info.arg(5, "is_causal", False):
             return 1.0
         t, s = ins[0][2], ins[1][2]
         if t < s:
-            return 1.0 - t / (2 * s)
+            return 0.5 if s % t == 0 and balances(t, s // t) else 1.0 - t / (2 * s)
         if t != s:
             return 1.0
         n = -(-t // 128)
         return (n + 1) / (2 * n)
+
+    def op_priced(self, info: OpInfo, st: Strategy, requires_grad: bool, node: str | None = None) -> list[Priced]:
+        """The communication an op runs inside itself: a causal attention with its queries split and balanced
+        (``collectives.causal_attention``) sends half its queries to the mirrored rank and gets that half's output
+        back (once more when recomputed), and in backward sends their gradients the other way; each send is point to
+        point, priced on the slowest link of the splitting axes and named by the outermost."""
+        if info.target not in ATTENTION_OPS or not info.arg(5, "is_causal", False):
+            return []
+        sizes = self.mesh.sizes
+        axes = split_query_axes(st, sizes)
+        q = st.inputs[0].local_shape(info.inputs[0].shape, sizes)
+        if not axes or not balances(q[2], math.prod(sizes[a] for a in axes)):
+            return []
+        out = st.output.local_shape(info.outputs[0].shape, sizes)
+        halves = [math.prod(q) // 2 * itemsize(info.inputs[0].dtype), math.prod(out) // 2 * itemsize(info.outputs[0].dtype)]
+        link = next((self.mesh.link(a) for a in axes if self.mesh.spans_nodes(a)), self.mesh.link(axes[0]))
+        name = self.mesh.names[axes[0]]
+        again = requires_grad and recomputes(self.recompute.get(node, "none"), info.target)
+        priced = [Priced("send", name, b, phase, send_time(b, link)) for phase in ("forward", "recompute")[: 1 + again] for b in halves]
+        if requires_grad:
+            priced += [Priced("send", name, b, "backward", send_time(b, link)) for b in reversed(halves)]
+        return priced
 
     def op(self, info: OpInfo, st: Strategy, requires_grad: bool, saved_output: bool = False, internal: float = 0.0,
            node: str | None = None) -> NodeCost:
@@ -342,10 +374,11 @@ class CostModel:
         bw = self.hw.hbm_bandwidth * self.hw.memory_efficiency
         launch = 0.0 if info.target in VIEW_OPS else self.hw.op_overhead
         work = flops * self.attention_work(info, ins)  # the FLOPs the kernel runs; ``flops`` (MFU's count) stays whole
-        fwd = max(work / peak, moved / bw) + launch
-        bwd = 0.0
+        sends = self.op_priced(info, st, requires_grad, node) if heavy else []  # on the critical path, with the kernel
+        fwd = max(work / peak, moved / bw) + launch + sum(p.seconds for p in sends if p.phase == "forward")
+        bwd = sum(p.seconds for p in sends if p.phase == "backward")
         if requires_grad:
-            bwd = max(2 * work / peak, 2 * moved / bw) + launch
+            bwd += max(2 * work / peak, 2 * moved / bw) + launch
         cast = 3 if self.hw.fused_elementwise else 5  # bytes an element of a dynamic float8 cast, see below
         if node in self.casts:
             # this output feeds float8 linears: dynamic scaling reads it for its amax and again to cast it (2 + 2 + 1

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, wire_bytes
+from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, send_time, wire_bytes
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
@@ -266,10 +266,6 @@ class Evaluated:
         return self.timeline.step + self.sync
 
 
-def _p2p_seconds(nbytes: int, link) -> float:
-    return 0.0 if nbytes == 0 else link.launch + link.latency + nbytes / link.bandwidth
-
-
 def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str, p: int, m: int, v: int, mesh: Mesh, axis: int, inner: Mesh) -> Evaluated:
     U = len(units.labels)
     ends = list(starts[1:]) + [U]
@@ -293,7 +289,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
                 for ax in axes:
                     sync_bytes[r][ax] = sync_bytes[r].get(ax, 0.0) + local
         send = uc.cross[j] if j < U else 0
-        t = _p2p_seconds(send, link)
+        t = send_time(send, link)
         p2p.append(t)
         stages.append(StagePlan(s, r, tuple(units.labels[i:j]), f, b, int(send), state, a))
         rank_state[r] += state
@@ -741,8 +737,8 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
     cols = list(inner_plan.collective_list)
     for st in ev.stages[:-1]:
         if st.send_bytes:
-            cols.append(Collective("send", mesh.names[axis], st.send_bytes, "forward", f"stage {st.index} -> {st.index + 1}", _p2p_seconds(st.send_bytes, link)))
-            cols.append(Collective("send", mesh.names[axis], st.send_bytes, "backward", f"stage {st.index + 1} -> {st.index}", _p2p_seconds(st.send_bytes, link)))
+            cols.append(Collective("send", mesh.names[axis], st.send_bytes, "forward", f"stage {st.index} -> {st.index + 1}", send_time(st.send_bytes, link)))
+            cols.append(Collective("send", mesh.names[axis], st.send_bytes, "backward", f"stage {st.index + 1} -> {st.index}", send_time(st.send_bytes, link)))
     per_rank = [0.0] * p
     for st in ev.stages[:-1]:
         per_rank[st.rank] += st.send_bytes * m  # forward activations out; the next stage sends gradients back alike

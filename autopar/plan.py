@@ -33,11 +33,12 @@ def _whole(axes) -> str:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective of a training step. ``where`` names what it serves, in one of three forms (the plan's JSON
+    """One collective of a training step. ``where`` names what it serves, in one of four forms (the plan's JSON
     keeps the text; the properties below are the one place that reads it): an edge ``consumer <- producer`` (a
     redistribution), a bucket ``grads[block](axes)`` or ``zeroN[block](axes)`` (data-parallel communication of a
-    block's parameters; block ``rest`` / ``all`` for those outside the blocks, or a parameter's FQN), or a pipeline
-    transfer ``stage i -> j``."""
+    block's parameters; block ``rest`` / ``all`` for those outside the blocks, or a parameter's FQN), a pipeline
+    transfer ``stage i -> j``, or a node's name (what the op sends inside itself: a balanced causal attention's
+    swaps, ``CostModel.op_priced``)."""
 
     kind: str
     axis: str

@@ -163,6 +163,13 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         pr = cost.edge_priced(m, src, dst, problem.requires_grad.get(u, False), v, u)
         add(pr, f"{v} <- {u}")
         edge_seconds[v] = edge_seconds.get(v, 0.0) + sum(p.seconds for p in pr)
+    owned = 0.0  # what ops send inside themselves (a balanced causal attention's swaps): in their time, listed here
+    for name in problem.order:
+        n = nodes_fx[name]
+        if n.op == "call_function" and n.target in ATTENTION_OPS:
+            pr = cost.op_priced(op_info(n), strategy[name], problem.requires_grad.get(name, False), name)
+            add(pr, name)
+            owned += sum(p.seconds for p in pr)
     # parameters: gradient all-reduce buckets (ZeRO-0, and ZeRO-3 shards over the axes they do not shard) and
     # ZeRO buckets (ZeRO-1/2: gathered at the start of forward, reduce-scattered in backward; ZeRO-3: per use)
     zgroups = zero_groups(tg, problem.order)
@@ -293,7 +300,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         n = nodes_fx[name]
         nodes[name] = NodePlan(name, tg.path(name), _op_name(tg, n), problem.meta[name].shape, strategy[name], nc.time, nc.memory, rep, alts)
     # totals
-    compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order) + copy_time
+    compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order) - owned + copy_time
     comm = sum(c.seconds for c in collectives)
     # data-parallel communication (gradient buckets, ZeRO) runs beside the critical path when the runtime overlaps it
     dp_comm = sum(c.seconds for c in collectives if c.data_parallel)

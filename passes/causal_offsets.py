@@ -4,9 +4,11 @@ Requires: ``plan.nodes`` (each planned op's Strategy); the rewritten program of 
 its stages cut: this runs on each stage's GraphModule), before ``recompute`` moves blocks into checkpoints.
 Ensures: every causal ``scaled_dot_product_attention`` whose queries the plan splits along their sequence (dim 2;
 keys and values whole, see ``autopar/strategies/attention.py``) calls ``collectives.causal_attention`` with the
-axes that split them, which offsets the causal mask by the rank's first query row. Left as it is, each rank's
-chunk of queries would be masked as if it were the sequence's start: query row i of every chunk would see keys
-0 .. i only. Attention without a causal mask needs nothing: its local op is the op.
+axes that split them, which offsets the causal mask by the rank's first query row and balances the work between
+ranks (mirrored ranks swap half their queries; the swaps are noted on the outermost splitting axis, where
+``CostModel.op_priced`` prices them). Left as it is, each rank's chunk of queries would be masked as if it were
+the sequence's start: query row i of every chunk would see keys 0 .. i only. Attention without a causal mask
+needs nothing: its local op is the op.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             shard_axes = tuple((mesh.sizes[a], mesh.stride(a)) for a in axes)
             node.target = collectives.causal_attention  # same node: name, meta, users
             node.args = (shard_axes, q, k, v)
-            node.kwargs = {"scale": node.kwargs.get("scale"), "enable_gqa": bool(node.kwargs.get("enable_gqa", False))}
+            node.kwargs = {"scale": node.kwargs.get("scale"), "enable_gqa": bool(node.kwargs.get("enable_gqa", False)),
+                           "axis": mesh.names[axes[0]]}
             changed = True
         if changed:
             program.graph.lint()

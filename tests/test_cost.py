@@ -86,6 +86,34 @@ def test_causal_fused_attention_runs_half_its_flops_and_mfu_still_counts_them_al
     assert fused.op(causal, st, True).flops == fused.op(whole, st, True).flops == 3 * 4 * 8 * 1024 * 1024 * 64
 
 
+def test_balanced_context_parallel_attention_prices_half_its_rectangle_and_its_swaps():
+    """Queries split by sequence over cp 4, keys and values whole: with even rows each rank runs half the rectangle
+    of its rows by all keys (mirrored ranks swap half their queries) and pays four sends of half its queries (the
+    queries and the output there, their gradients back); with odd rows it cannot halve, and the step waits for the
+    rank holding the last rows."""
+    from autopar.cost import send_time
+    from autopar.spec import Strategy
+    from autopar.strategies import OpInfo
+
+    mesh = Mesh({"dp": 2, "cp": 4}, hardware="h100-80gb")
+    cm = CostModel(mesh)
+    st = Strategy.parse("(RS(2), RR, RR) -> RS(2)")
+    for seq, share in ((8192, 0.5), (8196, 1 - 2049 / (2 * 8196))):
+        q = TensorMeta((1, 8, seq, 128), torch.bfloat16)
+        causal = OpInfo(aten.scaled_dot_product_attention.default, (None, None, None, None, 0.0, True), {}, (q, q, q), (q,))
+        whole = OpInfo(aten.scaled_dot_product_attention.default, (None, None, None), {}, (q, q, q), (q,))
+        sends = cm.op_priced(causal, st, True)
+        assert cm.op_priced(whole, st, True) == []
+        if share == 0.5:
+            half = 8 * (seq // 4) * 128 // 2 * 2
+            assert [(p.kind, p.axis, p.bytes, p.phase) for p in sends] == [("send", "cp", half, "forward")] * 2 + [("send", "cp", half, "backward")] * 2
+            assert all(p.seconds == send_time(half, mesh.link("cp")) for p in sends)
+        else:
+            assert sends == []
+        kernel = cm.op(causal, st, True).compute - sum(p.seconds for p in sends)
+        assert kernel == pytest.approx(cm.op(whole, st, True).compute * share, rel=1e-2)
+
+
 def test_float8_linears_price_the_blocks_matmuls_at_the_float8_peak_and_are_only_planned():
     import dataclasses
 

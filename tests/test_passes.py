@@ -15,11 +15,11 @@ from tests._util import fake_world
 from tests.test_parity import megatron_pins
 
 
-def _launched_vs_priced(model, axes, constraints=()):
+def _launched_vs_priced(model, axes, constraints=(), recompute="none"):
     x = torch.randint(0, 64, (4, 16))
     mesh = autopar.Mesh(axes, hardware="h100-80gb")
     with fake_world(mesh.size), _compat.local_tensor_mode(mesh.size):
-        pm = autopar.parallelize(model, mesh, (x, x.clone()), constraints=constraints)
+        pm = autopar.parallelize(model, mesh, (x, x.clone()), constraints=constraints, recompute=recompute)
         with collectives.record() as log:
             pm(*pm.local_inputs(x, x.clone())).backward()
     launched = collections.Counter((c.kind, c.axis, c.bytes, c.phase) for c in log)
@@ -45,6 +45,23 @@ def test_collectives_launched_are_exactly_the_priced_ones(name, sp):
         elif n.op == "call_function" and n.target in (collectives.zero_gather, collectives.zero3_linear):
             fwd += len(n.args[2] if n.target is collectives.zero_gather else n.args[4])
     assert fwd == sum(v for (k, a, b, ph), v in priced.items() if ph == "forward")
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_balanced_causal_attention_sends_what_its_plan_priced(recompute):
+    """Mirrored ranks of a sequence split swap half their queries and get that half's output back (forward, again
+    when recomputed) and the gradients of both in backward: the plan lists those sends on the splitting axis."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny())
+    pm, launched, priced = _launched_vs_priced(model, {"dp": 2, "cp": 2}, [("*:scaled_dot_product_attention*", "S(0)S(2)")], recompute)
+    assert launched == priced
+    sends = {(ph, b): v for (k, a, b, ph), v in launched.items() if k == "send" and a == "cp"}
+    layers = LlamaConfig.tiny().n_layer
+    phases = ("forward", "recompute", "backward") if recompute == "full" else ("forward", "backward")
+    assert sum(sends.values()) == layers * 2 * len(phases)
+    assert {ph for ph, _ in sends} == set(phases)
+    attn = [n for n in pm.plan.nodes.values() if "scaled_dot_product_attention" in n.op]
+    assert attn and all(sum(c.kind == "send" for c in pm.plan.collective_list if c.where == n.name) == 2 * len(phases) for n in attn)
 
 
 def test_graph_module_is_readable_and_local():
@@ -166,9 +183,18 @@ def test_causal_attention_with_split_queries_runs_with_its_rank_offset():
             assert not calls and len(kept) == 2
         else:
             assert len(calls) == 2 and not kept and all(n.args[0] == expect for n in calls)
-    # the op, rank by rank (no process group: rank 0 holds the first rows), against single-device attention
+    # the op against single-device attention: rows cut at each rank's offset (what a real process runs on its own
+    # rows), and the whole op on 4 ranks at once, whose mirrored ranks swap half their queries
     q, k, v = torch.randn(2, 4, 8, 6), torch.randn(2, 2, 8, 6), torch.randn(2, 2, 8, 6)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     got = [collectives.causal_rows(q[:, :, r * 2 : r * 2 + 2], k, v, collectives.first_row(((4, 1),), 2, r), enable_gqa=True) for r in range(4)]
     assert torch.allclose(torch.cat(got, 2), want, atol=1e-6)
-    assert torch.allclose(collectives.causal_attention(((4, 1),), q[:, :, :2], k, v, enable_gqa=True), want[:, :, :2], atol=1e-6)
+    for rows, shard_axes in ((2, ((4, 1),)), (2, ((2, 1), (2, 2))), (1, ((8, 1),))):  # rows of 1: not balanced
+        n = q.shape[2] // rows
+        with _compat.local_tensor_mode(n):
+            qs = _compat.rank_map(lambda r: q[:, :, collectives.first_row(shard_axes, rows, r):][:, :, :rows])
+            kk, vv = _compat.rank_map(lambda r: k), _compat.rank_map(lambda r: v)
+            out = _compat.local_values(collectives.causal_attention(shard_axes, qs, kk, vv, enable_gqa=True))
+        for r in range(n):
+            first = collectives.first_row(shard_axes, rows, r)
+            assert torch.allclose(out[r], want[:, :, first : first + rows], atol=1e-6), (shard_axes, r)

@@ -26,7 +26,7 @@ from autopar.mesh import Mesh
 from autopar.runtime import shard_of
 from autopar.spec import Partial, Shard, Spec, Strategy
 from autopar.strategies import OpInfo, TensorMeta, candidates, op_candidates, op_info, tensor_inputs
-from autopar import collectives
+from autopar import _compat, collectives
 from autopar.strategies.attention import split_query_axes
 from autopar.trace import BUFFER, CONSTANT, INPUT, PARAM, trace
 from passes.causal_offsets import SDPA
@@ -94,7 +94,7 @@ def simulate(target, args, kwargs, strategy: Strategy, mesh: Mesh, seed: int = 0
     out_shape = None
     if target in SHAPE_ARG:
         out_shape = tuple(_tensor_leaves(target(*args, **kwargs))[0].shape)
-    outs = []
+    per_rank = []
     for rank in range(mesh.size):
         local = list(flat)
         for i, spec, ts in zip(pos, strategy.inputs, terms):
@@ -102,20 +102,33 @@ def simulate(target, args, kwargs, strategy: Strategy, mesh: Mesh, seed: int = 0
         a, kw = pytree.tree_unflatten(local, tree)
         if out_shape is not None:
             a[SHAPE_ARG[target]] = list(strategy.output.local_shape(out_shape, mesh.sizes))
-        outs.append(_tensor_leaves(_local_op(target, a, kw, strategy, mesh, rank)(*a, **kw)))
-    return outs
+        per_rank.append((a, kw))
+    shard_axes = _split_causal(target, args, kwargs, strategy, mesh)
+    if shard_axes:
+        return _causal_ranks(shard_axes, per_rank)
+    return [_tensor_leaves(target(*a, **kw)) for a, kw in per_rank]
 
 
-def _local_op(target, args, kwargs, strategy: Strategy, mesh: Mesh, rank: int):
-    """What ``rank`` runs for ``target`` under ``strategy``: the op itself, or for a causal attention with split
-    queries what ``passes/causal_offsets.py`` makes of it (its mask offset by the rank's first query row)."""
+def _split_causal(target, args, kwargs, strategy: Strategy, mesh: Mesh) -> tuple:
+    """The (size, stride) of the axes splitting the queries of a causal attention (empty for anything else)."""
     causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
     axes = split_query_axes(strategy, mesh.sizes) if target is SDPA and causal else ()
-    if not axes:
-        return target
-    shard_axes = tuple((mesh.sizes[a], mesh.stride(a)) for a in axes)
-    first = collectives.first_row(shard_axes, args[0].shape[2], rank)
-    return lambda q, k, v, *_, scale=None, enable_gqa=False, **__: collectives.causal_rows(q, k, v, first, scale, enable_gqa)
+    return tuple((mesh.sizes[a], mesh.stride(a)) for a in axes)
+
+
+def _causal_ranks(shard_axes, per_rank) -> list[list[torch.Tensor]]:
+    """What ``passes/causal_offsets.py`` makes of a causal attention with split queries (its mask offset by each
+    rank's first query row, half the queries swapped between mirrored ranks), run for all ranks at once under
+    LocalTensorMode, as the op reads the other ranks' queries."""
+    def stack(i):
+        return _compat.rank_map(lambda r: per_rank[r][0][i])
+
+    with _compat.local_tensor_mode(len(per_rank)):
+        a, kw = per_rank[0]
+        scale = a[6] if len(a) > 6 else kw.get("scale")
+        out = collectives.causal_attention(shard_axes, stack(0), stack(1), stack(2), scale=scale, enable_gqa=kw.get("enable_gqa", False))
+        values = _compat.local_values(out)
+    return [[values[r]] for r in range(len(per_rank))]
 
 
 def check_strategy(target, args, kwargs, strategy: Strategy, mesh: Mesh, seed: int = 0) -> str | None:

@@ -11,7 +11,9 @@ same cost model, so the comparison with ``autopar.plan`` measures the choices th
 Strategies:
 - ``ddp``: every weight whole, gradients all-reduced over the data axes (``zero`` 0 by default).
 - ``fsdp``: ZeRO-3 over the data axes (``zero`` may lower the stage).
-  On a mesh with a ``tp`` axis both compose with Megatron on ``tp`` (torchtitan's 2-D: "ddp+tp", "fsdp+tp").
+  On a mesh with a ``tp`` axis both compose with Megatron on ``tp`` (torchtitan's 2-D: "ddp+tp", "fsdp+tp"); on a
+  mesh with a ``cp`` axis with context parallelism (torchtitan's FSDP + CP, "fsdp+cp"): every attention's queries
+  split by sequence on cp, and ZeRO sharding over the data and cp axes both.
 - ``megatron``: column-parallel then row-parallel projections on ``tp`` (GPT: c_attn/c_fc then c_proj; Llama,
   Mixtral: wq/wk/wv, w1/w3 then wo, w2; Mixtral's experts split along their hidden dim; Hugging Face's GPT-2,
   whose Conv1D weights are stored (in, out), and its Llama-style models: q/k/v_proj, gate/up_proj then o_proj,
@@ -203,10 +205,14 @@ def handwritten(
         raise AutoparError(f"zero={zero!r}: ZeRO stages are 0, 1, 2, 3")
     data = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1]
     tp_axes = [a for a in range(mesh.ndim) if mesh.names[a] == "tp" and mesh.sizes[a] > 1]
-    other = [a for a in range(mesh.ndim) if mesh.sizes[a] > 1 and a not in data and a not in tp_axes and a != pipe]
+    cp_axes = [a for a in range(mesh.ndim) if mesh.names[a] == "cp" and mesh.sizes[a] > 1]
+    other = [a for a in range(mesh.ndim) if mesh.sizes[a] > 1 and a not in data and a not in tp_axes and a not in cp_axes and a != pipe]
     if other:
         names = ", ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in other)
-        raise NotRealised(f"{strategy}: mesh axes {names} have no role in this strategy (it uses dp..., tp and pp axes)")
+        raise NotRealised(f"{strategy}: mesh axes {names} have no role in this strategy (it uses dp..., tp, cp and pp axes)")
+    if cp_axes and (strategy not in ("ddp", "fsdp") or tp_axes or pipe is not None):
+        raise NotRealised(f"{strategy}: a cp axis composes with ddp / fsdp on the data axes here (torchtitan's FSDP + CP), "
+                          f"not with tp or pp yet; mesh {mesh}")
     if strategy == "explicit":
         want = {"tp": tp or 1, "dp": dp or 1, "pp": pp or 1}
         have = {"tp": math.prod(mesh.sizes[a] for a in tp_axes), "dp": math.prod(mesh.sizes[a] for a in data),
@@ -231,22 +237,26 @@ def handwritten(
     rep_all = "R" * mesh.ndim
     pins: list = []
     label = strategy
-    if strategy in ("ddp", "fsdp") and not data:
+    if strategy in ("ddp", "fsdp") and not data and not cp_axes:
         raise ShardingError(f"{strategy} needs a data axis (named dp...) larger than 1; mesh {mesh} has none")
     if strategy in ("ddp", "fsdp") and tp_axes:  # torchtitan's 2-D composition: Megatron on tp, DDP / FSDP on dp
         zero = zero if zero is not None else (3 if strategy == "fsdp" else 0)
         label, strategy = f"{strategy}+tp", "megatron"
     if strategy in ("ddp", "fsdp"):
-        if not data:
-            raise ShardingError(f"{strategy} needs a data axis (named dp...) larger than 1; mesh {mesh} has none")
         stage = zero if zero is not None else (3 if strategy == "fsdp" else 0)
-        pins = [ZeroPin("*", stage)]
+        # with cp, ZeRO shards over the data and cp axes both (torchtitan's dp_shard x cp)
+        pins = [ZeroPin("*", stage, tuple(mesh.names[a] for a in data + cp_axes) if cp_axes and stage else None)]
+        if cp_axes:
+            label += "+cp"
     tg = traced
     if tg is None:
         with _compat.no_local_tensor_mode():
             tg = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
     if strategy in ("ddp", "fsdp"):
         pins += [Pin(f, rep_all) for n, f in tg.fqns.items() if tg.kinds.get(n) == "param"]
+        if cp_axes:  # context parallel: every attention's queries split by sequence on cp (keys, values whole)
+            pins.append(Pin("*:scaled_dot_product_attention*",
+                            "".join("S(2)" if a in cp_axes else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
     elif strategy == "megatron":
         if not tp_axes:
             raise ShardingError(f"megatron needs a tp axis larger than 1; mesh {mesh} has none")

@@ -96,8 +96,8 @@ from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
-from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, eligible, grad_bucket, grad_spec, group_latency, param_cost, zero3_traffic,
-                          zero3_uses, zero_options)
+from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, eligible, grad_bucket, grad_spec, group_latency, param_cost,
+                          shard_axes as zero_shard_axes, zero3_traffic, zero3_uses, zero_options)
 
 
 def gc_paused(fn):
@@ -592,10 +592,11 @@ def _zero_allowed(zgroups, zopts: list[ZeroOption], mesh: Mesh, pins) -> dict[st
                 continue
             ok.add(k)
         if not ok:
-            axes = [mesh.names[a] for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1]
+            axes = [mesh.names[a] for a in zero_shard_axes(mesh)]
             raise ShardingError(
                 f"ZeRO pin {pin.group!r}: stage {pin.stage}" + (f" over {','.join(pin.shard)}" if pin.shard else "")
-                + f" is not available on mesh {mesh}: ZeRO shards over the data axes (named dp...), here {axes or 'none'}"
+                + f" is not available on mesh {mesh}: ZeRO shards over the data axes (named dp...) and context-parallel "
+                f"ones (cp), here {axes or 'none'}"
             )
         for g in hits:
             allowed[g] = allowed.get(g, ok) & ok

@@ -2,7 +2,7 @@
 
 In: a parameter's Spec as compute uses it (replicated on the data axes), its metadata, the mesh.
 Out: ``zero_options(mesh)`` (stage 0 = plain data parallel, then stages 1-3 over every non-empty set of data
-axes; sharding over some data axes and replicating over the others is HSDP), and ``param_cost(option, ...)``:
+and context-parallel axes, ``shard_axes``; sharding over some data axes and replicating over the others is HSDP), and ``param_cost(option, ...)``:
 the per-device bytes (held all step, gradients) and the gradient-synchronisation seconds (bandwidth part) of one
 parameter under an option; ``bucket_latency`` a gradient bucket's launch latency and ``group_latency`` a ZeRO-3
 group's; the solver chooses per group.
@@ -63,14 +63,17 @@ class ZeroOption:
         return ZeroOption(int(d[0]), tuple(mesh.names.index(a) for a in d[1]))
 
 
-def data_axes(mesh: Mesh) -> tuple[int, ...]:
-    return tuple(a for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1)
+def shard_axes(mesh: Mesh) -> tuple[int, ...]:
+    """The axes ZeRO may shard over: the data axes, and the context-parallel ones (``cp``), whose ranks run other
+    tokens of the same sequences, so a weight is whole there and its gradient summed over them, as over data
+    parallelism (torchtitan's FSDP shards over dp x cp)."""
+    return tuple(a for a in range(mesh.ndim) if (mesh.role(a) == "data" or mesh.names[a] == "cp") and mesh.sizes[a] > 1)
 
 
 def zero_options(mesh: Mesh) -> list[ZeroOption]:
-    """Stage 0, then stages 1-3 over every non-empty set of data axes (outermost axes first)."""
+    """Stage 0, then stages 1-3 over every non-empty set of ``shard_axes`` (outermost axes first)."""
     opts = [ZeroOption(0)]
-    axes = data_axes(mesh)
+    axes = shard_axes(mesh)
     subsets = [c for k in range(1, len(axes) + 1) for c in itertools.combinations(axes, k)]
     for stage in (1, 2, 3):
         for sub in subsets:

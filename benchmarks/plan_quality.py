@@ -32,7 +32,9 @@ and 3: FSDP on 8 and 128 GPUs, eager / compiled / compiled float8) are printed a
 with the fit redone and the change per GPU from one node to 16 (FSDP across the nodes, at the tokens per GPU FSDP
 256 has in the 256-GPU case), measured and predicted; its eager runs are priced with torchtitan's RMSNorm, computed in fp32 from its parts
 (``norm="fp32-composite"``: six kernels in eager mode; as one op they were predicted 9-12 % faster than they ran).
-Beside them, two of NVIDIA's DGX-H100 (700 W, ``h100-80gb``) runs from Megatron-Bridge's
+The page's Table 2 (the 8B on one node, FSDP x CP, 32K to 256K tokens) is checked too, with a difference: torchtitan
+ran ring attention (load-balanced, its K/V exchange overlapped) and the rows are priced as autopar runs context
+parallelism (the all-gather form, balanced by swapping half the queries between mirrored ranks). Beside them, two of NVIDIA's DGX-H100 (700 W, ``h100-80gb``) runs from Megatron-Bridge's
 performance summary (NeMo 25.11, FP8): Llama3 8B on FSDP 8 and Llama3 70B on TP 4 x PP 8 (interleaved, v=5), at
 8192 tokens.
 """
@@ -56,6 +58,7 @@ import autopar  # noqa: E402
 import models  # noqa: E402
 from autopar.cluster import Cluster, plan_cluster  # noqa: E402
 from autopar.hardware import H100_500W_CLOCKS, get_hardware  # noqa: E402
+from autopar.mesh import Mesh  # noqa: E402
 from models.gpt import MEGATRON_SIZES  # noqa: E402
 
 A100_PEAK = 312e12
@@ -118,6 +121,7 @@ class Case:
     time_only: bool = False  # priced without the memory budget: the run saves memory in ways the model leaves out
     norm: str = "fused"  # models.llama's RMSNorm as the run computed it ("fp32-composite": torchtitan's, see cases())
     cuts: tuple | None = None  # a pipeline's blocks per stage where they do not divide evenly (None: Megatron's even cut)
+    cp: int = 1  # context-parallel degree (a ``cp`` axis inside the data axis: torchtitan's FSDP + CP)
 
 
 def _sc21_mfu(size: str, tflops: float, batch: int, seq: int = 2048, vocab: int = 51200) -> float:
@@ -167,6 +171,14 @@ def cases() -> list[Case]:
             out.append(Case("check", "llama3-8b", n, "h100-500w", 2 * n, 8192, 1, 1, "fsdp", "selective",
                             f"torchtitan: Llama-3.1 8B FSDP {n}, local batch 2, op-level selective AC, {what}: {tps:,.0f} tok/s/GPU",
                             None, tps, runtime, norm=norm))
+    # the same page, Table 2: the 8B on one node, the sequence doubling as CP doubles, FSDP over the rest (and over
+    # cp: torchtitan shards over dp x cp), local batch 1, full AC, compiled, Float8. torchtitan's CP is ring
+    # attention, load-balanced, its K/V exchange overlapped with the attention; priced here as autopar runs it: the
+    # all-gather form, balanced by swapping half the queries, its K/V gather not overlapped
+    for f, c, seq, tps in ((8, 1, 32768, 3890.0), (4, 2, 65536, 2540.0), (2, 4, 131072, 1071.0), (1, 8, 262144, 548.0)):
+        out.append(Case("check", "llama3-8b", 8, "h100-500w", f, seq, 1, 1, "fsdp", "full",
+                        f"torchtitan: Llama-3.1 8B FSDP {f} x CP {c}, seq {seq // 1024}K, local batch 1, full AC, Float8 + "
+                        f"compile: {tps:,.0f} tok/s/GPU", None, tps, "fsdp2+float8+compile", cp=c))
     # the same page, Table 5: Llama-3.1 405B (126 layers) on 512 of those GPUs, FSDP 8 x TP 8 x PP 8, local batch 32
     # (global 256), microbatch 1, full AC, compiled, Float8, Async TP; 1F1B and interleaved 1F1B (torchtitan's
     # default: 2 stages per rank). 126 layers do not divide into 8 or 16 stages: the middle stages take one more
@@ -191,11 +203,16 @@ def cases() -> list[Case]:
 
 def _build(case: Case):
     """The case's model (bf16, on the meta device) and its inputs' maker."""
-    return models.build(case.model, dtype=torch.bfloat16, **({"norm": case.norm} if case.norm != "fused" else {}))
+    config = {"norm": case.norm} if case.norm != "fused" else {}
+    if case.seq > 8192:  # the Llama 3 configs' context
+        config["max_seq_len"] = case.seq
+    return models.build(case.model, dtype=torch.bfloat16, **config)
 
 
 def _published_plan(case: Case, model, inputs, cluster: Cluster):
     mesh = cluster.mesh(case.devices // (case.tp * case.pp), case.pp, case.tp)
+    if case.cp > 1:  # cp inside the data axis (torchtitan's mesh: dp_shard, cp)
+        mesh = Mesh({"dp": case.devices // case.cp, "cp": case.cp}, cluster.hw())
     kw = {"recompute": case.recompute}
     if case.strategy == "megatron-3d":
         kw["microbatch_size"] = 1
@@ -270,7 +287,7 @@ def main() -> None:
                            f"{pub.cost.step_time:.2f}"])
             if fitted:
                 fit = (case, _fit_clocks(case))
-            if case.model == "llama3-8b" and case.hardware == "h100-500w":
+            if case.model == "llama3-8b" and case.hardware == "h100-500w" and case.seq == 8192:
                 scaling[case.runtime, case.devices] = (case.tps, case.batch * case.seq / (case.devices * pub.cost.step_time))
             if case.strategy == "megatron-3d" and case.runtime and case.runtime.startswith("fsdp2"):
                 # torchtitan's 3-D runs: autopar's own plan for the same cluster and batch, beside them (once)
@@ -319,7 +336,10 @@ def main() -> None:
         print("come out faster than they ran (MFU err): the pipeline here is ZeRO-0 (FSDP 8's gathers and reduce-scatters")
         print("over the nodes are not priced) and its Async TP hides all it can. NVIDIA's")
         print("DGX-H100s (h100-80gb, 700 W) with Megatron-Core; the 70B TP 4 run is priced with Transformer Engine's overlap")
-        print("of the tensor-parallel collectives with the GEMMs (tp_overlap = 1)")
+        print("of the tensor-parallel collectives with the GEMMs (tp_overlap = 1). The FSDP x CP rows (Table 2) ran torchtitan's")
+        print("ring attention; they are priced as autopar runs context parallelism (K/V all-gathered, not overlapped, the")
+        print("causal work balanced by swapping half the queries): at CP 4 and 8 the MFU err is how much faster than")
+        print("torchtitan's ring the model expects autopar's form to run, not checked on GPUs")
         print(tabulate.tabulate(checks, headers=["case", "published configuration", "pub MFU %", "pred MFU %", "MFU err", "pred step s"]))
         pairs = [(r, scaling[r, 8], scaling[r, 128]) for r, _ in TITAN_TECHNIQUES if (r, 8) in scaling and (r, 128) in scaling]
         if pairs:

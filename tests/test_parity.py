@@ -93,6 +93,21 @@ def test_context_parallel_attention_with_an_explicit_mask_matches_single_device(
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
 
 
+@pytest.mark.parametrize("axes", [{"dp": 2, "cp": 2}, {"cp": 4}], ids=["dp2xcp2", "cp4"])
+def test_fsdp_with_context_parallelism_matches_single_device(axes):
+    """torchtitan's FSDP + CP, written by hand: every attention's queries split by sequence on cp (balanced), and
+    ZeRO-3 sharding each parameter over the data and cp axes both (a cp rank runs other tokens of the same
+    sequences, so a weight's gradient sums over cp as over dp)."""
+    model, inputs = _model("llama"), _inputs()
+    plan = autopar.handwritten(model, autopar.Mesh(axes, hardware="cpu-gloo"), inputs, "fsdp")
+    assert plan.label == "fsdp+cp"
+    assert {(stage, tuple(shard)) for stage, shard in plan.zero_stages.values()} == {(3, tuple(axes))}
+    sends = {c.axis for c in plan.collective_list if c.kind == "send"}
+    assert sends == {"cp"}  # the balanced attention's swaps
+    r = parity(model, inputs, axes, plan=plan)
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
 def test_ulysses_style_attention_on_heads_between_sequence_split_layers_matches_single_device():
     """The other context-parallel form: the residual stream split by sequence, attention by heads, the weights
     whole; the redistribution between them is an all-to-all (sequence- to head-split and back)."""

@@ -6,8 +6,10 @@ Out: the fastest ``Plan`` found that fits, for a mesh ``pp x dp x tp`` over all 
 innermost, so it fills a node before anything else; ``pp`` outermost), with its microbatch count and pipeline
 schedule, its activation recomputation (none / selective / full) and its per-op Specs and ZeRO stages -- over all
 of dp, or (HSDP) over shard groups that fill part of a node or whole nodes, replicated across the rest of dp (mesh
-``dp x fsdp x tp``); and ``plan.search``: every candidate screened, with its predicted step and memory, or why it
-was dropped.
+``dp x fsdp x tp``); without a pipeline also ``dp x cp x tp``, the sequence split over cp ranks (context
+parallelism: each rank runs its chunk of every sequence, attention gathers the keys and values, ZeRO shards over
+dp x cp), which is what fits a sequence too long for the other layouts; and ``plan.search``: every candidate
+screened, with its predicted step and memory, or why it was dropped.
 
 Two steps, because an ILP per candidate would take minutes at 1000+ devices:
 
@@ -23,7 +25,9 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    alone, in the order of a lower bound (the rest dropped once the bound passes the best): blocks repeated L
    times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory) and the schedule's analytic
    step; without one, the step is compute plus data-parallel communication (overlapped where the hardware's
-   runtime overlaps it), ZeRO's bytes and launches come from ``autopar.zero`` (``param_cost``, ``bucket_latency``
+   runtime overlaps it; with cp, tp's profile at a cp-th of the rows -- a rank's share of the tokens and, balanced,
+   of the causal attention -- plus the keys' and values' gathers and the query swaps, ``_context_parallel``), ZeRO's
+   bytes and launches come from ``autopar.zero`` (``param_cost``, ``bucket_latency``
    per gradient bucket, ``group_latency``) as the real plan's do, and the peak counts one block's recomputed
    activations as it does. A flat candidate whose rows per data-parallel rank split over tp is also priced with
    the tp axis carrying the batch (tp = 1's profile at rows / tp per device, every gradient summed over tp), and
@@ -52,15 +56,17 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import RECOMPUTE, collective_time, peak_memory, send_time
+from autopar.collectives import balances
+from autopar.cost import ATTENTION_OPS, RECOMPUTE, collective_time, itemsize, peak_memory, send_time
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
 from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, analytic_step, balance, equal_starts, graph_units,
                               microbatch_candidates, refine, slice_batch, unit_costs, unit_state)
 from autopar.plan import Plan
-from autopar.spec import Replicate, Spec
+from autopar.spec import Replicate, Shard, Spec
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
+from autopar.strategies import op_info
 from autopar.trace import PARAM, trace
 from autopar.zero import ZeroOption, bucket_latency, grad_bucket, group_latency, param_cost, zero3_traffic, zero3_uses
 
@@ -101,17 +107,18 @@ class Cluster:
     def hw(self) -> Hardware:
         return dataclasses.replace(get_hardware(self.hardware), devices_per_node=self.gpus_per_node)
 
-    def mesh(self, dp: int, pp: int, tp: int, shard: int = 0) -> Mesh:
-        """The mesh of a factorisation: pp outermost, then dp, tp innermost (axes of size 1 left out). ``shard``
+    def mesh(self, dp: int, pp: int, tp: int, shard: int = 0, cp: int = 1) -> Mesh:
+        """The mesh of a factorisation: pp outermost, then dp, cp, tp innermost (axes of size 1 left out). ``shard``
         (HSDP): the data-parallel ranks split into ``dp / shard`` replicas (axis ``dp``) of ``shard`` ranks each (axis
-        ``fsdp``, inside the replicas: as close as the tp ranks allow)."""
-        if dp * pp * tp != self.devices:
-            raise AutoparError(f"dp={dp} x pp={pp} x tp={tp} is not the cluster's {self.devices} devices")
+        ``fsdp``, inside the replicas: as close as the tp ranks allow). ``cp``: context parallelism, the sequence
+        split over that many ranks (torchtitan's order: dp, cp, tp)."""
+        if dp * pp * tp * cp != self.devices:
+            raise AutoparError(f"dp={dp} x pp={pp} x tp={tp}" + (f" x cp={cp}" if cp > 1 else "") + f" is not the cluster's {self.devices} devices")
         if shard and (dp % shard or not 1 < shard < dp):
             raise AutoparError(f"an HSDP shard group of {shard} does not split dp={dp} into replicas; use a divisor of dp "
                                "between 2 and dp / 2")
         data = (("dp", dp // shard), ("fsdp", shard)) if shard else (("dp", dp),)
-        axes = {k: v for k, v in (("pp", pp),) + data + (("tp", tp),) if v > 1} or {"dp": 1}
+        axes = {k: v for k, v in (("pp", pp),) + data + (("cp", cp), ("tp", tp)) if v > 1} or {"dp": 1}
         return Mesh(axes, self.hw())
 
     def __str__(self) -> str:
@@ -129,9 +136,10 @@ class Candidate:
     virtual: int = 1
     zero: int = 0  # without a pipeline: the ZeRO stage (every parameter group; the real plan is pinned to it)
     shard: int = 0  # with ZeRO: 0 shards over all of dp; s > 0 over groups of s ranks, replicated across them (HSDP)
+    cp: int = 1  # without a pipeline: context parallelism, the sequence split over cp ranks (ZeRO then shards over dp x cp)
 
     def __str__(self) -> str:
-        s = f"dp={self.dp} pp={self.pp} tp={self.tp}"
+        s = f"dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "") + f" pp={self.pp} tp={self.tp}"
         if self.pp > 1:
             s += f" {self.schedule}{'' if self.virtual == 1 else f' v={self.virtual}'} m={self.microbatches}"
         else:
@@ -163,6 +171,9 @@ class _Profile:
     params: dict[str, tuple[int, object, object, tuple]]  # param -> (0 embedding / 1 template block / 2 head, Spec,
     # meta, its uses as ZeRO-3 gathers it)
     memo: dict = dataclasses.field(default_factory=dict)  # (recompute, rows, L) -> expanded UnitCosts
+    # the template block's attention ops: (query heads, key/value heads, sequence, head dim, itemsize, heads split on
+    # tp), what context parallelism's gathers and swaps move
+    attention: tuple = ()
 
 
 def _proxy_model(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
@@ -227,7 +238,17 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
             continue  # a parameter of a proxy block other than the template (the last): the template stands for all
         unit = 0 if first == 0 else 1 if first == U - 2 else 2
         params[n] = (unit, problem.grad_spec(n, choice.strategy.__getitem__), problem.meta[n], zero3_uses(tg, n))
-    return _Profile(out, params)
+    template = tg.blocks[-1].fqn + "." if tg.blocks else None
+    attention = []
+    for n in problem.order:
+        node = tg.nodes[n]
+        if template and node.target in ATTENTION_OPS and tg.path(n).startswith(template):
+            info = op_info(node)
+            q, k = info.inputs[0], info.inputs[1]
+            if q.ndim == 4 and k.ndim == 4:
+                heads = choice.strategy[n].inputs[0].placements[1] == Shard(1)
+                attention.append((q.shape[1], k.shape[1], q.shape[2], q.shape[3], itemsize(q.dtype), heads))
+    return _Profile(out, params, attention=tuple(attention))
 
 
 def _at_rows(prof: "_Profile", recompute: str, rows: float, L: int) -> UnitCosts:
@@ -282,14 +303,19 @@ def _units(L: int) -> Units:
 
 
 # --- screening one candidate ---------------------------------------------------------------------------------------
-def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: int, budget: float,
+def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L: int, budget: float,
                  batch_over_tp: bool = False) -> Screened:
     """Without a pipeline: the whole model on every (dp, tp) rank, ZeRO stage ``c.zero`` over dp (HSDP: over groups
     of ``c.shard`` ranks, the groups' shards all-reduced across the ``dp / shard`` replicas). ``batch_over_tp``:
     ``prof`` is tp = 1's, ``rows`` per device, and the tp axis carries the batch (every parameter replicated on it,
-    its gradients summed over it)."""
+    its gradients summed over it). With context parallelism (``c.cp``) ``rows`` is a dp rank's rows over cp: a cp
+    rank runs 1 / cp of each sequence's tokens and, balanced, 1 / cp of its causal attention, as that many rows
+    would; ``_context_parallel`` adds what moves between the cp ranks, and ZeRO shards over dp x cp."""
     uc = _at_rows(prof, c.recompute, rows, L)
-    if c.shard:
+    if c.cp > 1:
+        mesh = Mesh({"dp": c.dp, "cp": c.cp, "tp": c.tp}, cluster.hw())
+        opt = ZeroOption(c.zero, (0, 1)) if c.zero else ZeroOption(0)
+    elif c.shard:
         mesh = Mesh({"dp": c.dp // c.shard, "fsdp": c.shard, "tp": c.tp}, cluster.hw())
         opt = ZeroOption(c.zero, (1,))
     else:
@@ -307,6 +333,8 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
             spec = Spec(tuple(spec.placements[:-1]) + (Replicate(),))
         if c.shard:  # the proxy's Specs are on (dp, tp): the data placement holds on both data axes
             spec = Spec((spec.placements[0],) + tuple(spec.placements))
+        elif c.cp > 1:  # a weight is whole on cp, its gradient summed there
+            spec = Spec((spec.placements[0], Replicate()) + tuple(spec.placements[1:]))
         for i, k in enumerate(zero3_traffic(uses)):
             traffic[u == 1][i] += k
         zc = param_cost(opt, spec, meta, mesh, copies, max(n_block_params, 1), uses)
@@ -330,10 +358,39 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: int, L: i
     if opt.stage == 3:
         comm += L * group_latency(opt, mesh, max(n_block_params, 1), tuple(traffic[True]))
         comm += group_latency(opt, mesh, max(n_rest, 1), tuple(traffic[False])) if n_rest else 0.0
+    if c.cp > 1:
+        seconds, kept, held = _context_parallel(prof, c, mesh, rows * c.cp)
+        compute += L * seconds
+        act += L * kept
+        regen = max(regen, held)
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
     memory = peak_memory(state, grad, act, transient, max(transient, regen))
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
+
+
+def _context_parallel(prof: _Profile, c: Candidate, mesh: Mesh, rows: float) -> tuple[float, float, float]:
+    """One block's context-parallel traffic on the cp axis (axis 1 of ``mesh``), for ``rows`` sequences per dp
+    rank: each attention's keys and values all-gathered whole (their gradients reduce-scattered in backward; the
+    gathers again when the block is recomputed), and with balanced causal attention (``collectives.balances``) the
+    four sends of half the rank's queries (``CostModel.op_priced``). Returns (seconds on the critical path, bytes
+    backward keeps of the gathered keys and values -- none under full recomputation --, bytes alive while one
+    block runs)."""
+    link = mesh.link(1)
+    seconds = kept = held = 0.0
+    again = c.recompute == "full"
+    for heads, kv_heads, seq, dim, isz, on_tp in prof.attention:
+        t = c.tp if on_tp else 1
+        kv = rows * kv_heads / t * seq * dim * isz  # one of K, V: the gathered buffer
+        gather = 2 * collective_time("all_gather", kv, c.cp, link)
+        seconds += gather * (2 if again else 1) + 2 * collective_time("reduce_scatter", kv, c.cp, link)
+        chunk = seq // c.cp
+        if balances(chunk, c.cp):
+            half = rows * heads / t * chunk // 2 * dim * isz
+            seconds += (6 if again else 4) * send_time(half, link)
+        kept += 0.0 if again else 2 * kv
+        held = max(held, 2 * kv)
+    return seconds, kept, held
 
 
 def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L: int, budget: float) -> Screened:
@@ -398,7 +455,7 @@ def _bound(prof: _Profile, c: Candidate, batch: int, L: int) -> float:
     """A lower bound on a candidate's screened step: the schedule's analytic step (as ``_screen_pipeline`` prices
     it) with the slowest stage at least the average, at least ceil(L / S) blocks and at least the embedding or the
     head alone; no communication."""
-    rows = batch / (c.dp * c.microbatches)
+    rows = batch / (c.dp * c.cp * c.microbatches)
     a, b = prof.units[c.recompute]
     U = len(a.fwd)
     per = [max(x1 + (x2 - x1) * (rows - 1), 0.0) for x1, x2 in zip(
@@ -431,13 +488,22 @@ def _hsdp_groups(cluster: Cluster, dp: int, tp: int) -> list[int]:
     return [s for s in _divisors(dp) if 1 < s < dp and (g % (s * tp) == 0 or (s * tp) % g == 0)]
 
 
-def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...]) -> list[Candidate]:
+def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...], seq: int | None = None) -> list[Candidate]:
     """Every factorisation dp x pp x tp of the cluster (tp within a node, pp at most the blocks, dp dividing the
     batch), with each pipeline's microbatch counts and schedules, each recomputation mode, and without a pipeline
-    each ZeRO stage, over all of dp or (HSDP) over shard groups inside it."""
+    each ZeRO stage, over all of dp or (HSDP) over shard groups inside it; and without a pipeline, given the
+    sequence length ``seq``, dp x cp x tp with context parallelism over cp ranks (each rank's chunk of the sequence
+    halving, so that causal attention balances), ZeRO over dp x cp."""
     out = []
     for tp in _divisors(cluster.gpus_per_node):
         rest = cluster.devices // tp
+        for cp in _divisors(rest)[1:] if seq else ():
+            dp = rest // cp
+            if batch % dp or seq % (2 * cp):
+                continue
+            for rc in recompute:
+                for z in (0, 1, 2, 3):
+                    out.append(Candidate(dp, 1, tp, rc, zero=z, cp=cp))
         for pp in _divisors(rest):
             dp = rest // pp
             if batch % dp or (pp > 1 and pp > L):
@@ -473,20 +539,26 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
     if len(rows_all) != 1:
         raise AutoparError(f"the example inputs must share one batch dim (the global batch); they have {sorted(rows_all)}")
     B = rows_all.pop()
+    # the sequence (dim 1 of every input of more than one dim, when they agree): context parallelism splits it
+    seqs = {t.shape[1] for t in args if isinstance(t, torch.Tensor) and t.ndim > 1}
+    seq = seqs.pop() if len(seqs) == 1 else None
     proxy, L = _proxy_model(model)
     if L == 0:
         return _plan_each(model, args, cluster, budget, t_start)
     real_budget, budget = budget, budget * SCREEN_MARGIN
     timings = {"proxy": 0.0, "screen": 0.0, "plan": 0.0}
     profiles: dict[int, _Profile | None] = {}
-    cands = candidates(cluster, B, max(L, 1), modes)
+    cands = candidates(cluster, B, max(L, 1), modes, seq)
     if not cands:
         least = math.ceil(cluster.devices / (cluster.gpus_per_node * max(L, 1)))  # dp that leaves at most L stages
         raise AutoparError(
             f"no factorisation dp x pp x tp of the {cluster.devices} devices of {cluster} fits a global batch of {B} rows "
             f"and {L} blocks: dp must divide the batch, tp at most fills a node ({cluster.gpus_per_node}), and pp takes the "
-            f"rest, at most one stage per block ({L}); so dp must be at least {least}. Use a global batch that is a "
-            f"multiple of {next(d for d in _divisors(cluster.devices) if candidates(cluster, d, max(L, 1), modes[:1]))}, or fewer devices"
+            f"rest, at most one stage per block ({L}); so dp must be at least {least}"
+            + (f" (context parallelism, the rest of the devices splitting the sequence, needs an even number of its {seq} tokens "
+               "per rank)" if seq else "")
+            + f". Use a global batch that is a multiple of "
+            f"{next(d for d in _divisors(cluster.devices) if candidates(cluster, d, max(L, 1), modes[:1]))}, or fewer devices"
         )
     t0 = time.perf_counter()
     tgs = [trace(proxy, slice_batch(args, r)) for r in (2, 4)]  # one and two rows per rank of the proxy's dp=2
@@ -633,7 +705,7 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
             out.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen"))
             continue
         if c.pp == 1:
-            got = _screen_flat(prof, c, cluster, B // c.dp, L, budget)
+            got = _screen_flat(prof, c, cluster, B / (c.dp * c.cp), L, budget)
             if _batch_over_tp(c, B) and one is not None:  # or the tp axis carries the batch, as tp = 1 plans it
                 alt = dataclasses.replace(_screen_flat(one, c, cluster, B // (c.dp * c.tp), L, budget, batch_over_tp=True),
                                           note=BATCH_OVER_TP)
@@ -652,7 +724,7 @@ def _batch_over_tp(c: Candidate, batch: int) -> bool:
     rank split over tp. Its real plan then has tp = 1's strategies with the batch split over both axes (the ILP
     finds that itself), which the tp-degree proxy -- profiled at one and two rows per rank, too few to split --
     never shows; the screen prices it from tp = 1's profile at rows / tp per device."""
-    return c.pp == 1 and c.tp > 1 and (batch // c.dp) % c.tp == 0
+    return c.pp == 1 and c.cp == 1 and c.tp > 1 and (batch // c.dp) % c.tp == 0
 
 
 def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float) -> Plan:
@@ -660,7 +732,7 @@ def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float)
     from autopar.planner import make_plan
 
     c = s.candidate
-    mesh = cluster.mesh(c.dp, c.pp, c.tp)
+    mesh = cluster.mesh(c.dp, c.pp, c.tp, cp=c.cp)
     if c.pp > 1:
         pin = PipelinePin(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual if c.virtual > 1 else None)
         # the stages' ILP bounds the average rank; the screen saw how much fuller the fullest rank is (the embedding's
@@ -671,6 +743,9 @@ def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float)
     if c.shard:
         mesh = cluster.mesh(c.dp, c.pp, c.tp, c.shard)
         pins = [ZeroPin("*", c.zero, ("fsdp",))]
+    elif c.cp > 1:
+        mesh = cluster.mesh(c.dp, c.pp, c.tp, cp=c.cp)
+        pins = [ZeroPin("*", c.zero, tuple(a for a in ("dp", "cp") if a in mesh.names) if c.zero else None)]
     else:
         pins = [ZeroPin("*", c.zero)] if c.dp > 1 else []
     # a screened peak well under the budget: skip the solver's infeasibility pre-check (0.6 s on Llama-3-70B)

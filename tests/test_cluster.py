@@ -45,6 +45,39 @@ def test_candidates_keep_tensor_parallel_inside_a_node_and_split_the_batch():
     assert all(256 // c.dp % c.microbatches == 0 for c in cands if c.pp > 1)
 
 
+def test_candidates_split_the_sequence_only_without_a_pipeline_and_in_even_chunks():
+    cl = Cluster(2, 8)
+    cands = candidates(cl, batch=4, L=8, recompute=("none",), seq=80)
+    cp = [c for c in cands if c.cp > 1]
+    assert cp and all(c.pp == 1 and c.dp * c.cp * c.tp == 16 and 4 % c.dp == 0 and 80 % (2 * c.cp) == 0 for c in cp)
+    assert {c.cp for c in cp} == {2, 4, 8}  # 80 tokens: the 5 per rank of cp=16 do not halve
+    assert not [c for c in candidates(cl, batch=4, L=8, recompute=("none",)) if c.cp > 1]  # no sequence given
+
+
+def test_a_sequence_too_long_for_every_other_layout_is_split_by_context_parallelism(monkeypatch):
+    """32K tokens of one sequence on 8 GPUs under 1 GiB each: only splitting the sequence fits (the tp axis cannot
+    shard the optimizer state, a cp axis can: ZeRO over cp). The screen's step is the real plan's; without cp
+    candidates the search finds nothing."""
+    from autopar import cluster
+    from models.llama import Llama, LlamaConfig
+
+    seq = 32768
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=4096, max_seq_len=seq, n_layer=8, n_head=8, n_kv_head=2, dim=1024, ffn_dim=4096)).to(torch.bfloat16)
+    x = torch.empty(1, seq, dtype=torch.long, device="meta")
+    cl, budget = Cluster(1, 8, "h100-80gb"), 2**30
+    plan = plan_cluster(model, (x, x), cl, budget)
+    axes = dict(zip(plan.mesh.names, plan.mesh.sizes))
+    assert axes.get("cp", 1) > 1 and plan.cost.memory_per_device <= budget
+    assert all("cp" in shard for stage, shard in plan.zero_stages.values() if stage)
+    assert plan.search[0].step == pytest.approx(plan.cost.step_time, rel=0.05)
+    assert any(c.kind == "send" and c.axis == "cp" for c in plan.collective_list)  # balanced causal attention
+    plain = cluster.candidates
+    monkeypatch.setattr(cluster, "candidates", lambda cl_, batch, L, rc, seq=None: plain(cl_, batch, L, rc))
+    with pytest.raises(autopar.InfeasibleError, match="fits 1.0 GiB"):
+        plan_cluster(model, (x, x), cl, budget)
+
+
 def test_fewer_rows_than_pipeline_ranks_pipeline_with_gpipe():
     """1F1B needs a microbatch per rank; with fewer rows per replica than ranks GPipe still runs (every microbatch in
     flight), so the search keeps it there -- one row per microbatch -- instead of finding no factorisation."""
@@ -55,8 +88,9 @@ def test_fewer_rows_than_pipeline_ranks_pipeline_with_gpipe():
     short = [c for c in cands if c.pp > 1 and c.microbatches < c.pp]
     assert short and all(c.schedule == "gpipe" for c in short)
     assert all(c.schedule != "gpipe" for c in cands if c.pp > 1 and c.microbatches >= c.pp)
-    with pytest.raises(autopar.AutoparError, match=r"dp must divide the batch.*so dp must be at least 4"):
-        plan_cluster(_gpt(layers=4), _ids(3), Cluster(16, 8, "a100-80gb"))  # dp 1 leaves 16+ stages for 4 blocks
+    # dp 1 leaves 16+ stages for 4 blocks, and 255 tokens do not split evenly for context parallelism
+    with pytest.raises(autopar.AutoparError, match=r"dp must divide the batch.*so dp must be at least 4.*even number of its 255 tokens"):
+        plan_cluster(_gpt(layers=4), _ids(3, 255), Cluster(16, 8, "a100-80gb"))
     model, inputs, cl = _gpt(layers=8, width=512), _ids(2), Cluster(1, 8, "a100-80gb")
     plan = plan_cluster(model, inputs, cl)
     assert plan.pipeline is not None and plan.pipeline.schedule == "gpipe", plan.mesh
@@ -90,7 +124,7 @@ def test_a_tight_budget_buys_recomputation_or_pipelining_and_the_plan_fits():
     with pytest.raises(autopar.InfeasibleError, match="fits"):
         plan_cluster(model, inputs, cl, memory_budget=1e6)
     with pytest.raises(autopar.AutoparError, match="global batch of 7 rows.*multiple of 2"):
-        plan_cluster(model, _ids(7), Cluster(16, 8))  # dp 1 leaves 16+ stages for 8 blocks
+        plan_cluster(model, _ids(7, 255), Cluster(16, 8))  # dp 1 leaves 16+ stages for 8 blocks (and 255 tokens no cp)
 
 
 def test_when_every_candidate_the_screen_kept_is_too_big_the_dropped_ones_are_screened_again(monkeypatch):
@@ -215,7 +249,7 @@ def test_the_screen_prices_a_tp_axis_that_carries_the_batch():
     model, inputs, cl = _gpt(layers=32, width=512, block=1024), _ids(64, 1024), Cluster(2, 8, "a100-80gb")
     plan = plan_cluster(model, inputs, cl, recompute=("none",), top=1)
     got = {(s.candidate.tp, s.candidate.zero): s for s in plan.search
-           if s.candidate.pp == 1 and s.candidate.tp > 1 and s.candidate.zero in (0, 1, 3) and not s.candidate.shard}
+           if s.candidate.pp == 1 and s.candidate.tp > 1 and s.candidate.zero in (0, 1, 3) and not s.candidate.shard and s.candidate.cp == 1}
     assert set(got) == {(tp, zero) for tp in (2, 4, 8) for zero in (0, 1, 3)}
     for (tp, zero), s in got.items():
         real = autopar.plan(model, cl.mesh(16 // tp, 1, tp), inputs, recompute="none", constraints=[autopar.ZeroPin("*", zero)])

@@ -289,9 +289,10 @@ def main() -> None:
                 fit = (case, _fit_clocks(case))
             if case.model == "llama3-8b" and case.hardware == "h100-500w" and case.seq == 8192:
                 scaling[case.runtime, case.devices] = (case.tps, case.batch * case.seq / (case.devices * pub.cost.step_time))
-            if case.strategy == "megatron-3d" and case.runtime and case.runtime.startswith("fsdp2"):
-                # torchtitan's 3-D runs: autopar's own plan for the same cluster and batch, beside them (once)
-                key = (case.model, case.devices)
+            if (case.strategy == "megatron-3d" or case.seq > 8192) and case.runtime and case.runtime.startswith("fsdp2"):
+                # torchtitan's 3-D and long-sequence runs: autopar's own plan for the same cluster, batch and
+                # sequence, beside them (once)
+                key = (case.model, case.devices) + ((f"{case.seq // 1024}K tokens",) if case.seq > 8192 else ())
                 if key not in checked_auto:
                     t0 = time.perf_counter()
                     checked_auto[key] = (plan_cluster(model, inputs, cluster), time.perf_counter() - t0, [])
@@ -350,10 +351,11 @@ def main() -> None:
         if fit is not None:
             print(f"h100-500w's clocks refitted on {fit[0].published.split(': ')[1]}: {fit[1]:.3f} of the 700 W part's "
                   f"tensor-core peaks (the preset: {H100_500W_CLOCKS})")
-        for (name, n), (auto, took, pubs) in checked_auto.items():
+        for (name, n, *seq), (auto, took, pubs) in checked_auto.items():
             tp = dict(zip(auto.mesh.names, auto.mesh.sizes)).get("tp", 1)
-            against = ", ".join(f"{p.pipeline.label} {p.cost.step_time:.2f} s ({auto.cost.step_time / p.cost.step_time:.3f}x)" for p in pubs)
-            print(f"{name} @{n}: autopar's plan {_shape(auto)}, {auto.cost.step_time:.2f} s predicted, tp = {tp}"
+            against = ", ".join(f"{p.pipeline.label if p.pipeline else _shape(p)} {p.cost.step_time:.2f} s "
+                                f"({auto.cost.step_time / p.cost.step_time:.3f}x)" for p in pubs)
+            print(f"{name} @{n}{''.join(f' {x}' for x in seq)}: autopar's plan {_shape(auto)}, {auto.cost.step_time:.2f} s predicted, tp = {tp}"
                   + (f" ({_tp_axis_use(auto)})" if tp > 1 else "") + f"; planned in {took:.1f} s; the published, predicted: {against}")
     print("\nshapes:")
     for (name, n, strategy), (pub, auto) in seen.items():
@@ -376,18 +378,27 @@ def main() -> None:
 
 def _tp_axis_use(plan) -> str:
     """What the tp axis carries in a plan's repeated block: which linear weights it splits (tensor parallel); the
-    rest of the block then runs on a slice of the batch there."""
+    rest of the block then runs on a slice of the batch, or of the sequence, there (the dim most of the block's
+    activations split on tp)."""
     tp = plan.mesh.names.index("tp")
     block = {b for b, t in plan.blocks if t is None}
-    split, whole = [], []
+    split, whole, dims = [], [], {}
     for node in plan.nodes.values():
-        if node.op != "param" or len(node.shape) != 2 or not any(node.path.startswith(b + ".") for b in block):
+        if not any(node.path.startswith(b + ".") for b in block):
+            continue
+        if node.op != "param":
+            p = node.strategy.output.placements[tp]
+            if p.is_shard() and p.dim in (0, 1) and len(node.shape) == 3:  # (batch, sequence, features)
+                dims[p.dim] = dims.get(p.dim, 0) + 1
+            continue
+        if len(node.shape) != 2:
             continue
         short = ".".join(node.path.split(".")[-3:-1])
         (split if node.strategy.output.placements[tp].is_shard() else whole).append(short)
+    rest = "the sequence" if dims.get(1, 0) > dims.get(0, 0) else "the batch"
     if not split:
-        return "batch only (no weight split: no tensor parallelism)"
-    return f"splits {', '.join(split)}" + (" (the batch elsewhere)" if whole else "")
+        return f"{rest} only (no weight split: no tensor parallelism)"
+    return f"splits {', '.join(split)}" + (f" ({rest} elsewhere)" if whole else "")
 
 
 def _tp_sweep(pub, auto) -> None:

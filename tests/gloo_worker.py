@@ -122,7 +122,7 @@ def main() -> None:
     pairs = redistributions({"dp": 2, "tp": world // 2} if world > 2 else {"dp": 2})
     if dist.get_rank() == 0:
         print(f"REDISTRIBUTE {pairs}", flush=True)
-    meshes = [{"dp": 2}, {"tp": 2}] if world == 2 else [{"tp": 4}, {"dp": 2, "tp": 2}, {"dp": 4}, {"dp_rep": 2, "dp_shard": 2}]
+    meshes = [{"dp": 2}, {"tp": 2}, {"cp": 2}] if world == 2 else [{"tp": 4}, {"dp": 2, "tp": 2}, {"dp": 4}, {"dp_rep": 2, "dp_shard": 2}]
     for axes in meshes:
         for name in ("gpt", "llama"):
             variants = [("auto", ())]
@@ -140,6 +140,8 @@ def main() -> None:
                     variants.append(("zero3+selective-ac", [autopar.ZeroPin("*", 3)], "selective"))
             if "dp_shard" in axes:
                 variants = [("hsdp-zero3", [autopar.ZeroPin("*", 3, ("dp_shard",))])]
+            if "cp" in axes:  # FSDP + CP: the balanced attention's query swaps (send / recv), ZeRO-3 sharded over cp
+                variants = [("fsdp+cp", [("*:scaled_dot_product_attention*", "S(2)"), autopar.ZeroPin("*", 3, ("cp",))])]
             for variant, pins, *recompute in variants:
                 dl, dg, dp = case(name, axes, pins, *recompute)
                 if dist.get_rank() == 0:

@@ -12,8 +12,8 @@ Strategies:
 - ``ddp``: every weight whole, gradients all-reduced over the data axes (``zero`` 0 by default).
 - ``fsdp``: ZeRO-3 over the data axes (``zero`` may lower the stage).
   On a mesh with a ``tp`` axis both compose with Megatron on ``tp`` (torchtitan's 2-D: "ddp+tp", "fsdp+tp"); on a
-  mesh with a ``cp`` axis with context parallelism (torchtitan's FSDP + CP, "fsdp+cp"): every attention's queries
-  split by sequence on cp, and ZeRO sharding over the data and cp axes both.
+  mesh with a ``cp`` axis with context parallelism (torchtitan's FSDP + CP, "fsdp+cp", and with tp "fsdp+tp+cp"):
+  every attention's queries split by sequence on cp, and ZeRO sharding over the data and cp axes both.
 - ``megatron``: column-parallel then row-parallel projections on ``tp`` (GPT: c_attn/c_fc then c_proj; Llama,
   Mixtral: wq/wk/wv, w1/w3 then wo, w2; Mixtral's experts split along their hidden dim; Hugging Face's GPT-2,
   whose Conv1D weights are stored (in, out), and its Llama-style models: q/k/v_proj, gate/up_proj then o_proj,
@@ -88,20 +88,23 @@ def _layout(tg, family: str) -> list[tuple[str, str]]:
     return [(g, p) for g, p in _MEGATRON[family] if any(fnmatch.fnmatchcase(f, g) for f in tg.fqns.values())]
 
 
-def _megatron_pins(tg, family: str, t: int, data, ndim: int, sequence_parallel: bool) -> list:
+def _megatron_pins(tg, family: str, t: int, data, ndim: int, sequence_parallel: bool, cp=()) -> list:
     """Megatron's layout on tp axis ``t``: the family's projections column- then row-parallel (whole on the other
     axes); attention on its tp rank's heads (dim 1 of (B, H, T, D)), pinned so that the solver does not swap it for
-    a split of the queries (context parallelism), which Megatron does not use -- where attention is one fused op;
-    with ``sequence_parallel`` each block's residual adds split by sequence (dim 1 of (B, T, C)) on tp. Activations
-    keep the batch split on the data axes."""
+    a split of the queries on tp -- where attention is one fused op; with ``sequence_parallel`` each block's residual
+    adds split by sequence (dim 1 of (B, T, C)) on tp. Activations keep the batch split on the data axes and, with
+    context parallelism on the axes ``cp``, the sequence split there (attention's queries: dim 2)."""
     on_tp = lambda p: "".join(p if a == t else "R" for a in range(ndim))  # noqa: E731
-    dim1 = "".join("S(1)" if a == t else ("S(0)" if a in data else "R") for a in range(ndim))
+
+    def spec(on_cp: str) -> str:
+        return "".join("S(1)" if a == t else on_cp if a in cp else ("S(0)" if a in data else "R") for a in range(ndim))
+
     pins = [Pin(glob, on_tp(placement)) for glob, placement in _layout(tg, family)]
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     if any(n.op == "call_function" and n.target is sdpa for n in tg.gm.graph.nodes):
-        pins.append(Pin("*:scaled_dot_product_attention*", dim1))
+        pins.append(Pin("*:scaled_dot_product_attention*", spec("S(2)")))
     if sequence_parallel:
-        pins += [Pin(f"{b.fqn}:add*", dim1) for b in tg.blocks]
+        pins += [Pin(f"{b.fqn}:add*", spec("S(1)")) for b in tg.blocks]
     return pins
 
 
@@ -210,9 +213,9 @@ def handwritten(
     if other:
         names = ", ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in other)
         raise NotRealised(f"{strategy}: mesh axes {names} have no role in this strategy (it uses dp..., tp, cp and pp axes)")
-    if cp_axes and (strategy not in ("ddp", "fsdp") or tp_axes or pipe is not None):
-        raise NotRealised(f"{strategy}: a cp axis composes with ddp / fsdp on the data axes here (torchtitan's FSDP + CP), "
-                          f"not with tp or pp yet; mesh {mesh}")
+    if cp_axes and (strategy not in ("ddp", "fsdp") or pipe is not None):
+        raise NotRealised(f"{strategy}: a cp axis composes with ddp / fsdp on the data axes, and Megatron on tp, here "
+                          f"(torchtitan's FSDP + CP, FSDP + TP + CP), not with pp yet; mesh {mesh}")
     if strategy == "explicit":
         want = {"tp": tp or 1, "dp": dp or 1, "pp": pp or 1}
         have = {"tp": math.prod(mesh.sizes[a] for a in tp_axes), "dp": math.prod(mesh.sizes[a] for a in data),
@@ -241,7 +244,7 @@ def handwritten(
         raise ShardingError(f"{strategy} needs a data axis (named dp...) larger than 1; mesh {mesh} has none")
     if strategy in ("ddp", "fsdp") and tp_axes:  # torchtitan's 2-D composition: Megatron on tp, DDP / FSDP on dp
         zero = zero if zero is not None else (3 if strategy == "fsdp" else 0)
-        label, strategy = f"{strategy}+tp", "megatron"
+        label, strategy = f"{strategy}+tp" + ("+cp" if cp_axes else ""), "megatron"
     if strategy in ("ddp", "fsdp"):
         stage = zero if zero is not None else (3 if strategy == "fsdp" else 0)
         # with cp, ZeRO shards over the data and cp axes both (torchtitan's dp_shard x cp)
@@ -267,9 +270,10 @@ def handwritten(
                 "nor Hugging Face's GPT-2 or Llama-style ones "
                 "found); pin its weights yourself with autopar.plan(..., constraints=[autopar.Pin(fqn, spec)])"
             )
-        pins += _megatron_pins(tg, family, tp_axes[0], data, mesh.ndim, sequence_parallel)
-        if data:
-            pins.append(ZeroPin("*", zero if zero is not None else 0))
+        pins += _megatron_pins(tg, family, tp_axes[0], data, mesh.ndim, sequence_parallel, cp_axes)
+        if data or cp_axes:
+            stage = zero if zero is not None else 0
+            pins.append(ZeroPin("*", stage, tuple(mesh.names[a] for a in data + cp_axes) if cp_axes and stage else None))
     plan = make_plan(tg, mesh, memory_budget, pins, recompute)
     knobs = []
     if sequence_parallel:

@@ -93,15 +93,19 @@ def test_context_parallel_attention_with_an_explicit_mask_matches_single_device(
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
 
 
-@pytest.mark.parametrize("axes", [{"dp": 2, "cp": 2}, {"cp": 4}], ids=["dp2xcp2", "cp4"])
+@pytest.mark.parametrize("axes", [{"dp": 2, "cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2, "tp": 2}], ids=["dp2xcp2", "cp4", "dp2xcp2xtp2"])
 def test_fsdp_with_context_parallelism_matches_single_device(axes):
-    """torchtitan's FSDP + CP, written by hand: every attention's queries split by sequence on cp (balanced), and
-    ZeRO-3 sharding each parameter over the data and cp axes both (a cp rank runs other tokens of the same
-    sequences, so a weight's gradient sums over cp as over dp)."""
+    """torchtitan's FSDP + CP (and FSDP + TP + CP), written by hand: every attention's queries split by sequence on
+    cp (balanced; on tp, its heads), and ZeRO-3 sharding each parameter over the data and cp axes both (a cp rank
+    runs other tokens of the same sequences, so a weight's gradient sums over cp as over dp)."""
     model, inputs = _model("llama"), _inputs()
     plan = autopar.handwritten(model, autopar.Mesh(axes, hardware="cpu-gloo"), inputs, "fsdp")
-    assert plan.label == "fsdp+cp"
-    assert {(stage, tuple(shard)) for stage, shard in plan.zero_stages.values()} == {(3, tuple(axes))}
+    assert plan.label == ("fsdp+tp+cp" if "tp" in axes else "fsdp+cp")
+    shard = tuple(a for a in axes if a != "tp")
+    assert {(stage, tuple(on)) for stage, on in plan.zero_stages.values()} == {(3, shard)}
+    if "tp" in axes:
+        attention = {str(plan.nodes[n].strategy.output) for n in plan.nodes if "scaled_dot_product_attention" in n}
+        assert attention == {"S(0)S(2)S(1)"}
     sends = {c.axis for c in plan.collective_list if c.kind == "send"}
     assert sends == {"cp"}  # the balanced attention's swaps
     r = parity(model, inputs, axes, plan=plan)

@@ -388,8 +388,9 @@ def _context_parallel(prof: _Profile, c: Candidate, mesh: Mesh, rows: float) -> 
         if balances(chunk, c.cp):
             half = rows * heads / t * chunk // 2 * dim * isz
             seconds += (6 if again else 4) * send_time(half, link)
-        kept += 0.0 if again else 2 * kv
-        held = max(held, 2 * kv)
+        # the profile at a cp-th of the rows keeps a cp-th of these rows' keys and values; the rest is the gather's
+        kept += 0.0 if again else 2 * kv * (1 - 1 / c.cp)
+        held = max(held, 2 * kv * (1 - 1 / c.cp))
     return seconds, kept, held
 
 

@@ -97,7 +97,7 @@ from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
 from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, eligible, grad_bucket, grad_spec, group_latency, param_cost,
-                          shard_axes as zero_shard_axes, zero3_traffic, zero3_uses, zero_options)
+                          zero3_traffic, zero3_uses, zero_axes, zero_options)
 
 
 def gc_paused(fn):
@@ -592,7 +592,7 @@ def _zero_allowed(zgroups, zopts: list[ZeroOption], mesh: Mesh, pins) -> dict[st
                 continue
             ok.add(k)
         if not ok:
-            axes = [mesh.names[a] for a in zero_shard_axes(mesh)]
+            axes = [mesh.names[a] for a in zero_axes(mesh)]
             raise ShardingError(
                 f"ZeRO pin {pin.group!r}: stage {pin.stage}" + (f" over {','.join(pin.shard)}" if pin.shard else "")
                 + f" is not available on mesh {mesh}: ZeRO shards over the data axes (named dp...) and context-parallel "

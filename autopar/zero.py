@@ -2,10 +2,10 @@
 
 In: a parameter's Spec as compute uses it (replicated on the data axes), its metadata, the mesh.
 Out: ``zero_options(mesh)`` (stage 0 = plain data parallel, then stages 1-3 over every non-empty set of data
-and context-parallel axes, ``shard_axes``; sharding over some data axes and replicating over the others is HSDP), and ``param_cost(option, ...)``:
-the per-device bytes (held all step, gradients) and the gradient-synchronisation seconds (bandwidth part) of one
-parameter under an option; ``bucket_latency`` a gradient bucket's launch latency and ``group_latency`` a ZeRO-3
-group's; the solver chooses per group.
+and context-parallel axes, ``zero_axes``; sharding over some data axes and replicating over the others is HSDP),
+and ``param_cost(option, ...)``: the per-device bytes (held all step, gradients) and the gradient-synchronisation
+seconds (bandwidth part) of one parameter under an option; ``bucket_latency`` a gradient bucket's launch latency
+and ``group_latency`` a ZeRO-3 group's; the solver chooses per group.
 
 How each stage runs (passes/zero.py, autopar/collectives.py) and what it holds, per parameter of e elements of
 itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO paper's Psi = e):
@@ -63,7 +63,7 @@ class ZeroOption:
         return ZeroOption(int(d[0]), tuple(mesh.names.index(a) for a in d[1]))
 
 
-def shard_axes(mesh: Mesh) -> tuple[int, ...]:
+def zero_axes(mesh: Mesh) -> tuple[int, ...]:
     """The axes ZeRO may shard over: the data axes, and the context-parallel ones (``cp``), whose ranks run other
     tokens of the same sequences, so a weight is whole there and its gradient summed over them, as over data
     parallelism (torchtitan's FSDP shards over dp x cp)."""
@@ -71,9 +71,9 @@ def shard_axes(mesh: Mesh) -> tuple[int, ...]:
 
 
 def zero_options(mesh: Mesh) -> list[ZeroOption]:
-    """Stage 0, then stages 1-3 over every non-empty set of ``shard_axes`` (outermost axes first)."""
+    """Stage 0, then stages 1-3 over every non-empty set of ``zero_axes`` (outermost axes first)."""
     opts = [ZeroOption(0)]
-    axes = shard_axes(mesh)
+    axes = zero_axes(mesh)
     subsets = [c for k in range(1, len(axes) + 1) for c in itertools.combinations(axes, k)]
     for stage in (1, 2, 3):
         for sub in subsets:

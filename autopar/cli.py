@@ -37,11 +37,11 @@ def _parse_mesh(text: str) -> dict[str, int]:
     return axes
 
 
-def _load_model(spec: str, dtype):
+def _load_model(spec: str, dtype, context: int | None = None):
     import models
 
     if spec in models.REGISTRY:
-        return models.build(spec, device="meta", dtype=dtype)
+        return models.build(spec, device="meta", dtype=dtype, context=context)
     if ":" in spec:
         mod, _, fn = spec.partition(":")
         out = getattr(importlib.import_module(mod), fn)()
@@ -93,11 +93,11 @@ def cmd_plan_cluster(args) -> int:
     from autopar.cluster import search_table
 
     t0 = time.perf_counter()
-    model, inputs = _load_model(args.model, DTYPES[args.dtype])
+    model, inputs = _load_model(args.model, DTYPES[args.dtype], getattr(args, "context", None))
     nodes, gpus = _parse_cluster(args.cluster)
     cluster = autopar.Cluster(nodes, gpus, args.hardware)
     print(f"planning {args.model} on {cluster} ({cluster.devices} devices; global batch {args.batch} x seq {args.seq}, {args.dtype}): "
-          "searching dp x pp x tp, microbatches, schedule, recomputation ...", flush=True)
+          "searching dp x pp x tp and dp x cp x tp, microbatches, schedule, recomputation ...", flush=True)
     budget = args.memory_budget * 2**30 if args.memory_budget else None
     plan = autopar.plan(model, cluster, inputs(args.batch, args.seq), memory_budget=budget)
     print(plan.table())
@@ -118,7 +118,7 @@ def cmd_plan(args) -> int:
         return cmd_plan_cluster(args)
     dtype = DTYPES[args.dtype]
     t0 = time.perf_counter()
-    model, inputs = _load_model(args.model, dtype)
+    model, inputs = _load_model(args.model, dtype, getattr(args, "context", None))
     mesh = autopar.Mesh(_parse_mesh(args.mesh), hardware=args.hardware)
     print(f"planning {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {args.dtype})", flush=True)
     budget = args.memory_budget * 2**30 if args.memory_budget else None
@@ -150,7 +150,7 @@ def cmd_plan(args) -> int:
 def cmd_compare(args) -> int:
     import autopar
 
-    model, inputs = _load_model(args.model, DTYPES[args.dtype])
+    model, inputs = _load_model(args.model, DTYPES[args.dtype], getattr(args, "context", None))
     mesh = autopar.Mesh(_parse_mesh(args.mesh), hardware=args.hardware)
     plans = [p.strip() for p in args.plans.split(",")] if args.plans else ["auto"] + [p for p in _handwritten_for(mesh)]
     budget = args.memory_budget * 2**30 if args.memory_budget else None
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster", default=None, help="NODESxGPUS, e.g. 192x8: search the mesh too (instead of --mesh)")
     p.add_argument("--hardware", default="h100-80gb")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per data-parallel rank; with pp, 8 x pp per rank)")
-    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {DEFAULT_SEQ}, or the model's context if shorter)")
+    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {DEFAULT_SEQ}, or the model's context if shorter; longer than a known model's context, it extends it)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's memory)")
     p.add_argument("--json", default=None, help="write the plan as JSON to this file")
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         axes = _parse_mesh(args.mesh)
         pp = axes.get("pp", 1)  # a pipeline needs microbatches to fill its stages
         args.batch = max(1, math.prod(v for k, v in axes.items() if k.startswith("dp"))) * (8 * pp if pp > 1 else 1)
+    # a --seq longer than a registry model's context extends it (long-context planning); the default is capped
+    args.context = getattr(args, "seq", None)
     if args.cmd in ("plan", "compare") and args.seq is None:
         args.seq = DEFAULT_SEQ
     try:

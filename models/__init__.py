@@ -35,13 +35,18 @@ REGISTRY: dict[str, tuple[type, Callable[[], object]]] = {
 }
 
 
-def build(name: str, device: str = "meta", dtype: torch.dtype | None = None, **config):
-    """The model named ``name`` and a function ``inputs(batch, seq)`` giving one example global batch. ``config``:
-    fields of the model's config to change (``norm="fp32-composite"`` for a Llama as torchtitan runs it)."""
+def build(name: str, device: str = "meta", dtype: torch.dtype | None = None, context: int | None = None, **config):
+    """The model named ``name`` and a function ``inputs(batch, seq)`` giving one example global batch (``seq`` at
+    most the model's context). ``config``: fields of the model's config to change (``norm="fp32-composite"`` for a
+    Llama as torchtitan runs it). ``context``: at least this many tokens of context (GPT's ``block_size``, a Llama's
+    or Mixtral's ``max_seq_len``: a longer position table or RoPE table), for planning long sequences."""
     if name not in REGISTRY:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
     cls, make_cfg = REGISTRY[name]
     cfg = dataclasses.replace(make_cfg(), **config) if config else make_cfg()
+    field = "block_size" if cls is GPT else "max_seq_len" if cls is not MLP else None
+    if context is not None and field is not None and getattr(cfg, field) < context:
+        cfg = dataclasses.replace(cfg, **{field: context})
     with torch.device(device):
         model = cls(cfg)
     if dtype is not None:

@@ -43,6 +43,15 @@ def test_plan_command_searches_a_cluster(tmp_path, capsys):
         main(["plan", "gpt-tiny", "--cluster", "1x4", "--mesh", "dp=4"])
 
 
+def test_a_seq_longer_than_the_models_context_extends_it(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "llama-tiny", "--cluster", "1x8", "--hardware", "h100-80gb", "--batch", "1", "--seq", "4096",
+                 "--json", str(out)]) == 0  # llama-tiny's context is 16 tokens
+    assert "global batch 1 x seq 4096" in capsys.readouterr().out
+    plan = autopar.Plan.from_json(out.read_text())
+    assert {n.shape for n in plan.nodes.values() if n.op == "input"} == {(1, 4096)}
+
+
 def test_the_main_jobs_plan_step_runs_with_its_own_arguments(capsys):
     import argparse
 

@@ -78,6 +78,25 @@ def test_a_sequence_too_long_for_every_other_layout_is_split_by_context_parallel
         plan_cluster(model, (x, x), cl, budget)
 
 
+def test_a_tp_axis_that_splits_no_weight_must_win_by_a_margin():
+    """Llama-3.1 8B at 256K tokens on 8 H100s (torchtitan's FSDP 1 x CP 8): cp=2 x tp=4 with the tp axis splitting
+    the sequence, not weights, screened 0.2% ahead of cp=8 for 75% more memory (ZeRO shards over cp, not tp). Such
+    a tp axis ranks as if 2% slower, as one carrying only the batch does."""
+    import dataclasses
+
+    from autopar.cluster import TP_WITHOUT_WEIGHTS
+    from autopar.hardware import get_hardware
+
+    # torchtitan's GPUs and runtime (FSDP2 overlapping its traffic, float8 linears, compiled), as plan_quality.py has them
+    titan = dataclasses.replace(get_hardware("h100-500w"), overlap=1.0, zero3_per_block=True, grad_reduce_bytes=4,
+                                selective_recomputes_every=2, float8_linears=True, fused_elementwise=True)
+    model, make = models.build("llama3-8b", dtype=torch.bfloat16, context=262144)
+    plan = plan_cluster(model, make(1, 262144), Cluster(1, 8, titan))
+    assert dict(zip(plan.mesh.names, plan.mesh.sizes)) == {"cp": 8}, plan.mesh
+    flagged = [s for s in plan.search if s.note == TP_WITHOUT_WEIGHTS]
+    assert flagged and all(s.candidate.tp > 1 and s.rank == pytest.approx(1.02 * s.step) for s in flagged)
+
+
 def test_fewer_rows_than_pipeline_ranks_pipeline_with_gpipe():
     """1F1B needs a microbatch per rank; with fewer rows per replica than ranks GPipe still runs (every microbatch in
     flight), so the search keeps it there -- one row per microbatch -- instead of finding no factorisation."""

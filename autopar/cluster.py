@@ -161,9 +161,10 @@ class Screened:
 
     @property
     def rank(self) -> float:
-        """What the search ranks by: the step, and a margin that HSDP and a tp axis carrying only the batch (more
-        state held, an axis added) must win by."""
-        return self.step * _rank_penalty(self.candidate) * (BATCH_TP_RANK_PENALTY if self.note in (BATCH_OVER_TP, TP_WITHOUT_WEIGHTS) else 1.0)
+        """What the search ranks by: the step, and a margin that HSDP and a tp axis carrying only the batch or the
+        sequence (more state held, an axis added) must win by."""
+        tp_without_weights = self.note in (BATCH_OVER_TP, TP_WITHOUT_WEIGHTS)
+        return self.step * _rank_penalty(self.candidate) * (BATCH_TP_RANK_PENALTY if tp_without_weights else 1.0)
 
 
 # --- the proxy ---------------------------------------------------------------------------------------------------
@@ -176,7 +177,7 @@ class _Profile:
     # meta, its uses as ZeRO-3 gathers it)
     memo: dict = dataclasses.field(default_factory=dict)  # (recompute, rows, L) -> expanded UnitCosts
     # the template block's attention ops: (query heads, key/value heads, sequence, head dim, itemsize, heads split on
-    # tp), what context parallelism's gathers and swaps move
+    # tp, causal), what context parallelism's gathers and swaps move
     attention: tuple = ()
     splits_weights: bool = True  # whether the tp axis splits any of the template block's parameters
 
@@ -252,7 +253,8 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
             q, k = info.inputs[0], info.inputs[1]
             if q.ndim == 4 and k.ndim == 4:
                 heads = choice.strategy[n].inputs[0].placements[1] == Shard(1)
-                attention.append((q.shape[1], k.shape[1], q.shape[2], q.shape[3], itemsize(q.dtype), heads))
+                causal = bool(info.arg(5, "is_causal", False))
+                attention.append((q.shape[1], k.shape[1], q.shape[2], q.shape[3], itemsize(q.dtype), heads, causal))
     splits = any(spec.placements[1].is_shard() for unit, spec, _, _ in params.values() if unit == 1)
     return _Profile(out, params, attention=tuple(attention), splits_weights=splits)
 
@@ -378,20 +380,20 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
 def _context_parallel(prof: _Profile, c: Candidate, mesh: Mesh, rows: float) -> tuple[float, float, float]:
     """One block's context-parallel traffic on the cp axis (axis 1 of ``mesh``), for ``rows`` sequences per dp
     rank: each attention's keys and values all-gathered whole (their gradients reduce-scattered in backward; the
-    gathers again when the block is recomputed), and with balanced causal attention (``collectives.balances``) the
+    gathers again when the block is recomputed), and with causal attention balanced (``collectives.balances``) the
     four sends of half the rank's queries (``CostModel.op_priced``). Returns (seconds on the critical path, bytes
     backward keeps of the gathered keys and values -- none under full recomputation --, bytes alive while one
     block runs)."""
     link = mesh.link(1)
     seconds = kept = held = 0.0
     again = c.recompute == "full"
-    for heads, kv_heads, seq, dim, isz, on_tp in prof.attention:
+    for heads, kv_heads, seq, dim, isz, on_tp, causal in prof.attention:
         t = c.tp if on_tp else 1
         kv = rows * kv_heads / t * seq * dim * isz  # one of K, V: the gathered buffer
         gather = 2 * collective_time("all_gather", kv, c.cp, link)
         seconds += gather * (2 if again else 1) + 2 * collective_time("reduce_scatter", kv, c.cp, link)
         chunk = seq // c.cp
-        if balances(chunk, c.cp):
+        if causal and balances(chunk, c.cp):
             half = rows * heads / t * chunk // 2 * dim * isz
             seconds += (6 if again else 4) * send_time(half, link)
         # the profile at a cp-th of the rows keeps a cp-th of these rows' keys and values; the rest is the gather's

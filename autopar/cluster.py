@@ -56,17 +56,16 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.collectives import balances
-from autopar.cost import ATTENTION_OPS, RECOMPUTE, collective_time, itemsize, peak_memory, send_time
+from autopar.cost import ATTENTION_OPS, RECOMPUTE, CostModel, collective_time, itemsize, peak_memory, send_time
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
 from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, analytic_step, balance, equal_starts, graph_units,
                               microbatch_candidates, refine, slice_batch, unit_costs, unit_state)
 from autopar.plan import Plan
-from autopar.spec import Replicate, Shard, Spec
+from autopar.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
-from autopar.strategies import op_info
+from autopar.strategies import TensorMeta, op_info
 from autopar.trace import PARAM, trace
 from autopar.zero import ZeroOption, bucket_latency, grad_bucket, group_latency, param_cost, zero3_traffic, zero3_uses
 
@@ -176,8 +175,8 @@ class _Profile:
     params: dict[str, tuple[int, object, object, tuple]]  # param -> (0 embedding / 1 template block / 2 head, Spec,
     # meta, its uses as ZeRO-3 gathers it)
     memo: dict = dataclasses.field(default_factory=dict)  # (recompute, rows, L) -> expanded UnitCosts
-    # the template block's attention ops: (query heads, key/value heads, sequence, head dim, itemsize, heads split on
-    # tp, causal), what context parallelism's gathers and swaps move
+    # the template block's attention ops, as (OpInfo, whether the tp axis splits their heads): what context
+    # parallelism's gathers and swaps move
     attention: tuple = ()
     splits_weights: bool = True  # whether the tp axis splits any of the template block's parameters
 
@@ -250,11 +249,8 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
         node = tg.nodes[n]
         if template and node.target in ATTENTION_OPS and tg.path(n).startswith(template):
             info = op_info(node)
-            q, k = info.inputs[0], info.inputs[1]
-            if q.ndim == 4 and k.ndim == 4:
-                heads = choice.strategy[n].inputs[0].placements[1] == Shard(1)
-                causal = bool(info.arg(5, "is_causal", False))
-                attention.append((q.shape[1], k.shape[1], q.shape[2], q.shape[3], itemsize(q.dtype), heads, causal))
+            if all(m.ndim == 4 for m in info.inputs[:3]):
+                attention.append((info, choice.strategy[n].inputs[0].placements[1] == Shard(1)))
     splits = any(spec.placements[1].is_shard() for unit, spec, _, _ in params.values() if unit == 1)
     return _Profile(out, params, attention=tuple(attention), splits_weights=splits)
 
@@ -379,26 +375,28 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
 
 def _context_parallel(prof: _Profile, c: Candidate, mesh: Mesh, rows: float) -> tuple[float, float, float]:
     """One block's context-parallel traffic on the cp axis (axis 1 of ``mesh``), for ``rows`` sequences per dp
-    rank: each attention's keys and values all-gathered whole (their gradients reduce-scattered in backward; the
-    gathers again when the block is recomputed), and with causal attention balanced (``collectives.balances``) the
-    four sends of half the rank's queries (``CostModel.op_priced``). Returns (seconds on the critical path, bytes
-    backward keeps of the gathered keys and values -- none under full recomputation --, bytes alive while one
-    block runs)."""
-    link = mesh.link(1)
+    rank, priced as the real plan prices it: each attention's keys and values redistributed from split by sequence
+    to whole on cp (``CostModel.edge_priced``: all-gathers, again when the block is recomputed, reduce-scatters in
+    backward) and the sends of a balanced causal attention (``CostModel.op_priced``). Returns (seconds on the
+    critical path, bytes backward keeps of the gathered keys and values -- none under full recomputation --, bytes
+    alive while one block runs)."""
+    cost = CostModel(mesh, {"attention": c.recompute})
     seconds = kept = held = 0.0
-    again = c.recompute == "full"
-    for heads, kv_heads, seq, dim, isz, on_tp, causal in prof.attention:
-        t = c.tp if on_tp else 1
-        kv = rows * kv_heads / t * seq * dim * isz  # one of K, V: the gathered buffer
-        gather = 2 * collective_time("all_gather", kv, c.cp, link)
-        seconds += gather * (2 if again else 1) + 2 * collective_time("reduce_scatter", kv, c.cp, link)
-        chunk = seq // c.cp
-        if causal and balances(chunk, c.cp):
-            half = rows * heads / t * chunk // 2 * dim * isz
-            seconds += (6 if again else 4) * send_time(half, link)
+    for info, heads_on_tp in prof.attention:
+        on_tp = Shard(1) if heads_on_tp else Replicate()
+        split, whole = Spec((Shard(0), Shard(2), on_tp)), Spec((Shard(0), Replicate(), on_tp))
+        batch = round(rows * c.dp)
+        at = dataclasses.replace(info, inputs=tuple(TensorMeta((batch,) + m.shape[1:], m.dtype) for m in info.inputs),
+                                 outputs=tuple(TensorMeta((batch,) + m.shape[1:], m.dtype) for m in info.outputs))
+        seconds += sum(p.seconds for p in cost.op_priced(at, Strategy((split, whole, whole), split), True, "attention"))
+        gathered = 0.0
+        for kv in at.inputs[1:3]:
+            seconds += sum(p.seconds for p in cost.edge_priced(kv, split, whole, True, "attention"))
+            gathered += math.prod(whole.local_shape(kv.shape, mesh.sizes)) * itemsize(kv.dtype)
         # the profile at a cp-th of the rows keeps a cp-th of these rows' keys and values; the rest is the gather's
-        kept += 0.0 if again else 2 * kv * (1 - 1 / c.cp)
-        held = max(held, 2 * kv * (1 - 1 / c.cp))
+        extra = gathered * (1 - 1 / c.cp)
+        kept += 0.0 if cost.again("attention") else extra
+        held = max(held, extra)
     return seconds, kept, held
 
 

@@ -88,6 +88,16 @@ def _layout(tg, family: str) -> list[tuple[str, str]]:
     return [(g, p) for g, p in _MEGATRON[family] if any(fnmatch.fnmatchcase(f, g) for f in tg.fqns.values())]
 
 
+def _activations(ndim: int, data, cp, t: int | None, on_cp: str, on_tp: str = "S(1)") -> str:
+    """An activation's Spec: the batch split on the data axes, ``on_cp`` on the cp axes, ``on_tp`` on tp axis ``t``."""
+    return "".join(on_tp if a == t else on_cp if a in cp else ("S(0)" if a in data else "R") for a in range(ndim))
+
+
+def _zero_pin(mesh: Mesh, stage: int, data, cp) -> ZeroPin:
+    """Every group's ZeRO stage; with cp, sharded over the data and cp axes both (torchtitan's dp_shard x cp)."""
+    return ZeroPin("*", stage, tuple(mesh.names[a] for a in list(data) + list(cp)) if cp and stage else None)
+
+
 def _megatron_pins(tg, family: str, t: int, data, ndim: int, sequence_parallel: bool, cp=()) -> list:
     """Megatron's layout on tp axis ``t``: the family's projections column- then row-parallel (whole on the other
     axes); attention on its tp rank's heads (dim 1 of (B, H, T, D)), pinned so that the solver does not swap it for
@@ -95,16 +105,12 @@ def _megatron_pins(tg, family: str, t: int, data, ndim: int, sequence_parallel: 
     adds split by sequence (dim 1 of (B, T, C)) on tp. Activations keep the batch split on the data axes and, with
     context parallelism on the axes ``cp``, the sequence split there (attention's queries: dim 2)."""
     on_tp = lambda p: "".join(p if a == t else "R" for a in range(ndim))  # noqa: E731
-
-    def spec(on_cp: str) -> str:
-        return "".join("S(1)" if a == t else on_cp if a in cp else ("S(0)" if a in data else "R") for a in range(ndim))
-
     pins = [Pin(glob, on_tp(placement)) for glob, placement in _layout(tg, family)]
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     if any(n.op == "call_function" and n.target is sdpa for n in tg.gm.graph.nodes):
-        pins.append(Pin("*:scaled_dot_product_attention*", spec("S(2)")))
+        pins.append(Pin("*:scaled_dot_product_attention*", _activations(ndim, data, cp, t, "S(2)")))
     if sequence_parallel:
-        pins += [Pin(f"{b.fqn}:add*", spec("S(1)")) for b in tg.blocks]
+        pins += [Pin(f"{b.fqn}:add*", _activations(ndim, data, cp, t, "S(1)")) for b in tg.blocks]
     return pins
 
 
@@ -247,8 +253,7 @@ def handwritten(
         label, strategy = f"{strategy}+tp" + ("+cp" if cp_axes else ""), "megatron"
     if strategy in ("ddp", "fsdp"):
         stage = zero if zero is not None else (3 if strategy == "fsdp" else 0)
-        # with cp, ZeRO shards over the data and cp axes both (torchtitan's dp_shard x cp)
-        pins = [ZeroPin("*", stage, tuple(mesh.names[a] for a in data + cp_axes) if cp_axes and stage else None)]
+        pins = [_zero_pin(mesh, stage, data, cp_axes)]
         if cp_axes:
             label += "+cp"
     tg = traced
@@ -258,8 +263,7 @@ def handwritten(
     if strategy in ("ddp", "fsdp"):
         pins += [Pin(f, rep_all) for n, f in tg.fqns.items() if tg.kinds.get(n) == "param"]
         if cp_axes:  # context parallel: every attention's queries split by sequence on cp (keys, values whole)
-            pins.append(Pin("*:scaled_dot_product_attention*",
-                            "".join("S(2)" if a in cp_axes else ("S(0)" if a in data else "R") for a in range(mesh.ndim))))
+            pins.append(Pin("*:scaled_dot_product_attention*", _activations(mesh.ndim, data, cp_axes, None, "S(2)")))
     elif strategy == "megatron":
         if not tp_axes:
             raise ShardingError(f"megatron needs a tp axis larger than 1; mesh {mesh} has none")
@@ -272,8 +276,7 @@ def handwritten(
             )
         pins += _megatron_pins(tg, family, tp_axes[0], data, mesh.ndim, sequence_parallel, cp_axes)
         if data or cp_axes:
-            stage = zero if zero is not None else 0
-            pins.append(ZeroPin("*", stage, tuple(mesh.names[a] for a in data + cp_axes) if cp_axes and stage else None))
+            pins.append(_zero_pin(mesh, zero if zero is not None else 0, data, cp_axes))
     plan = make_plan(tg, mesh, memory_budget, pins, recompute)
     knobs = []
     if sequence_parallel:

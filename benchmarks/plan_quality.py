@@ -30,13 +30,14 @@ depend on the peak). The preset's one fitted constant, the tensor-core clocks th
 another run on the same page (Table 1: Llama-3.1 8B, FSDP 8, compiled, bf16); the page's other 8B runs (Tables 1
 and 3: FSDP on 8 and 128 GPUs, eager / compiled / compiled float8) are printed apart as checks (``--cases check``),
 with the fit redone and the change per GPU from one node to 16 (FSDP across the nodes, at the tokens per GPU FSDP
-256 has in the 256-GPU case), measured and predicted; its eager runs are priced with torchtitan's RMSNorm, computed in fp32 from its parts
-(``norm="fp32-composite"``: six kernels in eager mode; as one op they were predicted 9-12 % faster than they ran).
+256 has in the 256-GPU case), measured and predicted; its eager runs are priced with torchtitan's RMSNorm, computed
+in fp32 from its parts (``norm="fp32-composite"``: six kernels in eager mode; as one op they were predicted 9-12 %
+faster than they ran).
 The page's Table 2 (the 8B on one node, FSDP x CP, 32K to 256K tokens) is checked too, with a difference: torchtitan
 ran ring attention (load-balanced, its K/V exchange overlapped) and the rows are priced as autopar runs context
-parallelism (the all-gather form, balanced by swapping half the queries between mirrored ranks). Beside them, two of NVIDIA's DGX-H100 (700 W, ``h100-80gb``) runs from Megatron-Bridge's
-performance summary (NeMo 25.11, FP8): Llama3 8B on FSDP 8 and Llama3 70B on TP 4 x PP 8 (interleaved, v=5), at
-8192 tokens.
+parallelism (the all-gather form, balanced by swapping half the queries between mirrored ranks). Beside them,
+two of NVIDIA's DGX-H100 (700 W, ``h100-80gb``) runs from Megatron-Bridge's performance summary (NeMo 25.11,
+FP8): Llama3 8B on FSDP 8 and Llama3 70B on TP 4 x PP 8 (interleaved, v=5), at 8192 tokens.
 """
 
 from __future__ import annotations
@@ -204,9 +205,7 @@ def cases() -> list[Case]:
 def _build(case: Case):
     """The case's model (bf16, on the meta device) and its inputs' maker."""
     config = {"norm": case.norm} if case.norm != "fused" else {}
-    if case.seq > 8192:  # the Llama 3 configs' context
-        config["max_seq_len"] = case.seq
-    return models.build(case.model, dtype=torch.bfloat16, **config)
+    return models.build(case.model, dtype=torch.bfloat16, context=case.seq, **config)
 
 
 def _published_plan(case: Case, model, inputs, cluster: Cluster):

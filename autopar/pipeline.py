@@ -45,7 +45,7 @@ from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, s
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
-from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, solve
+from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, solve, zero_groups
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
 
@@ -619,6 +619,8 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                 if tg.kinds.get(n) != INPUT else c for c in cs]
             for n, cs in raw.items()
         }
+        # the same weights for what the ILP prices per parameter group (its gradient buckets, by ``grad_spec``)
+        problem.sync_weight = {g: w * (p if g == "rest" else 1) for g, _c, _n in zero_groups(tg, problem.order).values()}
         scaled = problem.costs
         # the stages' ILP bounds the whole model's memory (p ranks' worth); when no cut then fits each rank (the
         # ILP spent the slack unevenly), it is solved again under a tighter bound. A caller's first squeeze (the

@@ -157,6 +157,9 @@ class Problem:
     timings: dict[str, float] = field(default_factory=dict)
     saved: dict[str, tuple[bool, int]] = field(default_factory=dict)  # op -> (a backward keeps its output, bytes it keeps itself)
     saved_in: frozenset = frozenset()  # (op, tensor input slot) whose value the op's backward keeps
+    # parameter group (``zero_groups``) -> the weight of its gradient and ZeRO communication against the graph's
+    # compute (1 where absent). A pipeline's stage problem prices one microbatch, and its groups sync once a step
+    sync_weight: dict[str, float] = field(default_factory=dict)
 
     def index(self, node: str, root_index: int) -> int:
         """The strategy index of ``node`` when its root runs strategy ``root_index``."""
@@ -707,6 +710,7 @@ def solve(
         return zfacts[key]
 
     zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
+    sync_w = lambda g: P_.sync_weight.get(g, 1.0)  # noqa: E731
     # (decision, strategy, group, option) -> the gradient buckets its parameters land in (``grad_bucket``)
     bucket_sets: dict[tuple[str, int, str, int], set] = {}
     for n, (g, copies, gparams) in zgroups.items():
@@ -715,7 +719,7 @@ def solve(
             gs = P_.grad_spec(n, lambda v: P_.strategy(v, s))  # its Spec, whole where its gradient is (``grad_spec``)
             base_copy, base_comm, b, synced, per = zero_facts(gs, P_.meta[n], copies, gparams, zuses[n])
             t_lin[r][s] += base_copy  # the runtime's copies run on the compute stream: the critical path, as priced
-            t_ovl[r][s] += base_comm  # its stage-0 gradient sync, overlappable (other stages: their deltas in zdelta)
+            t_ovl[r][s] += base_comm * sync_w(g)  # its stage-0 gradient sync, overlappable (others: their deltas in zdelta)
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
             for k, (stage, delta, gb) in enumerate(per):
@@ -731,7 +735,7 @@ def solve(
                     continue
                 d = row[k]
                 for i in range(5):
-                    d[i] += delta[i]
+                    d[i] += delta[i] * (sync_w(g) if i == 3 else 1.0)
 
     terms = []  # the step's critical path: compute and the collectives between ops
     oterms = []  # data-parallel communication (gradient buckets, ZeRO): beside compute when the runtime overlaps it
@@ -878,7 +882,7 @@ def solve(
         per_copy = (traffic[g][0] // copies, traffic[g][1] // copies)
         for k, zv in enumerate(zvar[g]):
             # stages 0-2's latencies are their buckets' (below): they depend on the strategies, not on the stage alone
-            dlat = copies * group_latency(zopts[k], mesh, gparams, per_copy) if zopts[k].stage == 3 else 0.0
+            dlat = copies * group_latency(zopts[k], mesh, gparams, per_copy) * sync_w(g) if zopts[k].stage == 3 else 0.0
             if zv is not None and dlat and objective != "memory":
                 oterms.append((dlat * US, zv))
     ind: dict[tuple[str, int, str, int], list] = {}  # (decision, strategy, group, option) -> x * z, a linear form
@@ -919,17 +923,20 @@ def solve(
     # before it -- and ZeRO-1's bucket spans groups, so the two groups' indicators could sum to 2.)
     bucket: dict[tuple, object] = {}
     bforms: dict[tuple, list] = {}
+    bweight: dict[tuple, float] = {}  # a bucket's weight: its groups' (ZeRO-1's spans groups: the largest)
     for (r, s, g, k), sets in bucket_sets.items():
         form = ind.get((r, s, g, k))
         if form is None:
             continue
         for opt, axes in sorted(sets, key=lambda t: (t[0].stage, t[0].shard_axes, t[1])):
-            bforms.setdefault((r, g, opt, "" if opt.stage == 1 else g, axes), []).extend(form)
+            scope = "" if opt.stage == 1 else g
+            bforms.setdefault((r, g, opt, scope, axes), []).extend(form)
+            bweight[(opt, scope, axes)] = max(bweight.get((opt, scope, axes), 0.0), sync_w(g))
     for (r, g, opt, scope, axes), form in bforms.items():
         key = (opt, scope, axes)
         if key not in bucket:
             bucket[key] = model.var(0.0, 1.0)
-            lat = (group_meta[scope][0] if scope else 1) * bucket_latency(mesh, axes, opt)
+            lat = (group_meta[scope][0] if scope else 1) * bucket_latency(mesh, axes, opt) * bweight[key]
             if objective != "memory":
                 oterms.append((lat * US, bucket[key]))
         add_row(0.0, inf, [(1.0, bucket[key])] + [(-c, v) for c, v in form])

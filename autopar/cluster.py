@@ -746,7 +746,9 @@ def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float)
         pin = PipelinePin(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual if c.virtual > 1 else None)
         # the stages' ILP bounds the average rank; the screen saw how much fuller the fullest rank is (the embedding's
         # and the head's ranks), so the first solve already leaves that room instead of finding out and solving again
-        return plan_pipeline(model, args, mesh, budget, [], pin, recompute=c.recompute, squeeze=min(1.0, s.balance))
+        # the screened ZeRO stage (0, or 1: the distributed optimizer), pinned as without a pipeline
+        zero = [ZeroPin("*", c.zero)] if c.dp > 1 else []
+        return plan_pipeline(model, args, mesh, budget, zero, pin, recompute=c.recompute, squeeze=min(1.0, s.balance))
     # the screened ZeRO stage (and HSDP shard group), pinned: the screen chose it, and a free choice per group makes
     # the ILP much larger
     if c.shard:

@@ -23,8 +23,9 @@ Strategies:
   with Megatron's cut (blocks split evenly, the embedding with the first stage, the head with the last; or
   ``blocks_per_stage``, one count per stage, as Megatron-LM's first/last-stage layer counts and torchtitan's split
   points cut a model whose blocks do not divide evenly), 1F1B (or interleaved with ``virtual_stages``),
-  microbatches of ``microbatch_size`` rows per replica (default 1).
-What cannot be realised yet (ZeRO with a pipeline, gradient accumulation without one) is rejected with an error
+  microbatches of ``microbatch_size`` rows per replica (default 1); ``zero=1`` is Megatron's distributed optimizer
+  (ZeRO-1 over the data axes), the default ZeRO-0.
+What cannot be realised yet (ZeRO-2/3 with a pipeline, gradient accumulation without one) is rejected with an error
 that says so, never silently ignored.
 """
 
@@ -125,8 +126,10 @@ def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, 
                           ("blocks_per_stage", blocks_per_stage)):
             if val not in (None, 1):
                 raise ShardingError(f"{strategy}: {name}={val!r} is a pipeline knob; the mesh {mesh} has no pp axis")
-    elif zero not in (None, 0):
-        raise NotRealised(f"{strategy}: zero={zero} with pipeline parallelism is not realised yet (stages sync their gradients once per step, ZeRO-0); use zero=0")
+    elif zero not in (None, 0, 1):
+        raise NotRealised(f"{strategy}: zero={zero} with pipeline parallelism is not realised (the microbatches accumulate whole "
+                          "gradients, synced once a step: ZeRO-2 would hold what ZeRO-1 holds, ZeRO-3 would gather for every "
+                          "microbatch); use zero=1 (Megatron's distributed optimizer) or zero=0")
     from autopar.cost import RECOMPUTE
 
     if recompute not in RECOMPUTE:
@@ -134,10 +137,11 @@ def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, 
 
 
 def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, batch, microbatch_size, microbatches, schedule,
-                 virtual_stages, sequence_parallel, memory_budget, traces, recompute="none", blocks_per_stage=None) -> Plan:
+                 virtual_stages, sequence_parallel, memory_budget, traces, recompute="none", blocks_per_stage=None, zero=None) -> Plan:
     """Megatron-LM's 3-D parallelism: Megatron layouts on tp, data parallel on dp, and on pp the blocks split evenly
     (embedding with the first stage, head with the last), 1F1B by default (interleaved with ``virtual_stages``),
-    microbatches of ``microbatch_size`` rows per replica (default 1, Megatron's default) or ``microbatches``."""
+    microbatches of ``microbatch_size`` rows per replica (default 1, Megatron's default) or ``microbatches``;
+    ``zero=1``: the distributed optimizer (``--use-distributed-optimizer``, ZeRO-1 over the data axes), else ZeRO-0."""
     from autopar.pipeline import PipelinePin, plan_pipeline, trace_rows
     from autopar import _compat
 
@@ -151,7 +155,7 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
         microbatches = per_replica // size
     if schedule is None:
         schedule = "interleaved" if virtual_stages not in (None, 1) else "1f1b"
-    pins: list = []
+    pins: list = [ZeroPin("*", zero or 0)] if data else []
     knobs = [f"{schedule}", f"m={microbatches}"] + ([f"v={virtual_stages}"] if virtual_stages not in (None, 1) else [])
     if tp_axes:
         with _compat.no_local_tensor_mode():
@@ -160,9 +164,11 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
         if family is None:
             raise AutoparError("megatron-3d has no tensor-parallel layout for this model (no GPT-, Llama- or Mixtral-style projections, "
                                "nor Hugging Face's GPT-2 or Llama-style ones found)")
-        pins = _megatron_pins(tg, family, tp_axes[0], data, mesh.ndim, sequence_parallel)
+        pins += _megatron_pins(tg, family, tp_axes[0], data, mesh.ndim, sequence_parallel)
         if sequence_parallel:
             knobs.append("sp")
+    if zero and data:
+        knobs.append(f"zero={zero}")
     if blocks_per_stage is not None:
         knobs.append("cuts=" + "/".join(map(str, blocks_per_stage)))
     pin = PipelinePin(schedule=schedule, microbatches=microbatches, virtual=virtual_stages if virtual_stages not in (None, 1) else None,
@@ -235,7 +241,7 @@ def handwritten(
         raise NotRealised(f"{strategy} on a mesh with pp: use megatron-3d (pipeline + tp + dp), or a mesh without pp")
     if pipe is not None:
         return _megatron_3d(model, mesh, example_inputs, pipe, data, tp_axes, batch, microbatch_size, microbatches, schedule,
-                            virtual_stages, sequence_parallel, memory_budget, traces, recompute, blocks_per_stage)
+                            virtual_stages, sequence_parallel, memory_budget, traces, recompute, blocks_per_stage, zero)
     if microbatch_size is not None and batch is not None:
         local = batch // max(1, math.prod(mesh.sizes[a] for a in data))
         if microbatch_size != local:

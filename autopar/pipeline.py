@@ -14,8 +14,11 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
    mesh without pp, priced for the average stage of a 1F1B pipeline: the state of all layers shared by ``p``
    ranks (budget ``p x budget``) beside one microbatch in flight per layer on each rank (activations x ``p``, or
    x ``m`` when there are fewer microbatches than ranks: GPipe, which 1F1B cannot run then), and
-   the gradient all-reduce, once per step, weighted ``1 / (m + p - 1)`` against the per-microbatch terms. ZeRO is
-   stage 0 on a pipeline (a stage's gradients are reduced once, after the last microbatch).
+   the gradient all-reduce, once per step, weighted ``1 / (m + p - 1)`` against the per-microbatch terms
+   (``Problem.sync_weight``). Each parameter group runs ZeRO-0 or ZeRO-1, as the ILP chooses or a ``ZeroPin``
+   says: the microbatches accumulate whole gradients, reduced once after the last backward, so ZeRO-1 (Megatron's
+   distributed optimizer: optimizer state sharded over the data axes, the parameters gathered once a step) is
+   what sharding saves here; ZeRO-2 would hold the same, and ZeRO-3 would gather again for every microbatch.
 3. The graph is cut into units: everything before the first repeated block (the embedding), each block, and
    everything after (head and loss). Per unit: forward and backward seconds per microbatch (its ops and the
    redistributions into them, as the ILP priced them), activation bytes per microbatch, parameter state; per
@@ -25,7 +28,8 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
    block's recomputed activations, alive while its backward runs, <= budget): bisection on the slowest stage's
    time, with a greedy packing as the feasibility test (exact for contiguous cuts, since a shorter run of units
    never needs more time or memory). The schedule is then
-   simulated (``autopar.schedule``): the step is the simulated timeline plus the gradient all-reduce after it.
+   simulated (``autopar.schedule``): the step is the simulated timeline plus the gradient all-reduce after it
+   (ZeRO-1: the reduce-scatter, and the gather of the updated shards before the next step, ``zero.pipeline_sync_priced``).
 5. The fastest (m, schedule, cuts) that fits wins; ties go to fewer microbatches, then the schedule order.
 
 Deterministic: candidates are enumerated in a fixed order and compared with strict inequalities.
@@ -42,12 +46,13 @@ import torch
 
 from autopar import schedule as sched
 from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, send_time, wire_bytes
-from autopar.errors import AutoparError, InfeasibleError, ShardingError
+from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
 from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, solve, zero_groups
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
+from autopar.zero import ZeroOption, eligible, pipeline_held, pipeline_sync_priced, shard_factor
 
 MAX_MICROBATCH_CANDIDATES = 6
 SQUEEZE_ATTEMPTS = 3  # solves of the stages' ILP, its memory bound tightened each time no stage cut fits the ranks
@@ -81,11 +86,15 @@ def _inner_pins(pins: list, mesh: Mesh, axis: int) -> list:
     out = []
     for pin in pins:
         if isinstance(pin, ZeroPin):
-            if pin.stage != 0:
-                raise AutoparError(
-                    f"ZeroPin({pin.group!r}, {pin.stage}): ZeRO-{pin.stage} with pipeline parallelism is not realised yet "
-                    "(a pipeline syncs each stage's gradients once, after the last microbatch); use stage 0 or a mesh without pp"
+            if pin.stage not in (0, 1):
+                raise NotRealised(
+                    f"ZeroPin({pin.group!r}, {pin.stage}): ZeRO-{pin.stage} with pipeline parallelism is not realised: a "
+                    "pipeline's microbatches accumulate whole gradients and sync them once, after the last backward, so "
+                    "ZeRO-2 would hold what ZeRO-1 holds, and ZeRO-3 would gather every stage's parameters again for each "
+                    "microbatch. Use ZeroPin(group, 1) (the optimizer state sharded over the data axes, parameters "
+                    "gathered once a step: Megatron's distributed optimizer), or a mesh without pp"
                 )
+            out.append(pin)
             continue
         spec = Spec.parse(pin.spec)
         if len(spec.placements) == mesh.ndim:
@@ -171,6 +180,8 @@ class UnitCosts:
     cross_grad: list[bool]  # whether a gradient comes back across it
     static_time: dict[int, float]
     regen: list[float] = dataclasses.field(default_factory=list)  # bytes a unit's recomputation brings back in its backward
+    # ZeRO-1 parameters -> (option, axes their shards are still all-reduced over, dtype); the others all-reduce
+    zero: dict[str, tuple] = dataclasses.field(default_factory=dict)
 
 
 def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units, inner: Mesh) -> UnitCosts:
@@ -207,7 +218,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         bwd[unit(v)] += sum(c.seconds for c in priced if c.phase != "forward")
     for v, kb in kept_values(problem, strategy, cost).values():  # redistributed values backward keeps
         act[unit(v)] += kb
-    params = {}
+    params, zero = {}, {}
+    groups = zero_groups(tg, problem.order)
     for n in problem.order:
         if tg.kinds.get(n) != PARAM:
             continue
@@ -215,7 +227,13 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         spec, meta = problem.grad_spec(n, strategy.__getitem__), problem.meta[n]  # whole where its gradient is
         local = math.prod(spec.local_shape(meta.shape, inner.sizes)) * itemsize(meta.dtype)
         uu = set(units.users_units.get(n, set())) or {0}
-        params[n] = (uu, nc.state + nc.grad, float(local), grad_sync_axes(spec, inner), math.prod(meta.shape))
+        axes = grad_sync_axes(spec, inner)
+        held = nc.state + nc.grad
+        opt = choice.zero.get(groups[n][0], ZeroOption(0)) if n in groups else ZeroOption(0)
+        if opt.stage == 1 and eligible(opt, spec, meta, inner):
+            held = pipeline_held(opt, spec, meta, inner)
+            zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes), meta.dtype)
+        params[n] = (uu, held, float(local), axes, math.prod(meta.shape))
     # bytes crossing each boundary: a value produced in unit a and read in unit b crosses boundaries a+1 .. b
     diff = [0] * (U + 1)
     grad = [False] * (U + 1)
@@ -247,7 +265,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for i in range(U + 1):
         run += diff[i]
         cross.append(run)
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen)
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -260,6 +278,7 @@ class Evaluated:
     sync: float
     rank_memory: tuple[float, ...]
     in_flight: tuple[int, ...]
+    zero_share: tuple[float, ...] = ()  # each rank's share of the ZeRO-1 bytes (the plan's one bucket spans them)
 
     @property
     def total(self) -> float:
@@ -276,6 +295,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     rank_act = [0.0] * p
     rank_regen = [0.0] * p  # one block's recomputed activations, alive while its backward runs
     sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
+    zero_bytes: list[dict[tuple, float]] = [dict() for _ in range(p)]  # (option, rest axes, dtype) -> bytes
     ranks_of: dict[str, set[int]] = {}
     for s, (i, j) in enumerate(zip(starts, ends)):
         r = s % p
@@ -286,6 +306,9 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
             if any(i <= u < j for u in uu):
                 state += sg
                 ranks_of.setdefault(name, set()).add(r)
+                if name in uc.zero:
+                    zero_bytes[r][uc.zero[name]] = zero_bytes[r].get(uc.zero[name], 0.0) + local
+                    continue
                 for ax in axes:
                     sync_bytes[r][ax] = sync_bytes[r].get(ax, 0.0) + local
         send = uc.cross[j] if j < U else 0
@@ -296,15 +319,21 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         rank_act[r] += a / v
         rank_regen[r] = max(rank_regen[r], max(uc.regen[i:j], default=0.0))
     memory = tuple(rank_state[r] + flights[r] * rank_act[r] + rank_regen[r] for r in range(p))
-    # the gradient all-reduces after the schedule: one bucket per axis per rank; parameters held on several pp
-    # ranks (tied embeddings) are summed across them too
-    sync = [sum(collective_time("all_reduce", b, inner.sizes[ax], inner.link(ax)) for ax, b in sync_bytes[r].items()) for r in range(p)]
+    # the gradient all-reduces after the schedule: one bucket per axis per rank (ZeRO-1: a reduce-scatter, and the
+    # all-gather of the updated shards before the next step); parameters held on several pp ranks (tied
+    # embeddings) are summed across them too, on their shards under ZeRO-1
+    sync = [sum(collective_time("all_reduce", b, inner.sizes[ax], inner.link(ax)) for ax, b in sync_bytes[r].items())
+            + sum(c.seconds for (opt, rest, dtype), b in zero_bytes[r].items() for c in pipeline_sync_priced(opt, b, rest, inner, dtype))
+            for r in range(p)]
     for name, rs in ranks_of.items():
         if len(rs) > 1:
+            shards = shard_factor(uc.zero[name][0], inner) if name in uc.zero else 1
             for r in rs:
-                sync[r] += collective_time("all_reduce", uc.params[name][2], len(rs), link)
+                sync[r] += collective_time("all_reduce", uc.params[name][2] / shards, len(rs), link)
+    zero_total = sum(sum(z.values()) for z in zero_bytes)
+    zero_share = tuple(sum(z.values()) / zero_total if zero_total else 0.0 for z in zero_bytes)
     tl = sched.simulate(schedule, p, m, v, [st.forward for st in stages], [st.backward for st in stages], p2p)
-    return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights))
+    return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights), zero_share)
 
 
 def unit_state(uc: UnitCosts, U: int) -> list[float]:
@@ -574,7 +603,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
     p = mesh.sizes[axis]
     inner = mesh.without(axis)
     budget = mesh.hardware.memory if memory_budget is None else float(memory_budget)
-    inner_pins = _inner_pins(pins, mesh, axis) + [ZeroPin("*", 0)]
+    inner_pins = _inner_pins(pins, mesh, axis)
     B = _batch_rows(args)
     data = math.prod(inner.sizes[a] for a in range(inner.ndim) if inner.role(a) == "data")
     if B % data:
@@ -621,6 +650,9 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         }
         # the same weights for what the ILP prices per parameter group (its gradient buckets, by ``grad_spec``)
         problem.sync_weight = {g: w * (p if g == "rest" else 1) for g, _c, _n in zero_groups(tg, problem.order).values()}
+        # a group runs ZeRO-0 or ZeRO-1 (``_inner_pins``); the ILP takes ZeRO-1 where memory needs it: its bytes
+        # (shard, gathered parameter, gradient) add up to ``zero.pipeline_held`` with the gradients moved into state
+        problem.zero_stages = (0, 1)
         scaled = problem.costs
         # the stages' ILP bounds the whole model's memory (p ranks' worth); when no cut then fits each rank (the
         # ILP spent the slack unevenly), it is solved again under a tighter bound. A caller's first squeeze (the
@@ -756,6 +788,10 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
         if col.axis not in sent[0]:
             continue
         nbytes = wire_bytes(col.kind, col.bytes, inner.sizes[inner.names.index(col.axis)])
+        if col.bucket is not None and col.bucket[0] == "zero1":  # one bucket over the model: each rank its stages' share
+            for r in range(p):
+                sent[r][col.axis] += nbytes * ev.zero_share[r]
+            continue
         if col.bucket is not None:
             block = col.bucket[1]
             units_at = [unit_of_label[block]] if block in unit_of_label else [0, len(units.labels) - 1]
@@ -782,7 +818,7 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
     return Plan(
         mesh=mesh, graph_hash=tg.hash, nodes=nodes, input_spec=lift_spec(inner_plan.input_spec, inner, axis),
         output_specs=[lift_spec(s, inner, axis) for s in inner_plan.output_specs], blocks=inner_plan.blocks,
-        collective_list=cols, cost=cost, grad_buckets=inner_plan.grad_buckets, zero_buckets=[],
-        whole_grads=inner_plan.whole_grads, zero_stages={}, group_memory={}, solver_status=inner_plan.solver_status, label=label,
+        collective_list=cols, cost=cost, grad_buckets=inner_plan.grad_buckets, zero_buckets=inner_plan.zero_buckets,
+        whole_grads=inner_plan.whole_grads, zero_stages=inner_plan.zero_stages, group_memory={}, solver_status=inner_plan.solver_status, label=label,
         pipeline=pplan,
     )

@@ -311,6 +311,10 @@ class _PipelineRun:
     again). After the schedule: the loss is broadcast from the last stage over pp, and ``loss.backward()`` sums
     the gradients over the plan's buckets (dp / tp axes) and, for parameters held on several pp ranks (tied
     embeddings), over those ranks.
+    ZeRO-1 (``plan.zero_buckets``; Megatron's distributed optimizer): the parameters are stored as flat shards (the
+    optimizer's state is then a shard too). Before the schedule each bucket's held shards are all-gathered once into
+    whole local parameters, which the stages read and the microbatches accumulate gradients into; ``loss.backward()``
+    reduce-scatters those gradients into the shards' ``.grad`` and drops the whole copies.
     Under LocalTensorMode (or one process): every rank holds every stage, and the microbatches run one after the
     other through the stages in order: the same arithmetic, checkable in one process.
     """
@@ -333,6 +337,9 @@ class _PipelineRun:
             me = mesh.coordinate(dist.get_rank())[self.axis]
             self.mine = [s for s in range(S) if s % self.p == me]
         self.held = {n for s in self.mine for n in self.ios[s].params}
+        # ZeRO-1 buckets: the members this rank holds (the ranks of one shard group run the same stages)
+        self.zero = [(b, tuple(n for n in b.params if n in self.held)) for b in plan.zero_buckets]
+        self.whole: dict[str, torch.Tensor] = {}  # FQN -> the step's gathered local parameter
         # placeholders read by stages on more than one pp rank (tied embeddings): pp ranks per parameter
         self.ranks_of: dict[str, tuple[int, ...]] = {}
         for s, io in enumerate(self.ios):
@@ -359,7 +366,7 @@ class _PipelineRun:
         for s in self.mine:
             io = self.ios[s]
             keys = [(tg.kinds[n], tg.fqns[n]) for n in io.params]
-            mod = _StageModule(getattr(self.gm, f"stage_{s}"), lambda keys=keys: [owner._local(k, f) for k, f in keys])
+            mod = _StageModule(getattr(self.gm, f"stage_{s}"), lambda keys=keys: [self._read(k, f) for k, f in keys])
 
             def example(metas):
                 return tuple(torch.zeros(shape, dtype=dt, device=device).requires_grad_(rg) for shape, dt, rg in metas)
@@ -385,13 +392,58 @@ class _PipelineRun:
                         if r == rs and n in self.held:
                             self.tied_groups[n] = g.group_name
 
+    def _read(self, kind: str, fqn: str) -> torch.Tensor:
+        """What the stages read for a parameter, buffer or constant: the step's gathered parameter under ZeRO-1."""
+        return self.whole[fqn] if fqn in self.whole else self.owner._local(kind, fqn)
+
+    def _zero_levels(self, bucket) -> tuple[tuple, tuple]:
+        from passes._util import runtime_axes
+        from passes.zero import levels_and_reduce
+
+        return levels_and_reduce(bucket, self.mesh, runtime_axes(self.mesh))
+
+    @torch.no_grad()
+    def _gather_zero(self) -> None:
+        """Each ZeRO-1 bucket's held shards, all-gathered once for the step into whole local parameters (leaves that
+        collect every microbatch's gradient)."""
+        from passes.zero import local_shape
+
+        owner, tg = self.owner, self.owner._tg
+        self.whole = {}
+        for bucket, members in self.zero:
+            if not members:
+                continue
+            levels, _ = self._zero_levels(bucket)
+            shards = [owner._local(PARAM, tg.fqns[n]) for n in members]
+            fulls = collectives.gather_flat([t.detach().reshape(-1) for t in shards], levels, "forward")
+            for n, t, full in zip(members, shards, fulls):
+                whole = full.view(local_shape(self.plan, tg.nodes[n], self.mesh)).clone()
+                self.whole[tg.fqns[n]] = whole.requires_grad_(t.requires_grad)
+
+    @torch.no_grad()
+    def _scatter_zero(self) -> None:
+        """The whole gradients reduce-scattered into the shards' ``.grad`` (added to what is there, as autograd
+        accumulates), then the whole copies dropped."""
+        owner, tg = self.owner, self.owner._tg
+        for bucket, members in self.zero:
+            live = [n for n in members if self.whole[tg.fqns[n]].grad is not None]
+            if not live:
+                continue
+            levels, reduce = self._zero_levels(bucket)
+            grads = collectives.scatter_flat([self.whole[tg.fqns[n]].grad.reshape(-1) for n in live], levels, reduce)
+            for n, g in zip(live, grads):
+                shard = owner._local(PARAM, tg.fqns[n])
+                shard.grad = g.view_as(shard) if shard.grad is None else shard.grad + g.view_as(shard)
+        self.whole = {}
+
     def step(self, flat: list):
         owner, m = self.owner, self.m
+        self._gather_zero()
         if self.sequential:
             chunks = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim > 0 else [t] * m for t in flat]
             total = None
             for k in range(m):
-                params = [owner._local(kind, f) for kind, f in owner._order]
+                params = [self._read(kind, f) for kind, f in owner._order]
                 loss = self.gm.forward(*params, *[c[k] for c in chunks])[0] / m
                 loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
@@ -409,10 +461,11 @@ class _PipelineRun:
         return pytree.tree_unflatten([loss], owner._tg.out_spec)
 
     def finish(self) -> None:
-        """The gradient all-reduces after the schedule: the plan's buckets over their axes, then tied parameters
-        over the pp ranks that hold them."""
+        """The gradient communication after the schedule: ZeRO-1's reduce-scatters, the plan's all-reduce buckets
+        over their axes, then tied parameters over the pp ranks that hold them."""
         owner, tg = self.owner, self.owner._tg
         dm = self.mesh.to_device_mesh()
+        self._scatter_zero()
         grads = {n: owner._local(tg.kinds[n], tg.fqns[n]).grad for n in self.held if tg.kinds[n] == PARAM}
         for b in self.plan.grad_buckets:
             live = [grads[n] for n in b.params if grads.get(n) is not None]

@@ -53,7 +53,10 @@ nodes v, strategies s:
   so the sum is an indicator); the
   objective's D pays copies(g) x ``bucket_latency(S, o)`` per bucket (once for ZeRO-1's; a ZeRO-3 shard's sum
   over the other axes is an all-reduce bucket too). ZeRO-3's gathers and reduce-scatters are ``group_latency`` per
-  group copy on z.
+  group copy on z. A group's stage z takes the options ``Problem.zero_stages`` allows (a pipeline: 0 and 1) and
+  its pins; all of its data-parallel terms (bandwidth, latencies, the runtime's copies) are multiplied by
+  ``Problem.sync_weight[g]`` (a pipeline's stage problem prices one microbatch: 1 / (m + p - 1), p times that for
+  the embedding's and head's group, which one rank syncs whole).
 - Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
   block's backward runs its activations are back: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``.
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
@@ -157,9 +160,12 @@ class Problem:
     timings: dict[str, float] = field(default_factory=dict)
     saved: dict[str, tuple[bool, int]] = field(default_factory=dict)  # op -> (a backward keeps its output, bytes it keeps itself)
     saved_in: frozenset = frozenset()  # (op, tensor input slot) whose value the op's backward keeps
-    # parameter group (``zero_groups``) -> the weight of its gradient and ZeRO communication against the graph's
-    # compute (1 where absent). A pipeline's stage problem prices one microbatch, and its groups sync once a step
+    # parameter group (``zero_groups``) -> the weight of its gradient and ZeRO communication (and the runtime's
+    # copies around it) against the graph's compute (1 where absent). A pipeline's stage problem prices one
+    # microbatch, and its groups sync once a step
     sync_weight: dict[str, float] = field(default_factory=dict)
+    # the ZeRO stages a group may take: a pipeline runs 0 and 1 (its microbatches accumulate whole gradients)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
 
     def index(self, node: str, root_index: int) -> int:
         """The strategy index of ``node`` when its root runs strategy ``root_index``."""
@@ -718,7 +724,7 @@ def solve(
         for s in range(nstrat[r]):
             gs = P_.grad_spec(n, lambda v: P_.strategy(v, s))  # its Spec, whole where its gradient is (``grad_spec``)
             base_copy, base_comm, b, synced, per = zero_facts(gs, P_.meta[n], copies, gparams, zuses[n])
-            t_lin[r][s] += base_copy  # the runtime's copies run on the compute stream: the critical path, as priced
+            t_lin[r][s] += base_copy * sync_w(g)  # the runtime's copies run on the compute stream: the critical path
             t_ovl[r][s] += base_comm * sync_w(g)  # its stage-0 gradient sync, overlappable (others: their deltas in zdelta)
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
@@ -735,7 +741,7 @@ def solve(
                     continue
                 d = row[k]
                 for i in range(5):
-                    d[i] += delta[i] * (sync_w(g) if i == 3 else 1.0)
+                    d[i] += delta[i] * (sync_w(g) if i >= 3 else 1.0)  # communication and copies: once a step
 
     terms = []  # the step's critical path: compute and the collectives between ops
     oterms = []  # data-parallel communication (gradient buckets, ZeRO): beside compute when the runtime overlaps it
@@ -875,8 +881,9 @@ def solve(
         acc = traffic.setdefault(g, [0, 0])
         for i, k in enumerate(zero3_traffic(zuses[n])):
             acc[i] += k
+    runs = {k for k, o in enumerate(zopts) if o.stage in P_.zero_stages}
     for g, (copies, gparams) in group_meta.items():
-        ok = pinned.get(g)
+        ok = pinned.get(g, runs) & runs
         zvar[g] = [model.binary(relax) if (ok is None or k in ok) else None for k in range(len(zopts))]
         add_row(1.0, 1.0, [(1.0, v) for v in zvar[g] if v is not None])
         per_copy = (traffic[g][0] // copies, traffic[g][1] // copies)

@@ -27,6 +27,9 @@ reduce-scatters each group's gradients as soon as they are ready. A storage shar
 parameter's local tensor (FSDP1 style), so any parameter whose local size divides by n can be sharded.
 Gradients over data axes the group does not shard (HSDP's replicate axis) and over other replicated axes are
 all-reduced on the shard (1/n of the bytes).
+On a pipeline the microbatches accumulate whole gradients until the last backward, so only stages 0 and 1 run
+there (``pipeline_held``, ``pipeline_sync_priced``): stage 1 gathers the parameters once before the schedule and
+reduce-scatters their gradients once after it (the runtime's ``_PipelineRun``, not passes/zero.py).
 """
 
 from __future__ import annotations
@@ -150,6 +153,29 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
         return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, copy)
     return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, copy)
+
+
+def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:
+    """Bytes one trainable parameter holds all step on a pipeline, whose microbatches accumulate whole gradients
+    until the last backward: stage 0, e (p + o) + e p; stage 1 (Megatron's distributed optimizer, gathered once a
+    step: ``autopar.runtime``), the shard and its optimizer state, e p/n + e o/n, beside the gathered parameter and
+    its gradient, 2 e p. Stages 2 and 3 do not run on a pipeline (their savings need gradients reduced as they are
+    made, once per step here)."""
+    if opt.stage not in (0, 1) or not eligible(opt, spec, meta, mesh):
+        opt = ZeroOption(0)
+    e = math.prod(spec.local_shape(meta.shape, mesh.sizes))
+    p, o = itemsize(meta.dtype), optimizer_bytes(meta.dtype)
+    if opt.stage == 0:
+        return e * (p + o) + e * p
+    n = shard_factor(opt, mesh)
+    return e * (p + o) / n + 2 * e * p
+
+
+def pipeline_sync_priced(opt: ZeroOption, full: float, rest: tuple[int, ...], mesh: Mesh, dtype) -> list:
+    """A pipeline rank's once-a-step communication of ``full`` bytes of ZeRO-1 parameters: their accumulated
+    gradients reduce-scattered over the shard axes (and the shards all-reduced over ``rest``) after the schedule's
+    last backward, and the updated shards all-gathered before the next step's first forward."""
+    return scatter_priced(full, opt.shard_axes, rest, mesh, dtype) + gather_priced(full, opt.shard_axes, mesh, "forward")
 
 
 def grad_spec(stored: Spec, read: "Spec | None" = None) -> Spec:

@@ -41,7 +41,9 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
 def local_values(gm: fx.GraphModule, plan, mesh) -> dict[str, object]:
     """Every node's local value on meta tensors (checked against the plan where it knows the node)."""
     env: dict[str, object] = {}
-    sharded = {p: b for b in plan.zero_buckets for p in b.params}
+    # a ZeRO parameter's placeholder holds its flat shard; on a pipeline, the whole local parameter, which the
+    # runtime gathers once a step (``passes/zero.py`` leaves those graphs alone)
+    sharded = {p: b for b in plan.zero_buckets for p in b.params} if plan.pipeline is None else {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = node.meta["val"]

@@ -9,6 +9,8 @@ the op, again in backward, keeps only the shard); any other use reads one shared
 of a block the plan recomputes read a ``zero_gather`` of their own, marked ``meta["zero_recomputed"]``: the block's
 backward runs its forward again, that gather included, which is ZeRO-3's gather for backward (a fused linear would
 gather a third time).
+With a pipeline (``plan.pipeline``; ZeRO-1 only) nothing: the graph runs once per microbatch, and the runtime
+gathers the parameters once before the schedule and reduce-scatters their gradients once after it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def local_shape(plan, node: fx.Node, mesh) -> tuple[int, ...]:
 
 
 def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
+    if plan.pipeline is not None:
+        return gm
     g = gm.graph
     axes = runtime_axes(mesh)
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}

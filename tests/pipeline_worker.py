@@ -2,7 +2,8 @@
 (torch.distributed.pipelining stages and schedules) against single-device training.
 
 Prints one line per case: ``PIPE <model> <mesh> <schedule> <stages> <loss diff> <grad diff> <param diff>``
-(``PIPE-AC``: the stages recompute their blocks' activations; ``PIPE-M1``: one microbatch, fewer than the stages).
+(``PIPE-AC``: the stages recompute their blocks' activations; ``PIPE-M1``: one microbatch, fewer than the stages;
+``PIPE-Z1``: ZeRO-1, the parameters stored as shards over dp and gathered once a step).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from models.llama import Llama, LlamaConfig
 from tests._util import train_beside
 
 
-def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | None, recompute: str = "none") -> tuple[str, float, float, float]:
+def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | None, recompute: str = "none",
+         zero: int | None = None) -> tuple[str, float, float, float]:
     torch.manual_seed(0)
     if name == "gpt":
         model = GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=layers))
@@ -31,7 +33,10 @@ def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | 
     x = torch.randint(0, 64, (8, 16), generator=g)
     y = torch.roll(x, -1, 1)
     pin = autopar.PipelinePin(schedule=schedule, microbatches=microbatches)
-    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=[pin], recompute=recompute)
+    pins = [pin] + ([autopar.ZeroPin("*", zero)] if zero is not None else [])
+    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=pins, recompute=recompute)
+    if zero:  # every parameter a flat shard of half its elements
+        assert pm.plan.zero_buckets and all(p.ndim == 1 for p in pm.parameters()), pm.plan.zero_buckets
     dl, dg, dp = train_beside(pm, ref, (x, y))
     stages = "|".join(str(len(s.units)) for s in pm.plan.pipeline.stages)
     return pm.plan.pipeline.label.replace(" ", "") + ":" + stages, dl, dg, dp
@@ -94,6 +99,11 @@ def main() -> None:
                 if dist.get_rank() == 0:
                     mesh = "x".join(f"{k}{v}" for k, v in axes.items())
                     print(f"PIPE {name} {mesh} {schedule} {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
+    if world == 4:  # ZeRO-1 on a pipeline: shards gathered before the schedule, gradients reduce-scattered after
+        for name, schedule in (("gpt", "1f1b"), ("llama", "interleaved")):
+            label, dl, dg, dp = case(name, {"dp": 2, "pp": 2}, schedule, 4, 4, zero=1)
+            if dist.get_rank() == 0:
+                print(f"PIPE-Z1 {name} dp2xpp2 {schedule} {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
     if world == 2:  # stages that recompute their blocks, driven by torch.distributed.pipelining
         for name in ("gpt", "llama"):
             label, dl, dg, dp = case(name, {"pp": 2}, "1f1b", 4, 4, recompute="full")

@@ -184,8 +184,11 @@ def test_megatron_3d_is_the_even_cut_with_1f1b():
     assert inter.pipeline.label == "interleaved(m=2, v=2)" and [len(s.units) for s in inter.pipeline.stages] == [2, 1, 1, 2]
     with pytest.raises(autopar.ShardingError, match="pp axis"):
         autopar.handwritten(model, autopar.Mesh({"dp": 2, "tp": 2}), _batch(8), "megatron-3d")
-    with pytest.raises(autopar.AutoparError, match="not realised"):
-        autopar.handwritten(model, mesh, _batch(8), "megatron-3d", zero=1)
+    with pytest.raises(autopar.NotRealised, match="zero=3 with pipeline parallelism is not realised"):
+        autopar.handwritten(model, mesh, _batch(8), "megatron-3d", zero=3)
+    distributed = autopar.handwritten(model, mesh, _batch(8), "megatron-3d", zero=1)  # Megatron's distributed optimizer
+    assert distributed.label == "megatron-3d(1f1b,m=4,zero=1)" and {z[0] for z in distributed.zero_stages.values()} == {1}
+    assert {z[0] for z in plan.zero_stages.values()} == {0} and not plan.zero_buckets
     # blocks that do not divide evenly (Llama-3.1 405B's 126 over 8 stages): the cut given per stage
     uneven = autopar.handwritten(_gpt(5), mesh, _batch(8), "megatron-3d", blocks_per_stage=(2, 3))
     assert uneven.label == "megatron-3d(1f1b,m=4,cuts=2/3)" and [len(s.units) for s in uneven.pipeline.stages] == [3, 4]
@@ -268,6 +271,49 @@ def test_the_split_program_trains_like_one_device_in_one_process(name, axes, pin
     assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
 
 
+@pytest.mark.parametrize("name,axes,pin", [
+    ("gpt", {"dp": 2, "pp": 2}, PipelinePin("1f1b", 2)),
+    ("llama", {"dp": 2, "pp": 2, "tp": 2}, PipelinePin("interleaved", 4, 2)),
+])
+def test_zero1_on_a_pipeline_trains_like_one_device(name, axes, pin):
+    """ZeRO-1 on a pipeline (Megatron's distributed optimizer): every parameter is stored as a flat shard over dp,
+    so the optimizer's state is a shard too; the runtime gathers the shards once before the schedule, the
+    microbatches accumulate whole gradients, and ``backward`` reduce-scatters them into the shards (GPT's tied
+    embedding is then summed over the two pp ranks on its shard)."""
+    torch.manual_seed(0)
+    model = _gpt(4) if name == "gpt" else Llama(dataclasses.replace(LlamaConfig.tiny(), n_layer=4))
+    r = parity(model, _batch(8), axes, constraints=[pin, autopar.ZeroPin("*", 1)])
+    plan = r["plan"]
+    assert plan.pipeline.label == pin_label(pin)
+    assert {z[0] for z in plan.zero_stages.values()} == {1} and [b.stage for b in plan.zero_buckets] == [1]
+    assert set(plan.zero_buckets[0].params) == {n for n, v in plan.nodes.items() if v.op == "param"}
+    assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
+
+
+def test_zero1_lets_a_pipeline_fit_where_zero0_does_not():
+    """The stages' ILP takes ZeRO-1 for the groups that need it when the budget is tight: each rank then holds its
+    parameters' optimizer state sharded over dp (``zero.pipeline_held``), and its step pays a reduce-scatter and a
+    gather instead of the all-reduce (``zero.pipeline_sync_priced``)."""
+    cfg = GPTConfig(n_layer=8, n_head=16, n_embd=2048, vocab_size=32000, block_size=1024)
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.bfloat16)
+    x = torch.empty(8, 1024, dtype=torch.long, device="meta")
+    mesh = autopar.Mesh({"dp": 4, "pp": 2}, hardware="a100-80gb")
+    pin = PipelinePin("1f1b", 2)
+    plans = {z: autopar.plan(model, mesh, (x, x), constraints=[pin, autopar.ZeroPin("*", z)]) for z in (0, 1)}
+    peak = {z: max(p.pipeline.rank_memory) for z, p in plans.items()}
+    assert peak[1] < 0.7 * peak[0]
+    free = autopar.plan(model, mesh, (x, x), constraints=[pin])
+    assert {z[0] for z in free.zero_stages.values()} == {0}  # roomy: nothing to save, no extra launches
+    budget = (peak[0] + peak[1]) / 2
+    tight = autopar.plan(model, mesh, (x, x), constraints=[pin], memory_budget=budget)
+    assert max(tight.pipeline.rank_memory) <= budget and any(z[0] == 1 for z in tight.zero_stages.values())
+    with pytest.raises(autopar.InfeasibleError):
+        autopar.plan(model, mesh, (x, x), constraints=[pin, autopar.ZeroPin("*", 0)], memory_budget=budget)
+    # the sync after the schedule: reduce-scatter + all-gather over dp for the shards, as listed in the plan
+    assert [c.kind for c in plans[1].collectives() if c.where.startswith("zero1")] == ["all_gather", "reduce_scatter"]
+
+
 def pin_label(pin: PipelinePin) -> str:
     return f"{pin.schedule}(m={pin.microbatches}{f', v={pin.virtual}' if pin.virtual else ''})"
 
@@ -289,6 +335,10 @@ def test_pipelines_in_real_gloo_processes_match_single_device(nproc, meshes):
     assert len(recomputed) == (2 if nproc == 2 else 0), lines
     for name, mesh, schedule, label, dl, dg, dp in recomputed:
         assert label.startswith("1f1b(m=4)") and max(float(dl), float(dg), float(dp)) <= 1e-5, (name, label, dl, dg, dp)
+    zero1 = [line.split()[1:] for line in lines if line.startswith("PIPE-Z1")]  # ZeRO-1: gathered once a step
+    assert len(zero1) == (2 if nproc == 4 else 0), lines
+    for name, mesh, schedule, label, dl, dg, dp in zero1:
+        assert label.startswith(schedule + "(m=4") and max(float(dl), float(dg), float(dp)) <= 1e-5, (name, label, dl, dg, dp)
     single = [line.split()[1:] for line in lines if line.startswith("PIPE-M1")]  # one microbatch on two stages
     assert len(single) == (1 if nproc == 2 else 0), lines
     for name, mesh, schedule, label, dl, dg, dp in single:

@@ -356,7 +356,7 @@ class _PipelineRun:
             return
         from torch.distributed import pipelining
 
-        owner, tg = self.owner, self.owner._tg
+        tg = self.owner._tg
         dm = self.mesh.to_device_mesh()
         device = torch.device("cpu") if dm.device_type == "cpu" else torch.device(dm.device_type, torch.accelerator.current_device_index())
         self.device = device

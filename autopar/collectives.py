@@ -380,9 +380,22 @@ COLLECTIVE_OPS = (all_gather, reduce_scatter, all_reduce, all_to_all)
 
 
 # --- ZeRO: flat shards of parameters, gathered for use, gradients reduce-scattered back ---------------------------
-# A ZeRO-sharded parameter is stored as a flat chunk of its local tensor; with several shard axes the chunk index is
-# row-major over them (outer axis slowest). ``levels`` lists (axis, size, group) innermost first: gathering over the
-# innermost axis rebuilds a contiguous block of the outer chunk, and so on outwards.
+# A ZeRO-sharded parameter is stored as a flat chunk of its local tensor, zero-padded at the end to a multiple of
+# the shards (as FSDP and Megatron's distributed optimizer pad: any size shards); with several shard axes the chunk
+# index is row-major over them (outer axis slowest). ``levels`` lists (axis, size, group) innermost first:
+# gathering over the innermost axis rebuilds a contiguous block of the outer chunk, and so on outwards.
+def padded_flat(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` flattened and zero-padded at the end to a multiple of ``n`` elements."""
+    flat = t.reshape(-1)
+    pad = -flat.numel() % n
+    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+
+def unpadded(flat: torch.Tensor, shape) -> torch.Tensor:
+    """A gathered flat parameter without its padding, as ``shape``."""
+    return flat[: math.prod(shape)].view(shape)
+
+
 def gather_flat(segments: list[torch.Tensor], levels, phase: str) -> list[torch.Tensor]:
     """All-gather a bucket of flat shards level by level (one collective per level for the whole bucket)."""
     for axis, n, group in levels:
@@ -399,8 +412,9 @@ def gather_flat(segments: list[torch.Tensor], levels, phase: str) -> list[torch.
 
 
 def scatter_flat(fulls: list[torch.Tensor], levels, reduce) -> list[torch.Tensor]:
-    """Transpose of ``gather_flat``: reduce-scatter full flat gradients outermost level first, then all-reduce the
-    shards over ``reduce`` ((axis, group) pairs)."""
+    """Transpose of ``gather_flat``: reduce-scatter full flat gradients (padded here as the shards are) outermost
+    level first, then all-reduce the shards over ``reduce`` ((axis, group) pairs)."""
+    fulls = [padded_flat(f, math.prod(n for _a, n, _g in levels)) for f in fulls]
     for axis, n, group in reversed(levels):
         sizes = [f.numel() // n for f in fulls]
         if len(fulls) == 1:
@@ -435,7 +449,7 @@ class _ZeroGather(torch.autograd.Function):
         ctx.args = (shapes, levels, reduce)
         ctx.set_materialize_grads(False)
         fulls = gather_flat(list(shards), levels, "forward")
-        return tuple(f.view(shape) for f, shape in zip(fulls, shapes))
+        return tuple(unpadded(f, shape) for f, shape in zip(fulls, shapes))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -451,7 +465,7 @@ class _Zero3Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_shard, b, shape, levels):
         ctx.args = (shape, levels, b is not None)
-        w = gather_flat([w_shard], levels, "forward")[0].view(shape)
+        w = unpadded(gather_flat([w_shard], levels, "forward")[0], shape)
         ctx.save_for_backward(x, w_shard)
         return torch.nn.functional.linear(x, w, b)
 
@@ -459,7 +473,7 @@ class _Zero3Linear(torch.autograd.Function):
     def backward(ctx, g):
         shape, levels, has_b = ctx.args
         x, w_shard = ctx.saved_tensors
-        w = gather_flat([w_shard], levels, "backward")[0].view(shape)
+        w = unpadded(gather_flat([w_shard], levels, "backward")[0], shape)
         gx = g @ w
         gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
         gb = g.reshape(-1, g.shape[-1]).sum(0) if has_b else None

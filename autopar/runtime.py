@@ -30,7 +30,8 @@ from autopar.trace import BUFFER, CONSTANT, INPUT, PARAM, TracedGraph
 
 def shard_of(full: torch.Tensor, spec: Spec, mesh: Mesh, rank: int, zero_axes: tuple[int, ...] | None = None) -> torch.Tensor:
     """The local piece of ``full`` that ``rank`` holds under ``spec`` (outer axes split first); with ``zero_axes``,
-    this rank's flat ZeRO chunk of that piece (chunk index row-major over those axes)."""
+    this rank's flat ZeRO chunk of that piece (chunk index row-major over those axes; the piece zero-padded to a
+    multiple of the chunks)."""
     coord = mesh.coordinate(rank)
     t = full
     for a, p in enumerate(spec.placements):
@@ -41,7 +42,7 @@ def shard_of(full: torch.Tensor, spec: Spec, mesh: Mesh, rank: int, zero_axes: t
         for a in zero_axes:
             index = index * mesh.sizes[a] + coord[a]
             n *= mesh.sizes[a]
-        t = t.reshape(-1).chunk(n)[index]
+        t = collectives.padded_flat(t, n).chunk(n)[index]
     return t.clone().contiguous()
 
 
@@ -220,7 +221,7 @@ class ParallelModule(nn.Module):
         if node in self._zero_axes:  # a flat ZeRO shard: rebuild the local tensor first
             levels = tuple((names[a], sizes[a], dm.get_group(names[a]).group_name) for a in reversed(self._zero_axes[node]))
             shape = spec.local_shape(tuple(self._tg.nodes[node].meta["val"].shape), sizes)
-            full = collectives.gather_flat([full.reshape(-1)], levels, "forward")[0].view(shape)
+            full = collectives.unpadded(collectives.gather_flat([full.reshape(-1)], levels, "forward")[0], shape)
         for a in reversed(range(len(sizes))):
             p = spec[a]
             if isinstance(p, Shard):
@@ -417,7 +418,7 @@ class _PipelineRun:
             shards = [owner._local(PARAM, tg.fqns[n]) for n in members]
             fulls = collectives.gather_flat([t.detach().reshape(-1) for t in shards], levels, "forward")
             for n, t, full in zip(members, shards, fulls):
-                whole = full.view(local_shape(self.plan, tg.nodes[n], self.mesh)).clone()
+                whole = collectives.unpadded(full, local_shape(self.plan, tg.nodes[n], self.mesh)).clone()
                 self.whole[tg.fqns[n]] = whole.requires_grad_(t.requires_grad)
 
     @torch.no_grad()

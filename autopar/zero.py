@@ -24,7 +24,7 @@ backward, not kept; a parameter used otherwise (a norm's weight, a bias, an embe
 for its backward; a tied weight pays once per use.
 Stage 1 reduce-scatters all its gradients at the end of backward (full gradients are held until then); stage 2
 reduce-scatters each group's gradients as soon as they are ready. A storage shard is a flat chunk of the
-parameter's local tensor (FSDP1 style), so any parameter whose local size divides by n can be sharded.
+parameter's local tensor (FSDP1 style), zero-padded to a multiple of n, so any parameter can be sharded.
 Gradients over data axes the group does not shard (HSDP's replicate axis) and over other replicated axes are
 all-reduced on the shard (1/n of the bytes).
 On a pipeline the microbatches accumulate whole gradients until the last backward, so only stages 0 and 1 run
@@ -90,12 +90,11 @@ def shard_factor(opt: ZeroOption, mesh: Mesh) -> int:
 
 @functools.lru_cache(maxsize=None)
 def eligible(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> bool:
-    """A parameter can be sharded by ``opt`` when it is whole on the shard axes and its local size divides."""
+    """A parameter can be sharded by ``opt`` when it is whole on the shard axes (of any size: the flat shards are
+    padded, ``collectives.padded_flat``)."""
     if opt.stage == 0:
         return True
-    if any(not isinstance(spec[a], Replicate) for a in opt.shard_axes):
-        return False
-    return math.prod(spec.local_shape(meta.shape, mesh.sizes)) % shard_factor(opt, mesh) == 0
+    return all(isinstance(spec[a], Replicate) for a in opt.shard_axes)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def local_values(gm: fx.GraphModule, plan, mesh) -> dict[str, object]:
             shape = spec_of(node, plan).local_shape(tuple(val.shape), mesh.sizes)
             if node.name in sharded:  # a ZeRO flat shard
                 n = math.prod(mesh.sizes[mesh.names.index(a)] for a in sharded[node.name].shard_axes)
-                shape = (math.prod(shape) // n,)
+                shape = (-(-math.prod(shape) // n),)  # padded to a multiple of n
             env[node.name] = _meta_like(shape, val.dtype)
             continue
         if node.op == "output":

@@ -20,11 +20,14 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    model under each recomputation mode, give each unit (embedding, the second block, head) its forward and backward
    seconds, its kept activations (affine in the rows of a microbatch: measured at one and two rows), its parameters
    with their Specs, and the bytes crossing each unit boundary. Every candidate -- (dp, pp, tp), microbatches,
-   schedule (GPipe only where 1F1B cannot run: fewer microbatches than ranks), recomputation, and without a
-   pipeline the ZeRO stage and its shard group (all of dp, or HSDP's) -- is then evaluated from those numbers
+   schedule (GPipe only where 1F1B cannot run: fewer microbatches than ranks), recomputation, and the ZeRO stage
+   (with a pipeline 0 or 1, Megatron's distributed optimizer; without one 0-3 and its shard group, all of dp or
+   HSDP's) -- is then evaluated from those numbers
    alone, in the order of a lower bound (the rest dropped once the bound passes the best): blocks repeated L
    times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory) and the schedule's analytic
-   step; without one, the step is compute plus data-parallel communication (overlapped where the hardware's
+   step, plus each rank's gradient sync as ``pipeline.evaluate`` prices it (its stages' bytes in one collective per
+   axis, in the runtime's reduce dtype; ZeRO-1's reduce-scatter and gather; a tied parameter summed over pp);
+   without one, the step is compute plus data-parallel communication (overlapped where the hardware's
    runtime overlaps it; with cp, tp's profile at a cp-th of the rows -- a rank's share of the tokens and, balanced,
    of the causal attention -- plus the keys' and values' gathers and the query swaps, ``_context_parallel``), ZeRO's
    bytes and launches come from ``autopar.zero`` (``param_cost``, ``bucket_latency``
@@ -137,7 +140,7 @@ class Candidate:
     microbatches: int = 1
     schedule: str = ""  # pipeline schedule; "" without a pipeline
     virtual: int = 1
-    zero: int = 0  # without a pipeline: the ZeRO stage (every parameter group; the real plan is pinned to it)
+    zero: int = 0  # the ZeRO stage of every parameter group (a pipeline: 0 or 1); the real plan is pinned to it
     shard: int = 0  # with ZeRO: 0 shards over all of dp; s > 0 over groups of s ranks, replicated across them (HSDP)
     cp: int = 1  # without a pipeline: context parallelism, the sequence split over cp ranks (ZeRO then shards over dp x cp)
 
@@ -145,6 +148,7 @@ class Candidate:
         s = f"dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "") + f" pp={self.pp} tp={self.tp}"
         if self.pp > 1:
             s += f" {self.schedule}{'' if self.virtual == 1 else f' v={self.virtual}'} m={self.microbatches}"
+            s += " zero=1" if self.zero else ""
         else:
             s += f" zero={self.zero}" + (f" hsdp={self.dp // self.shard}x{self.shard}" if self.shard else "")
         return s + f" recompute={self.recompute}"
@@ -284,22 +288,25 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     grad = [a.cross_grad[0], a.cross_grad[1]] + [a.cross_grad[U - 2]] * (L - 1) + [a.cross_grad[U - 1], a.cross_grad[U]]
     # a block's parameters that sync over the same axes act as one (their sums): fewer entries to walk per candidate
     block: dict[tuple, list] = {}
-    params = {}
+    params, wire = {}, {}
     for name, (uu, sg, local, axes, n) in a.params.items():
         first = min(uu) if uu else 0
         if 0 < first < U - 2:
             continue  # another proxy block's parameter: the template block (the last) stands for every block
         if first == U - 2 and U > 2:  # the template block's parameter: one per block
-            acc = block.setdefault(tuple(axes), [0.0, 0.0, 0])
+            acc = block.setdefault(tuple(axes), [0.0, 0.0, 0, 0.0])
             acc[0] += sg
             acc[1] += local
             acc[2] += n
+            acc[3] += a.grad_wire.get(name, local)
         else:
             params[name] = ({0 if u == 0 else L + 1 for u in uu} or {0}, sg, local, axes, n)
-    for axes, (sg, local, n) in block.items():
+            wire[name] = a.grad_wire.get(name, local)
+    for axes, (sg, local, n, w) in block.items():
         for k in range(L):
             params[f"block{k}{axes}"] = ({1 + k}, sg, local, axes, n)
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [])
+            wire[f"block{k}{axes}"] = w
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire)
 
 
 def _units(L: int) -> Units:
@@ -408,6 +415,8 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     from autopar.pipeline import _prefix, _rank_memory
 
     uc = _at_rows(prof, c.recompute, rows, L)
+    if c.zero:
+        uc = _distributed_optimizer(prof, uc, c.dp, (c.recompute, rows, L))
     units = _units(L)
     U = L + 2
     mesh = cluster.mesh(c.dp, c.pp, c.tp)
@@ -419,11 +428,20 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     flights = list(sched.in_flight(c.schedule, p, m, v))
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
-    unit_sync: list[dict[int, float]] = [dict() for _ in range(U)]  # unit -> axis -> gradient bytes it syncs
-    for uu, _sg, local, axes, _n in uc.params.values():
-        for u in uu:
-            for ax in axes:
-                unit_sync[u][ax] = unit_sync[u].get(ax, 0.0) + local
+    # per axis, running sums over the units of the parameter bytes and the gradient bytes on the wire they sync: a
+    # rank sums its stages' and launches each collective once, as ``pipeline.evaluate`` does
+    sums: dict[int, list[list[float]]] = {}
+    tied = []  # parameters read by several units (a tied embedding): summed over the pp ranks that hold them too
+    for name, (uu, _sg, local, axes, _n) in uc.params.items():
+        wire = uc.grad_wire.get(name, local)
+        for ax in axes:
+            acc = sums.setdefault(ax, [[0.0] * U, [0.0] * U])
+            for u in uu:
+                acc[0][u] += local
+                acc[1][u] += wire
+        if len(uu) > 1:
+            tied.append((uu, wire))
+    prefixed = {ax: (_prefix(pb), _prefix(wb)) for ax, (pb, wb) in sums.items()}
     options = [equal_starts(units, S)] if L % S == 0 else []
     got = balance(uc, units, S, p, flights, v, budget)
     if got is not None:  # one stage per rank: the balanced cut is the answer; interleaved: the per-rank sums matter
@@ -431,22 +449,29 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     elif options:  # no balanced cut fits: repair the even one (as plan_pipeline does)
         options.append(refine(uc, units, options[0], p, m, v, flights, budget))
     best = None
-    seconds: dict[tuple[int, float], float] = {}  # (axis, bytes) -> one unit's sync: every block's is the same
 
-    def unit_seconds(ax: int, nbytes: float) -> float:
-        if (ax, nbytes) not in seconds:
-            seconds[ax, nbytes] = collective_time("all_reduce", nbytes, inner.sizes[ax], inner.link(ax)) if inner.sizes[ax] > 1 else 0.0
-        return seconds[ax, nbytes]
+    def rank_seconds(ax: int, params: float, wire: float) -> float:
+        if inner.sizes[ax] == 1:
+            return 0.0
+        if c.zero and ax == 0:  # ZeRO-1 over dp: reduce-scatter after the schedule, gather before the next
+            return collective_time("reduce_scatter", wire, c.dp, inner.link(0)) + collective_time("all_gather", params, c.dp, inner.link(0))
+        return collective_time("all_reduce", wire / (c.dp if c.zero else 1), inner.sizes[ax], inner.link(ax))  # ZeRO-1: the shard
 
-    synced = _prefix([sum(unit_seconds(ax, nbytes) for ax, nbytes in unit_sync[u].items()) for u in range(U)])
     for starts in options:
         ends = list(starts[1:]) + [U]
         ts = [sum(t[i:j]) for i, j in zip(starts, ends)]
         hop = max(send_time(uc.cross[j], link) for j in ends[:-1]) if S > 1 else 0.0
         step = analytic_step(ts, p, m, v) + 2 * (S - 1) * hop
-        sync = [0.0] * p
+        held = [{ax: [0.0, 0.0] for ax in prefixed} for _ in range(p)]
         for k, (i, j) in enumerate(zip(starts, ends)):
-            sync[k % p] += synced[j] - synced[i]
+            for ax, (pb, wb) in prefixed.items():
+                held[k % p][ax][0] += pb[j] - pb[i]
+                held[k % p][ax][1] += wb[j] - wb[i]
+        sync = [sum(rank_seconds(ax, pbytes, wbytes) for ax, (pbytes, wbytes) in held[r].items()) for r in range(p)]
+        for uu, wire in tied:
+            rs = {next(k for k in range(S - 1, -1, -1) if starts[k] <= u) % p for u in uu}
+            for r in rs if len(rs) > 1 else ():
+                sync[r] += collective_time("all_reduce", wire / (c.dp if c.zero else 1), len(rs), link)
         total = step + max(sync)
         ranks = _rank_memory(uc, st, starts, U, p, v, flights)
         mem = max(ranks)
@@ -456,6 +481,17 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         return Screened(c, math.inf, math.inf, "no stage cut")
     total, mem, even = best
     return Screened(c, total if mem <= budget else math.inf, mem, "" if mem <= budget else "does not fit", even)
+
+
+def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple) -> UnitCosts:
+    """``uc`` with every parameter under ZeRO-1 over dp on a pipeline (``zero.pipeline_held``): of its ZeRO-0
+    bytes, e (p + o) + e p, the stored parameter and its optimizer state sharded dp ways, the gathered parameter and
+    its accumulated gradient whole. Memoised on the profile beside ``uc`` (``at``: its key there)."""
+    key = ("zero1", dp) + at
+    if key not in prof.memo:
+        params = {n: (uu, (sg - local) / dp + 2 * local, local, axes, e) for n, (uu, sg, local, axes, e) in uc.params.items()}
+        prof.memo[key] = dataclasses.replace(uc, params=params)
+    return prof.memo[key]
 
 
 def _bound(prof: _Profile, c: Candidate, batch: int, L: int) -> float:
@@ -528,7 +564,8 @@ def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...],
                     for name, v in opts:
                         if name == "gpipe" and "1f1b" in names:
                             continue  # 1F1B has GPipe's bubble with fewer microbatches in flight: never worse
-                        out.append(Candidate(dp, pp, tp, rc, m, name, v))
+                        for z in (0, 1) if dp > 1 else (0,):  # ZeRO-1: the distributed optimizer
+                            out.append(Candidate(dp, pp, tp, rc, m, name, v, zero=z))
     return out
 
 

@@ -182,6 +182,9 @@ class UnitCosts:
     regen: list[float] = dataclasses.field(default_factory=list)  # bytes a unit's recomputation brings back in its backward
     # ZeRO-1 parameters -> (option, axes their shards are still all-reduced over, dtype); the others all-reduce
     zero: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    # parameter -> bytes its gradient puts on the wire when summed: its local bytes in the dtype the runtime reduces
+    # in (``Hardware.reduce_factor``: Megatron-LM's fp32 main grads); the local bytes where absent
+    grad_wire: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units, inner: Mesh) -> UnitCosts:
@@ -218,7 +221,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         bwd[unit(v)] += sum(c.seconds for c in priced if c.phase != "forward")
     for v, kb in kept_values(problem, strategy, cost).values():  # redistributed values backward keeps
         act[unit(v)] += kb
-    params, zero = {}, {}
+    params, zero, grad_wire = {}, {}, {}
     groups = zero_groups(tg, problem.order)
     for n in problem.order:
         if tg.kinds.get(n) != PARAM:
@@ -234,6 +237,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             held = pipeline_held(opt, spec, meta, inner)
             zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes), meta.dtype)
         params[n] = (uu, held, float(local), axes, math.prod(meta.shape))
+        grad_wire[n] = local * inner.hardware.reduce_factor(meta.dtype)
     # bytes crossing each boundary: a value produced in unit a and read in unit b crosses boundaries a+1 .. b
     diff = [0] * (U + 1)
     grad = [False] * (U + 1)
@@ -265,7 +269,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for i in range(U + 1):
         run += diff[i]
         cross.append(run)
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero)
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -310,7 +314,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
                     zero_bytes[r][uc.zero[name]] = zero_bytes[r].get(uc.zero[name], 0.0) + local
                     continue
                 for ax in axes:
-                    sync_bytes[r][ax] = sync_bytes[r].get(ax, 0.0) + local
+                    sync_bytes[r][ax] = sync_bytes[r].get(ax, 0.0) + uc.grad_wire.get(name, local)
         send = uc.cross[j] if j < U else 0
         t = send_time(send, link)
         p2p.append(t)
@@ -329,7 +333,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         if len(rs) > 1:
             shards = shard_factor(uc.zero[name][0], inner) if name in uc.zero else 1
             for r in rs:
-                sync[r] += collective_time("all_reduce", uc.params[name][2] / shards, len(rs), link)
+                sync[r] += collective_time("all_reduce", uc.grad_wire.get(name, uc.params[name][2]) / shards, len(rs), link)
     zero_total = sum(sum(z.values()) for z in zero_bytes)
     zero_share = tuple(sum(z.values()) / zero_total if zero_total else 0.0 for z in zero_bytes)
     tl = sched.simulate(schedule, p, m, v, [st.forward for st in stages], [st.backward for st in stages], p2p)

@@ -367,3 +367,25 @@ def test_a_pipeline_plan_does_not_lean_on_data_parallel_overlap():
     a, b = plans[0.0], plans[1.0]
     assert a.pipeline.label == b.pipeline.label and a.cost.step_time == pytest.approx(b.cost.step_time, rel=1e-9)
     assert {n: str(v.strategy) for n, v in a.nodes.items()} == {n: str(v.strategy) for n, v in b.nodes.items()}
+
+
+def test_a_pipelines_gradient_sync_is_priced_in_the_runtimes_reduce_dtype():
+    """Megatron-LM sums its fp32 main gradients (``grad_reduce_bytes=4``): a bf16 pipeline's all-reduce after the
+    schedule moves twice the parameter bytes, and ZeRO-1's reduce-scatter does too while its gather of the bf16
+    parameters does not (1.5x in all). The pipeline priced the all-reduce in the parameter's dtype, as if ZeRO-1's
+    sync were cheaper than ZeRO-0's by a third for nothing it does."""
+    from autopar.hardware import get_hardware
+
+    cfg = LlamaConfig(vocab_size=32000, max_seq_len=512, n_layer=4, n_head=16, n_kv_head=8, dim=2048, ffn_dim=5632)
+    with torch.device("meta"):
+        model = Llama(cfg).to(torch.bfloat16)  # untied: no embedding summed over pp as well
+    x = torch.empty(8, 512, dtype=torch.long, device="meta")
+    sync = {}
+    for zero in (0, 1):
+        for rb in (0, 4):
+            hw = dataclasses.replace(get_hardware("a100-80gb"), grad_reduce_bytes=rb)
+            plan = autopar.plan(model, autopar.Mesh({"dp": 4, "pp": 2}, hardware=hw), (x, x),
+                                constraints=[PipelinePin("1f1b", 2, cuts="equal"), autopar.ZeroPin("*", zero)])
+            sync[zero, rb] = plan.pipeline.sync_time
+    assert sync[0, 4] / sync[0, 0] == pytest.approx(2.0, rel=0.05), sync
+    assert sync[1, 4] / sync[1, 0] == pytest.approx(1.5, rel=0.05), sync

@@ -123,6 +123,7 @@ class Case:
     norm: str = "fused"  # models.llama's RMSNorm as the run computed it ("fp32-composite": torchtitan's, see cases())
     cuts: tuple | None = None  # a pipeline's blocks per stage where they do not divide evenly (None: Megatron's even cut)
     cp: int = 1  # context-parallel degree (a ``cp`` axis inside the data axis: torchtitan's FSDP + CP)
+    zero: int | None = None  # a pipeline's ZeRO stage (1: the distributed optimizer, or FSDP under a pipeline)
 
 
 def _sc21_mfu(size: str, tflops: float, batch: int, seq: int = 2048, vocab: int = 51200) -> float:
@@ -183,22 +184,24 @@ def cases() -> list[Case]:
     # the same page, Table 5: Llama-3.1 405B (126 layers) on 512 of those GPUs, FSDP 8 x TP 8 x PP 8, local batch 32
     # (global 256), microbatch 1, full AC, compiled, Float8, Async TP; 1F1B and interleaved 1F1B (torchtitan's
     # default: 2 stages per rank). 126 layers do not divide into 8 or 16 stages: the middle stages take one more
-    # (the first and last also hold the embedding and the head). FSDP shards the stages' state, which a pipeline here
-    # does not (ZeRO-0): priced for time only
+    # (the first and last also hold the embedding and the head). FSDP under a pipeline gathers a stage's parameters
+    # once for the schedule and reduce-scatters its gradients after the last microbatch: ZeRO-1 on the pipeline (which
+    # fits: 39-41 GiB per GPU; ZeRO-0 would need 99-101)
     for schedule, v, tps in (("1F1B", 1, 100.0), ("interleaved 1F1B", 2, 128.0)):
         base, extra = divmod(126, 8 * v)
         cuts = tuple(base + (0 < k <= extra) for k in range(8 * v))
         out.append(Case("check", "llama3-405b", 512, "h100-500w", 256, 8192, 8, 8, "megatron-3d", "full",
                         f"torchtitan: Llama-3.1 405B FSDP 8 x TP 8 x PP 8, {schedule}, local batch 32, full AC, Float8 + "
-                        f"compile + Async TP: {tps:.0f} tok/s/GPU", None, tps, "fsdp2+float8+compile+asynctp", v, True, cuts=cuts))
+                        f"compile + Async TP: {tps:.0f} tok/s/GPU", None, tps, "fsdp2+float8+compile+asynctp", v, cuts=cuts, zero=1))
     # NVIDIA's own DGX-H100s (700 W, what the preset describes): Megatron-Bridge's performance summary, NeMo 25.11, FP8.
     # 8B: FSDP 8, microbatch 1, global batch 128 (16 accumulated: one microbatch per rank is priced), 5 of 32 layers
-    # recomputed (priced without). 70B: TP 4 x PP 8 x DP 2, interleaved v=5, microbatch 1, global batch 128; it fits
-    # 80 GB with the distributed optimizer and FP8-saved activations, which the model has not (priced for time only)
+    # recomputed (priced without). 70B: TP 4 x PP 8 x DP 2, interleaved v=5, microbatch 1, global batch 128, the
+    # distributed optimizer (ZeRO-1); it fits 80 GB with FP8-saved activations, which the model has not (time only)
     out.append(Case("check", "llama3-8b", 8, "h100-80gb", 8, 8192, 1, 1, "fsdp", "none",
                     "NVIDIA DGX-H100: Llama3 8B FSDP 8, mb 1, FP8: 14,451 tok/s/GPU", None, 14451.0, "megatron-core+fp8", time_only=True))
     out.append(Case("check", "llama3-70b", 64, "h100-80gb", 128, 8192, 4, 8, "megatron-3d", "none",
-                    "NVIDIA DGX-H100: Llama3 70B TP 4 PP 8 VP 5, mb 1, FP8: 1,602 tok/s/GPU", None, 1602.0, "megatron-core+fp8", 5, True))
+                    "NVIDIA DGX-H100: Llama3 70B TP 4 PP 8 VP 5, mb 1, FP8: 1,602 tok/s/GPU", None, 1602.0, "megatron-core+fp8", 5, True,
+                    zero=1))
     return out
 
 
@@ -219,6 +222,8 @@ def _published_plan(case: Case, model, inputs, cluster: Cluster):
             kw.update(schedule="interleaved", virtual_stages=case.virtual)
         if case.cuts is not None:
             kw["blocks_per_stage"] = case.cuts
+        if case.zero is not None:
+            kw["zero"] = case.zero
     if case.time_only:
         kw["memory_budget"] = 1e15
     if case.strategy == "megatron" or case.strategy == "ddp":
@@ -332,9 +337,9 @@ def main() -> None:
         print("the rest and the 256-GPU run are priced with them. Eager rows: torchtitan's RMSNorm, fp32 from its parts (six")
         print("kernels; compiled, one op as here); float8 rows: float8 matmuls priced at twice the bf16 rate, which")
         print("torchao's kernels do not quite reach. The 405B rows: torchtitan's 3-D pipelines, Async TP priced as the")
-        print("tensor-parallel gathers and reduce-scatters hidden under their GEMMs (tp_overlap = 1), for time only; they")
-        print("come out faster than they ran (MFU err): the pipeline here is ZeRO-0 (FSDP 8's gathers and reduce-scatters")
-        print("over the nodes are not priced) and its Async TP hides all it can. NVIDIA's")
+        print("tensor-parallel gathers and reduce-scatters hidden under their GEMMs (tp_overlap = 1), FSDP 8 as ZeRO-1 on")
+        print("the pipeline (gathered once a step, gradients reduce-scattered after the last microbatch: it fits); they")
+        print("come out faster than they ran (MFU err): Async TP here hides all it can. NVIDIA's")
         print("DGX-H100s (h100-80gb, 700 W) with Megatron-Core; the 70B TP 4 run is priced with Transformer Engine's overlap")
         print("of the tensor-parallel collectives with the GEMMs (tp_overlap = 1). The FSDP x CP rows (Table 2) ran torchtitan's")
         print("ring attention; they are priced as autopar runs context parallelism (K/V all-gathered, not overlapped, the")

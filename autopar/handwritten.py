@@ -24,7 +24,8 @@ Strategies:
   ``blocks_per_stage``, one count per stage, as Megatron-LM's first/last-stage layer counts and torchtitan's split
   points cut a model whose blocks do not divide evenly), 1F1B (or interleaved with ``virtual_stages``),
   microbatches of ``microbatch_size`` rows per replica (default 1); ``zero=1`` is Megatron's distributed optimizer
-  (ZeRO-1 over the data axes), the default ZeRO-0.
+  (ZeRO-1 over the data axes), the default ZeRO-0. A ``cp`` axis adds context parallelism inside the stages (4-D:
+  attention's queries split by sequence on cp, ZeRO-1 over the data and cp axes).
 What cannot be realised yet (ZeRO-2/3 with a pipeline, gradient accumulation without one) is rejected with an error
 that says so, never silently ignored.
 """
@@ -137,11 +138,14 @@ def _reject_unrealised(strategy: str, mesh: Mesh, pp, schedule, virtual_stages, 
 
 
 def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, batch, microbatch_size, microbatches, schedule,
-                 virtual_stages, sequence_parallel, memory_budget, traces, recompute="none", blocks_per_stage=None, zero=None) -> Plan:
+                 virtual_stages, sequence_parallel, memory_budget, traces, recompute="none", blocks_per_stage=None, zero=None,
+                 cp_axes=()) -> Plan:
     """Megatron-LM's 3-D parallelism: Megatron layouts on tp, data parallel on dp, and on pp the blocks split evenly
     (embedding with the first stage, head with the last), 1F1B by default (interleaved with ``virtual_stages``),
     microbatches of ``microbatch_size`` rows per replica (default 1, Megatron's default) or ``microbatches``;
-    ``zero=1``: the distributed optimizer (``--use-distributed-optimizer``, ZeRO-1 over the data axes), else ZeRO-0."""
+    ``zero=1``: the distributed optimizer (``--use-distributed-optimizer``, ZeRO-1 over the data axes), else ZeRO-0.
+    With ``cp_axes`` (Megatron's and torchtitan's 4-D: context parallelism inside the pipeline's stages): every
+    attention's queries split by sequence on cp, and ZeRO-1 sharding over the data and cp axes both."""
     from autopar.pipeline import PipelinePin, plan_pipeline, trace_rows
     from autopar import _compat
 
@@ -155,7 +159,7 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
         microbatches = per_replica // size
     if schedule is None:
         schedule = "interleaved" if virtual_stages not in (None, 1) else "1f1b"
-    pins: list = [ZeroPin("*", zero or 0)] if data else []
+    pins: list = [_zero_pin(mesh, zero or 0, data, cp_axes)] if data or cp_axes else []
     knobs = [f"{schedule}", f"m={microbatches}"] + ([f"v={virtual_stages}"] if virtual_stages not in (None, 1) else [])
     if tp_axes:
         with _compat.no_local_tensor_mode():
@@ -164,10 +168,12 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
         if family is None:
             raise AutoparError("megatron-3d has no tensor-parallel layout for this model (no GPT-, Llama- or Mixtral-style projections, "
                                "nor Hugging Face's GPT-2 or Llama-style ones found)")
-        pins += _megatron_pins(tg, family, tp_axes[0], data, mesh.ndim, sequence_parallel)
+        pins += _megatron_pins(tg, family, tp_axes[0], data, mesh.ndim, sequence_parallel, cp_axes)
         if sequence_parallel:
             knobs.append("sp")
-    if zero and data:
+    elif cp_axes:  # context parallel: every attention's queries split by sequence on cp (keys, values whole)
+        pins.append(Pin("*:scaled_dot_product_attention*", _activations(mesh.ndim, data, cp_axes, None, "S(2)")))
+    if zero and (data or cp_axes):
         knobs.append(f"zero={zero}")
     if blocks_per_stage is not None:
         knobs.append("cuts=" + "/".join(map(str, blocks_per_stage)))
@@ -225,9 +231,9 @@ def handwritten(
     if other:
         names = ", ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in other)
         raise NotRealised(f"{strategy}: mesh axes {names} have no role in this strategy (it uses dp..., tp, cp and pp axes)")
-    if cp_axes and (strategy not in ("ddp", "fsdp") or pipe is not None):
-        raise NotRealised(f"{strategy}: a cp axis composes with ddp / fsdp on the data axes, and Megatron on tp, here "
-                          f"(torchtitan's FSDP + CP, FSDP + TP + CP), not with pp yet; mesh {mesh}")
+    if cp_axes and strategy not in ("ddp", "fsdp", "megatron-3d", "explicit"):
+        raise NotRealised(f"{strategy}: a cp axis composes with ddp / fsdp on the data axes and Megatron on tp (torchtitan's "
+                          f"FSDP + CP, FSDP + TP + CP), or with a pipeline (megatron-3d); mesh {mesh}")
     if strategy == "explicit":
         want = {"tp": tp or 1, "dp": dp or 1, "pp": pp or 1}
         have = {"tp": math.prod(mesh.sizes[a] for a in tp_axes), "dp": math.prod(mesh.sizes[a] for a in data),
@@ -241,7 +247,7 @@ def handwritten(
         raise NotRealised(f"{strategy} on a mesh with pp: use megatron-3d (pipeline + tp + dp), or a mesh without pp")
     if pipe is not None:
         return _megatron_3d(model, mesh, example_inputs, pipe, data, tp_axes, batch, microbatch_size, microbatches, schedule,
-                            virtual_stages, sequence_parallel, memory_budget, traces, recompute, blocks_per_stage, zero)
+                            virtual_stages, sequence_parallel, memory_budget, traces, recompute, blocks_per_stage, zero, cp_axes)
     if microbatch_size is not None and batch is not None:
         local = batch // max(1, math.prod(mesh.sizes[a] for a in data))
         if microbatch_size != local:

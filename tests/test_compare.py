@@ -60,12 +60,14 @@ def test_what_cannot_be_realised_yet_is_rejected_not_ignored(bad, match):
         autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "tp": 2}), _batch(), **bad)
 
 
-def test_context_parallelism_composes_with_fsdp_and_is_rejected_beside_pp():
+def test_context_parallelism_composes_with_fsdp_and_with_a_pipeline_not_with_megatron_alone():
     plan = autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "cp": 2}), _batch(), "ddp")
     assert plan.label == "ddp+cp" and {s for s, _ in plan.zero_stages.values()} == {0}
     assert all(str(n.strategy.output) == "S(0)S(2)" for n in plan.nodes.values() if "scaled_dot_product_attention" in n.op)
-    with pytest.raises(NotRealised, match="cp axis composes with ddp / fsdp.*not with pp"):
-        autopar.handwritten(_gpt(), autopar.Mesh({"pp": 2, "cp": 2, "tp": 2}), _batch(), "megatron-3d")
+    four = autopar.handwritten(_gpt(), autopar.Mesh({"pp": 2, "cp": 2, "tp": 2}), _batch(), "megatron-3d")
+    assert all(str(n.strategy.output) == "RS(2)S(1)" for n in four.nodes.values() if "scaled_dot_product_attention" in n.op)
+    with pytest.raises(NotRealised, match="cp axis composes with ddp / fsdp.*or with a pipeline"):
+        autopar.handwritten(_gpt(), autopar.Mesh({"cp": 2, "tp": 2}), _batch(), "megatron")
 
 
 def test_recompute_is_planned_and_priced():

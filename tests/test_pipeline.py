@@ -291,6 +291,23 @@ def test_zero1_on_a_pipeline_trains_like_one_device(name, axes, pin):
     assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
 
 
+@pytest.mark.parametrize("axes", [{"pp": 2, "cp": 2, "tp": 2}, {"dp": 2, "pp": 2, "cp": 2}], ids=["pp2xcp2xtp2", "dp2xpp2xcp2"])
+def test_megatron_3d_with_context_parallelism_trains_like_one_device(axes):
+    """4-D by hand (Megatron-LM's and torchtitan's pipeline + context + tensor / data parallelism): the stages'
+    attentions take their queries split by sequence on cp (balanced: mirrored ranks swap halves), and the
+    distributed optimizer shards over the data and cp axes both."""
+    torch.manual_seed(0)
+    model = Llama(dataclasses.replace(LlamaConfig.tiny(), n_layer=4))
+    mesh = autopar.Mesh(axes, hardware="cpu-gloo")
+    plan = autopar.handwritten(model, mesh, _batch(8), "megatron-3d", zero=1, microbatch_size=2)
+    want = "".join({"dp": "S(0)", "pp": "R", "cp": "S(2)", "tp": "S(1)"}[a] for a in axes)
+    assert {str(plan.nodes[n].strategy.output) for n in plan.nodes if "scaled_dot_product_attention" in n} == {want}
+    shard = [a for a in axes if a in ("dp", "cp")]
+    assert {tuple(z[1]) for z in plan.zero_stages.values()} == {tuple(shard)} and {z[0] for z in plan.zero_stages.values()} == {1}
+    r = parity(model, _batch(8), axes, plan=plan)
+    assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
+
+
 def test_zero1_lets_a_pipeline_fit_where_zero0_does_not():
     """The stages' ILP takes ZeRO-1 for the groups that need it when the budget is tight: each rank then holds its
     parameters' optimizer state sharded over dp (``zero.pipeline_held``), and its step pays a reduce-scatter and a

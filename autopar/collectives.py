@@ -403,7 +403,7 @@ def gather_flat(segments: list[torch.Tensor], levels, phase: str) -> list[torch.
         buf = torch.cat(segments) if len(segments) > 1 else segments[0].contiguous()
         out = _compat.all_gather_dim0(buf, n, group)
         _note("all_gather", axis, out, phase)
-        rows = out.view(n, buf.numel())
+        rows, buf = out.view(n, buf.numel()), None  # the concatenated shards go as soon as they are sent
         segments, pos = [], 0
         for k in sizes:  # each rank's piece of segment i, in rank order, is the next block of segment i
             segments.append(rows[:, pos : pos + k].reshape(-1))
@@ -413,17 +413,19 @@ def gather_flat(segments: list[torch.Tensor], levels, phase: str) -> list[torch.
 
 def scatter_flat(fulls: list[torch.Tensor], levels, reduce) -> list[torch.Tensor]:
     """Transpose of ``gather_flat``: reduce-scatter full flat gradients (padded here as the shards are) outermost
-    level first, then all-reduce the shards over ``reduce`` ((axis, group) pairs)."""
-    fulls = [padded_flat(f, math.prod(n for _a, n, _g in levels)) for f in fulls]
+    level first, then all-reduce the shards over ``reduce`` ((axis, group) pairs). ``fulls`` is emptied once the
+    bucket's buffer holds them: a caller that keeps no other reference frees each gradient there, not after."""
+    fulls[:] = [padded_flat(f, math.prod(n for _a, n, _g in levels)) for f in fulls]
     for axis, n, group in reversed(levels):
         sizes = [f.numel() // n for f in fulls]
         if len(fulls) == 1:
             buf = fulls[0].reshape(-1)
         else:
             buf = torch.cat([f.reshape(n, k) for f, k in zip(fulls, sizes)], dim=1).reshape(-1)
+        fulls.clear()
         _note("reduce_scatter", axis, buf, "backward")
         out = _compat.reduce_scatter_dim0(buf, n, group)
-        fulls, pos = [], 0
+        buf, fulls, pos = None, [], 0
         for k in sizes:
             fulls.append(out[pos : pos + k])
             pos += k

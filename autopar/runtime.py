@@ -418,20 +418,23 @@ class _PipelineRun:
             shards = [owner._local(PARAM, tg.fqns[n]) for n in members]
             fulls = collectives.gather_flat([t.detach().reshape(-1) for t in shards], levels, "forward")
             for n, t, full in zip(members, shards, fulls):
-                whole = collectives.unpadded(full, local_shape(self.plan, tg.nodes[n], self.mesh)).clone()
+                # each segment has its own storage (gather_flat copies it out of the gathered rows)
+                whole = collectives.unpadded(full, local_shape(self.plan, tg.nodes[n], self.mesh)).detach()
                 self.whole[tg.fqns[n]] = whole.requires_grad_(t.requires_grad)
 
     @torch.no_grad()
     def _scatter_zero(self) -> None:
         """The whole gradients reduce-scattered into the shards' ``.grad`` (added to what is there, as autograd
-        accumulates), then the whole copies dropped."""
+        accumulates). The whole parameters go first, and each whole gradient once the bucket's buffer holds it:
+        the step's peak stays the schedule's (``zero.pipeline_held``)."""
         owner, tg = self.owner, self.owner._tg
         for bucket, members in self.zero:
             live = [n for n in members if self.whole[tg.fqns[n]].grad is not None]
             if not live:
                 continue
             levels, reduce = self._zero_levels(bucket)
-            grads = collectives.scatter_flat([self.whole[tg.fqns[n]].grad.reshape(-1) for n in live], levels, reduce)
+            fulls = [self.whole.pop(tg.fqns[n]).grad.reshape(-1) for n in live]
+            grads = collectives.scatter_flat(fulls, levels, reduce)
             for n, g in zip(live, grads):
                 shard = owner._local(PARAM, tg.fqns[n])
                 shard.grad = g.view_as(shard) if shard.grad is None else shard.grad + g.view_as(shard)

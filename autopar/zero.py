@@ -13,8 +13,8 @@ itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO pap
 | stage | held all step      | + as backward starts | + as backward ends               | communication over the shard axes     |
 |-------|--------------------|----------------------|----------------------------------|---------------------------------------|
 | 0     | e(p + o)           | -                    | e p (gradients)                  | all-reduce                            |
-| 1     | e p/n + e o/n      | e p (gathered)       | 2 e p + 2 e p/n (full gradients, | all-gather (forward) + reduce-scatter |
-|       |                    |                      | their flat copy, the shard x2)   |                                       |
+| 1     | e p/n + e o/n      | e p (gathered)       | 2 e p + e p/n (full gradients,   | all-gather (forward) + reduce-scatter |
+|       |                    |                      | their flat copy, the shard)      |                                       |
 | 2     | e p/n + e o/n      | e p (gathered)       | e p/n (+ one bucket)             | all-gather + reduce-scatter per bucket |
 | 3     | e (p + o)/n        | (one param at a time)| e p/n (+ one param, twice)       | all-gather forward and again in       |
 |       |                    |                      |                                  | backward + reduce-scatter: 1.5x bytes |
@@ -147,8 +147,9 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     gathers, scatters = zero3_traffic(uses) if opt.stage == 3 else (1, 1)
     comm = sum(gathers * bw("all_gather", b, a) + scatters * bw("reduce_scatter", rf * b, a) for a in opt.shard_axes) + on_shard
     copy = copies_bytes / hbm
-    if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard (and its copy) at the end
-        return ZeroCost(b / n + e * o / n, b, 2 * b + 2 * b / n, 0.0, comm, copy)
+    if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard at the end (the flat copy is
+        # freed before the shard is copied out: ``collectives.scatter_flat``)
+        return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm, copy)
     if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
         return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, copy)
     return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, copy)

@@ -8,6 +8,9 @@ the ZeRO paper's formula gives (fp32 here: 4 + 4 + 8 bytes per parameter; stage 
 gradients' 4, stage 3 everything), next to what each rank holds after an optimizer step. autopar's ZeRO-1/2 hold
 less than the paper's between steps: they gather whole parameters at the start of a step and drop them by its
 end (so the peak, not the resting state, carries them).
+Then the same model on a pipeline (pp=2 x dp=nproc/2, 1F1B over 4 microbatches) under ZeRO-0 and ZeRO-1 (the
+distributed optimizer: shards gathered once a step, gradients reduce-scattered after the last microbatch): each
+pp rank's predicted peak (``plan.pipeline.rank_memory``) beside the largest measured on its ranks.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ CFG = MLPConfig(dim=512, hidden=2048, n_layer=4)
 BATCH = 64
 
 
-def worker(stage: int) -> None:
+def worker(stage: int, piped: bool = False) -> None:
     import torch.distributed as dist
 
     import autopar
@@ -39,8 +42,10 @@ def worker(stage: int) -> None:
     torch.manual_seed(0)
     model = MLP(CFG)
     x, y = torch.randn(BATCH, CFG.dim), torch.randn(BATCH, CFG.dim)
-    mesh = autopar.Mesh({"dp": dist.get_world_size()})
-    pm = autopar.parallelize(model, mesh, (x, y), constraints=[autopar.ZeroPin("*", stage)])
+    world = dist.get_world_size()
+    mesh = autopar.Mesh({"pp": 2, "dp": world // 2} if piped else {"dp": world})
+    pins = [autopar.ZeroPin("*", stage)] + ([autopar.PipelinePin("1f1b", 4)] if piped else [])
+    pm = autopar.parallelize(model, mesh, (x, y), constraints=pins)
     del model
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)
     lx, ly = pm.local_inputs(x, y)
@@ -55,7 +60,13 @@ def worker(stage: int) -> None:
             tracker.reset_mod_stats()  # MemTracker keeps per-module stats of one iteration; the peak stays
     peak = _compat.mem_tracker_peak(tracker)
     peak["held"] = held["total"]
-    if dist.get_rank() == 0:
+    if piped:  # every rank's peak, by pp coordinate
+        peaks = [None] * world
+        dist.all_gather_object(peaks, (mesh.coordinate(dist.get_rank())[0], peak["total"]))
+        if dist.get_rank() == 0:
+            by_rank = [max(t for r, t in peaks if r == k) for k in range(2)]
+            print("RESULT " + json.dumps({"stage": stage, "predicted": list(pm.plan.pipeline.rank_memory), "measured": by_rank}), flush=True)
+    elif dist.get_rank() == 0:
         c = pm.plan.cost
         print("RESULT " + json.dumps({"stage": stage, "predicted": c.memory_per_device, "breakdown": c.memory_breakdown, "measured": peak}), flush=True)
     from autopar import _compat
@@ -67,15 +78,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--worker", type=int, default=None)
+    ap.add_argument("--piped", action="store_true")
     args = ap.parse_args()
     if args.worker is not None:
-        worker(args.worker)
+        worker(args.worker, args.piped)
         return
     import tabulate
 
     n = args.nproc
     psi = sum(p.numel() for p in MLP(CFG).parameters())
     paper = {0: 16 * psi, 1: (4 + 4 + 8 / n) * psi, 2: (4 + (4 + 8) / n) * psi, 3: 16 * psi / n}
+    mib = 2**20
     rows = []
     for stage in range(4):
         out = torchrun(__file__, n, f"--worker={stage}")
@@ -85,13 +98,25 @@ def main() -> None:
             continue
         r = json.loads(line[len("RESULT "):])
         m, b = r["measured"], r["breakdown"]
-        mib = 2**20
         rows.append([f"ZeRO-{stage}", f"{r['predicted'] / mib:.2f}", f"{m['total'] / mib:.2f}", f"{r['predicted'] / m['total']:.3f}",
                      f"{paper[stage] / mib:.2f}", f"{m['held'] / mib:.2f}",
                      " ".join(f"{k}={v / mib:.1f}" for k, v in b.items())])
     print(f"MLP {CFG}, {psi / 1e6:.1f}M parameters (fp32), global batch {BATCH}, {n} gloo ranks (dp={n}); MiB per rank")
     print(tabulate.tabulate(rows, headers=["stage", "predicted peak", "measured peak", "pred/meas", "model state, ZeRO paper",
                                            "model state held after a step, measured", "predicted: peak = state + max(activations, gradients + buffers)"]))
+    rows = []
+    for stage in (0, 1):
+        out = torchrun(__file__, n, f"--worker={stage}", "--piped")
+        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
+        if line is None:
+            rows.append([f"ZeRO-{stage}", "failed", out.stderr[-400:]])
+            continue
+        r = json.loads(line[len("RESULT "):])
+        for k in range(2):
+            p, m = r["predicted"][k] / mib, r["measured"][k] / mib
+            rows.append([f"ZeRO-{stage}", f"pp rank {k}", f"{p:.2f}", f"{m:.2f}", f"{p / m:.3f}"])
+    print(f"\nthe same model on a pipeline, pp=2 x dp={n // 2}, 1F1B over 4 microbatches; MiB per rank (the largest of each pp rank's)")
+    print(tabulate.tabulate(rows, headers=["stage", "rank", "predicted peak", "measured peak", "pred/meas"]))
 
 
 if __name__ == "__main__":

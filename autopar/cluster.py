@@ -412,7 +412,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     refined), priced by the schedule's analytic step -- exact for 1F1B and interleaved 1F1B on their steady state
     (tested against the simulator in tests/test_schedule.py) -- plus the boundary transfers and each rank's
     gradient sync; the real plan then simulates the schedule."""
-    from autopar.pipeline import _prefix, _rank_memory
+    from autopar.pipeline import _rank_memory
 
     uc = _at_rows(prof, c.recompute, rows, L)
     if c.zero:
@@ -428,20 +428,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     flights = list(sched.in_flight(c.schedule, p, m, v))
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
-    # per axis, running sums over the units of the parameter bytes and the gradient bytes on the wire they sync: a
-    # rank sums its stages' and launches each collective once, as ``pipeline.evaluate`` does
-    sums: dict[int, list[list[float]]] = {}
-    tied = []  # parameters read by several units (a tied embedding): summed over the pp ranks that hold them too
-    for name, (uu, _sg, local, axes, _n) in uc.params.items():
-        wire = uc.grad_wire.get(name, local)
-        for ax in axes:
-            acc = sums.setdefault(ax, [[0.0] * U, [0.0] * U])
-            for u in uu:
-                acc[0][u] += local
-                acc[1][u] += wire
-        if len(uu) > 1:
-            tied.append((uu, wire))
-    prefixed = {ax: (_prefix(pb), _prefix(wb)) for ax, (pb, wb) in sums.items()}
+    prefixed, tied = _sync_sums(uc, U)
     options = [equal_starts(units, S)] if L % S == 0 else []
     got = balance(uc, units, S, p, flights, v, budget)
     if got is not None:  # one stage per rank: the balanced cut is the answer; interleaved: the per-rank sums matter
@@ -481,6 +468,28 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         return Screened(c, math.inf, math.inf, "no stage cut")
     total, mem, even = best
     return Screened(c, total if mem <= budget else math.inf, mem, "" if mem <= budget else "does not fit", even)
+
+
+def _sync_sums(uc: UnitCosts, U: int) -> tuple[dict, list]:
+    """Per axis, running sums over the units of the parameter bytes and the gradient bytes on the wire they sync (a
+    rank sums its stages' and launches each collective once, as ``pipeline.evaluate`` does), and the parameters read
+    by several units (a tied embedding: summed over the pp ranks that hold them too). Memoised on ``uc``."""
+    from autopar.pipeline import _prefix
+
+    if ("sync", U) not in uc.memo:
+        sums: dict[int, list[list[float]]] = {}
+        tied = []
+        for name, (uu, _sg, local, axes, _n) in uc.params.items():
+            wire = uc.grad_wire.get(name, local)
+            for ax in axes:
+                acc = sums.setdefault(ax, [[0.0] * U, [0.0] * U])
+                for u in uu:
+                    acc[0][u] += local
+                    acc[1][u] += wire
+            if len(uu) > 1:
+                tied.append((uu, wire))
+        uc.memo["sync", U] = ({ax: (_prefix(pb), _prefix(wb)) for ax, (pb, wb) in sums.items()}, tied)
+    return uc.memo["sync", U]
 
 
 def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple) -> UnitCosts:

@@ -185,6 +185,9 @@ class UnitCosts:
     # parameter -> bytes its gradient puts on the wire when summed: its local bytes in the dtype the runtime reduces
     # in (``Hardware.reduce_factor``: Megatron-LM's fp32 main grads); the local bytes where absent
     grad_wire: dict[str, float] = dataclasses.field(default_factory=dict)
+    # what the cut searches derive from these costs (``unit_state``, ``_sums``), once: the cluster screen prices
+    # thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
+    memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units, inner: Mesh) -> UnitCosts:
@@ -342,12 +345,14 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
 
 def unit_state(uc: UnitCosts, U: int) -> list[float]:
     """Per unit, the bytes its parameters hold all step (a parameter read by several units counted in each:
-    conservative)."""
-    st = [0.0] * U
-    for uu, sg, *_ in uc.params.values():
-        for u in uu:
-            st[u] += sg
-    return st
+    conservative). Memoised on ``uc``: read it, do not change it."""
+    if ("state", U) not in uc.memo:
+        st = [0.0] * U
+        for uu, sg, *_ in uc.params.values():
+            for u in uu:
+                st[u] += sg
+        uc.memo["state", U] = st
+    return uc.memo["state", U]
 
 
 def analytic_step(ts: list[float], p: int, m: int, v: int) -> float:
@@ -408,8 +413,12 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
 
 def _sums(uc: UnitCosts, st: list[float]) -> tuple:
     """What ``_rank_memory`` reads of a stage in O(1): running sums of the units' state and activations, and the
-    largest recomputation in a run of units."""
-    return _prefix(st), _prefix(uc.act), _range_max(uc.regen) if any(uc.regen) else None  # None: nothing recomputed
+    largest recomputation in a run of units. Memoised on ``uc`` for its own ``unit_state``."""
+    if uc.memo.get(("state", len(st))) is not st:
+        return _prefix(st), _prefix(uc.act), _range_max(uc.regen) if any(uc.regen) else None  # None: nothing recomputed
+    if "sums" not in uc.memo:
+        uc.memo["sums"] = _prefix(st), _prefix(uc.act), _range_max(uc.regen) if any(uc.regen) else None
+    return uc.memo["sums"]
 
 
 def _range_max(xs: list[float]):

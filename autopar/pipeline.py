@@ -652,16 +652,15 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         raw = problem.costs
         w = 1.0 / (m + p - 1)
         flights = min(p, m)  # no rank keeps more microbatches than there are (GPipe with m < p: all m)
-        in_block = {n for n, f in tg.fqns.items() if any(f.startswith(b.fqn + ".") for b in tg.blocks)}
-        # a block's gradient sync is shared by the p ranks; the embedding's or head's lands on one rank whole
         # gradients live beside the activations all step (microbatches accumulate them): one sum, not the max of
         # the two peaks a step without a pipeline has (and the sum ``unit_costs`` / the cuts count per rank)
         problem.costs = {
-            n: [dataclasses.replace(c, state=c.state + c.grad, grad=0.0, act=c.act * flights, comm=c.comm * w * (1 if n in in_block else p))
-                if tg.kinds.get(n) != INPUT else c for c in cs]
+            n: [dataclasses.replace(c, state=c.state + c.grad, grad=0.0, act=c.act * flights) if tg.kinds.get(n) != INPUT else c
+                for c in cs]
             for n, cs in raw.items()
         }
-        # the same weights for what the ILP prices per parameter group (its gradient buckets, by ``grad_spec``)
+        # each parameter group's data-parallel terms, once a step against the microbatches: a block's sync is shared
+        # by the p ranks, the embedding's or head's lands on one rank whole
         problem.sync_weight = {g: w * (p if g == "rest" else 1) for g, _c, _n in zero_groups(tg, problem.order).values()}
         # a group runs ZeRO-0 or ZeRO-1 (``_inner_pins``); the ILP takes ZeRO-1 where memory needs it: its bytes
         # (shard, gathered parameter, gradient) add up to ``zero.pipeline_held`` with the gradients moved into state

@@ -59,12 +59,12 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import ATTENTION_OPS, RECOMPUTE, CostModel, collective_time, itemsize, peak_memory, send_time
+from autopar.cost import ATTENTION_OPS, RECOMPUTE, CostModel, itemsize, peak_memory, send_time
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
 from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, analytic_step, balance, equal_starts, graph_units,
-                              microbatch_candidates, refine, slice_batch, unit_costs, unit_state)
+                              microbatch_candidates, rank_sync, refine, slice_batch, tied_sync, unit_costs, unit_state)
 from autopar.plan import Plan
 from autopar.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
@@ -437,28 +437,29 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         options.append(refine(uc, units, options[0], p, m, v, flights, budget))
     best = None
 
-    def rank_seconds(ax: int, params: float, wire: float) -> float:
-        if inner.sizes[ax] == 1:
-            return 0.0
-        if c.zero and ax == 0:  # ZeRO-1 over dp: reduce-scatter after the schedule, gather before the next
-            return collective_time("reduce_scatter", wire, c.dp, inner.link(0)) + collective_time("all_gather", params, c.dp, inner.link(0))
-        return collective_time("all_reduce", wire / (c.dp if c.zero else 1), inner.sizes[ax], inner.link(ax))  # ZeRO-1: the shard
+    opt = ZeroOption(1, (0,)) if c.zero else None  # ZeRO-1 over dp: the distributed optimizer
 
     for starts in options:
         ends = list(starts[1:]) + [U]
         ts = [sum(t[i:j]) for i, j in zip(starts, ends)]
         hop = max(send_time(uc.cross[j], link) for j in ends[:-1]) if S > 1 else 0.0
         step = analytic_step(ts, p, m, v) + 2 * (S - 1) * hop
-        held = [{ax: [0.0, 0.0] for ax in prefixed} for _ in range(p)]
+        plain: list[dict[int, float]] = [{} for _ in range(p)]
+        zeroed: list[dict[tuple, list[float]]] = [{} for _ in range(p)]
         for k, (i, j) in enumerate(zip(starts, ends)):
-            for ax, (pb, wb) in prefixed.items():
-                held[k % p][ax][0] += pb[j] - pb[i]
-                held[k % p][ax][1] += wb[j] - wb[i]
-        sync = [sum(rank_seconds(ax, pbytes, wbytes) for ax, (pbytes, wbytes) in held[r].items()) for r in range(p)]
+            for axes, (pb, wb) in prefixed.items():
+                if opt is not None and 0 in axes:
+                    acc = zeroed[k % p].setdefault((opt, tuple(a for a in axes if a != 0)), [0.0, 0.0])
+                    acc[0] += pb[j] - pb[i]
+                    acc[1] += wb[j] - wb[i]
+                    continue
+                for ax in axes:
+                    plain[k % p][ax] = plain[k % p].get(ax, 0.0) + wb[j] - wb[i]
+        sync = [rank_sync(plain[r], zeroed[r], inner) for r in range(p)]
         for uu, wire in tied:
             rs = {next(k for k in range(S - 1, -1, -1) if starts[k] <= u) % p for u in uu}
             for r in rs if len(rs) > 1 else ():
-                sync[r] += collective_time("all_reduce", wire / (c.dp if c.zero else 1), len(rs), link)
+                sync[r] += tied_sync(wire, opt, len(rs), inner, link)
         total = step + max(sync)
         ranks = _rank_memory(uc, st, starts, U, p, v, flights)
         mem = max(ranks)
@@ -471,24 +472,25 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
 
 
 def _sync_sums(uc: UnitCosts, U: int) -> tuple[dict, list]:
-    """Per axis, running sums over the units of the parameter bytes and the gradient bytes on the wire they sync (a
-    rank sums its stages' and launches each collective once, as ``pipeline.evaluate`` does), and the parameters read
-    by several units (a tied embedding: summed over the pp ranks that hold them too). Memoised on ``uc``."""
+    """Per set of sync axes, running sums over the units of the parameter bytes and the gradient bytes on the wire
+    (a rank sums its stages' and prices them with ``pipeline.rank_sync``, as ``pipeline.evaluate`` does), and the
+    parameters read by several units (a tied embedding: summed over the pp ranks that hold them too). Memoised on
+    ``uc``."""
     from autopar.pipeline import _prefix
 
     if ("sync", U) not in uc.memo:
-        sums: dict[int, list[list[float]]] = {}
+        sums: dict[tuple, list[list[float]]] = {}
         tied = []
         for name, (uu, _sg, local, axes, _n) in uc.params.items():
             wire = uc.grad_wire.get(name, local)
-            for ax in axes:
-                acc = sums.setdefault(ax, [[0.0] * U, [0.0] * U])
+            if axes:
+                acc = sums.setdefault(tuple(axes), [[0.0] * U, [0.0] * U])
                 for u in uu:
                     acc[0][u] += local
                     acc[1][u] += wire
             if len(uu) > 1:
                 tied.append((uu, wire))
-        uc.memo["sync", U] = ({ax: (_prefix(pb), _prefix(wb)) for ax, (pb, wb) in sums.items()}, tied)
+        uc.memo["sync", U] = ({axes: (_prefix(pb), _prefix(wb)) for axes, (pb, wb) in sums.items()}, tied)
     return uc.memo["sync", U]
 
 

@@ -180,7 +180,7 @@ class UnitCosts:
     cross_grad: list[bool]  # whether a gradient comes back across it
     static_time: dict[int, float]
     regen: list[float] = dataclasses.field(default_factory=list)  # bytes a unit's recomputation brings back in its backward
-    # ZeRO-1 parameters -> (option, axes their shards are still all-reduced over, dtype); the others all-reduce
+    # ZeRO-1 parameters -> (option, axes their shards are still all-reduced over); the others all-reduce
     zero: dict[str, tuple] = dataclasses.field(default_factory=dict)
     # parameter -> bytes its gradient puts on the wire when summed: its local bytes in the dtype the runtime reduces
     # in (``Hardware.reduce_factor``: Megatron-LM's fp32 main grads); the local bytes where absent
@@ -238,7 +238,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         opt = choice.zero.get(groups[n][0], ZeroOption(0)) if n in groups else ZeroOption(0)
         if opt.stage == 1 and eligible(opt, spec, meta, inner):
             held = pipeline_held(opt, spec, meta, inner)
-            zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes), meta.dtype)
+            zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes))
         params[n] = (uu, held, float(local), axes, math.prod(meta.shape))
         grad_wire[n] = local * inner.hardware.reduce_factor(meta.dtype)
     # bytes crossing each boundary: a value produced in unit a and read in unit b crosses boundaries a+1 .. b
@@ -302,7 +302,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     rank_act = [0.0] * p
     rank_regen = [0.0] * p  # one block's recomputed activations, alive while its backward runs
     sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
-    zero_bytes: list[dict[tuple, float]] = [dict() for _ in range(p)]  # (option, rest axes, dtype) -> bytes
+    zero_bytes: list[dict[tuple, list[float]]] = [dict() for _ in range(p)]  # (option, rest axes) -> [bytes, wire]
     ranks_of: dict[str, set[int]] = {}
     for s, (i, j) in enumerate(zip(starts, ends)):
         r = s % p
@@ -314,7 +314,9 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
                 state += sg
                 ranks_of.setdefault(name, set()).add(r)
                 if name in uc.zero:
-                    zero_bytes[r][uc.zero[name]] = zero_bytes[r].get(uc.zero[name], 0.0) + local
+                    acc = zero_bytes[r].setdefault(uc.zero[name], [0.0, 0.0])
+                    acc[0] += local
+                    acc[1] += uc.grad_wire.get(name, local)
                     continue
                 for ax in axes:
                     sync_bytes[r][ax] = sync_bytes[r].get(ax, 0.0) + uc.grad_wire.get(name, local)
@@ -326,21 +328,32 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         rank_act[r] += a / v
         rank_regen[r] = max(rank_regen[r], max(uc.regen[i:j], default=0.0))
     memory = tuple(rank_state[r] + flights[r] * rank_act[r] + rank_regen[r] for r in range(p))
-    # the gradient all-reduces after the schedule: one bucket per axis per rank (ZeRO-1: a reduce-scatter, and the
-    # all-gather of the updated shards before the next step); parameters held on several pp ranks (tied
-    # embeddings) are summed across them too, on their shards under ZeRO-1
-    sync = [sum(collective_time("all_reduce", b, inner.sizes[ax], inner.link(ax)) for ax, b in sync_bytes[r].items())
-            + sum(c.seconds for (opt, rest, dtype), b in zero_bytes[r].items() for c in pipeline_sync_priced(opt, b, rest, inner, dtype))
-            for r in range(p)]
+    sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) for r in range(p)]
     for name, rs in ranks_of.items():
         if len(rs) > 1:
-            shards = shard_factor(uc.zero[name][0], inner) if name in uc.zero else 1
             for r in rs:
-                sync[r] += collective_time("all_reduce", uc.grad_wire.get(name, uc.params[name][2]) / shards, len(rs), link)
-    zero_total = sum(sum(z.values()) for z in zero_bytes)
-    zero_share = tuple(sum(z.values()) / zero_total if zero_total else 0.0 for z in zero_bytes)
+                sync[r] += tied_sync(uc.grad_wire.get(name, uc.params[name][2]), uc.zero[name][0] if name in uc.zero else None,
+                                     len(rs), inner, link)
+    zero_total = sum(b for z in zero_bytes for b, _w in z.values())
+    zero_share = tuple(sum(b for b, _w in z.values()) / zero_total if zero_total else 0.0 for z in zero_bytes)
     tl = sched.simulate(schedule, p, m, v, [st.forward for st in stages], [st.backward for st in stages], p2p)
     return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights), zero_share)
+
+
+def rank_sync(plain: dict[int, float], zeroed: dict[tuple, "list[float]"], inner: Mesh) -> float:
+    """One pipeline rank's gradient sync after the schedule, its stages' parameters in one bucket per collective:
+    ``plain``, axis -> the wire bytes (``UnitCosts.grad_wire``) of the ZeRO-0 gradients it all-reduces over that
+    axis; ``zeroed``, (ZeRO-1 option, rest axes) -> (parameter bytes, wire bytes): a reduce-scatter over the shard
+    axes, the shards all-reduced over the rest, and the all-gather of the updated shards before the next step
+    (``zero.pipeline_sync_priced``). ``evaluate`` and the cluster screen both price a rank's sync here."""
+    return (sum(collective_time("all_reduce", w, inner.sizes[ax], inner.link(ax)) for ax, w in plain.items())
+            + sum(c.seconds for (opt, rest), (full, wire) in zeroed.items() for c in pipeline_sync_priced(opt, full, wire, rest, inner)))
+
+
+def tied_sync(wire: float, opt: "ZeroOption | None", ranks: int, inner: Mesh, link) -> float:
+    """A parameter held on ``ranks`` pp ranks (a tied embedding) has its gradient summed across them over the pipe
+    ``link`` too: whole, or under ZeRO-1 ``opt`` its shard."""
+    return collective_time("all_reduce", wire / (shard_factor(opt, inner) if opt else 1), ranks, link)
 
 
 def unit_state(uc: UnitCosts, U: int) -> list[float]:

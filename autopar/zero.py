@@ -171,11 +171,12 @@ def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> 
     return e * (p + o) / n + 2 * e * p
 
 
-def pipeline_sync_priced(opt: ZeroOption, full: float, rest: tuple[int, ...], mesh: Mesh, dtype) -> list:
-    """A pipeline rank's once-a-step communication of ``full`` bytes of ZeRO-1 parameters: their accumulated
-    gradients reduce-scattered over the shard axes (and the shards all-reduced over ``rest``) after the schedule's
-    last backward, and the updated shards all-gathered before the next step's first forward."""
-    return scatter_priced(full, opt.shard_axes, rest, mesh, dtype) + gather_priced(full, opt.shard_axes, mesh, "forward")
+def pipeline_sync_priced(opt: ZeroOption, full: float, wire: float, rest: tuple[int, ...], mesh: Mesh) -> list:
+    """A pipeline rank's once-a-step communication of ``full`` bytes of ZeRO-1 parameters whose gradients put
+    ``wire`` bytes on the wire (``Hardware.reduce_factor``): their accumulated gradients reduce-scattered over the
+    shard axes (and the shards all-reduced over ``rest``) after the schedule's last backward, and the updated shards
+    all-gathered before the next step's first forward."""
+    return _scatter_wire(wire, opt.shard_axes, rest, mesh) + gather_priced(full, opt.shard_axes, mesh, "forward")
 
 
 def grad_spec(stored: Spec, read: "Spec | None" = None) -> Spec:
@@ -260,12 +261,16 @@ def gather_priced(full: float, shard_axes: tuple[int, ...], mesh: Mesh, phase: s
 def scatter_priced(full: float, shard_axes: tuple[int, ...], rest: tuple[int, ...], mesh: Mesh, dtype) -> list:
     """Backward: reduce-scatter the gradients of ``full`` bytes of parameters of ``dtype`` to the shards, then
     all-reduce the shard over ``rest`` -- in the dtype the runtime reduces in (``Hardware.reduce_factor``)."""
+    return _scatter_wire(full * mesh.hardware.reduce_factor(dtype), shard_axes, rest, mesh)
+
+
+def _scatter_wire(wire: float, shard_axes: tuple[int, ...], rest: tuple[int, ...], mesh: Mesh) -> list:
+    """``scatter_priced`` of gradients that put ``wire`` bytes on the wire."""
     from autopar.cost import Priced
 
-    full = full * mesh.hardware.reduce_factor(dtype)
     out = [Priced("reduce_scatter", mesh.names[a], int(b), "backward", collective_time("reduce_scatter", b, mesh.sizes[a], mesh.link(a)))
-           for a, b in _levels(full, shard_axes, mesh, gather=False)]
-    shard = full / shard_factor(ZeroOption(1, shard_axes), mesh)
+           for a, b in _levels(wire, shard_axes, mesh, gather=False)]
+    shard = wire / shard_factor(ZeroOption(1, shard_axes), mesh)
     out += [Priced("all_reduce", mesh.names[a], int(shard), "backward", collective_time("all_reduce", shard, mesh.sizes[a], mesh.link(a)))
             for a in rest]
     return out

@@ -50,7 +50,7 @@ def _as_mesh(mesh) -> Mesh:
 
 
 def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, constraints=(), recompute: str = "none",
-         global_batch: int | None = None, seq: int | None = None) -> Plan:
+         global_batch: int | None = None, seq: int | None = None, cp_in_stages: bool = False) -> Plan:
     """Plan only: no process group, no real weights needed (a meta-device model plans the same), any mesh size.
 
     On a mesh with a ``pp`` axis the plan also cuts the model into pipeline stages and picks the microbatch count
@@ -58,7 +58,8 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
     selective / full) recomputes the repeated blocks' activations in backward.
 
     Given an ``autopar.Cluster`` instead of a mesh, the mesh itself is searched too (dp x pp x tp, tp within a
-    node), with the microbatches, the schedule and the recomputation (``plan.search`` lists what was screened).
+    node), with the microbatches, the schedule and the recomputation (``plan.search`` lists what was screened);
+    ``cp_in_stages=True`` adds pipelines with context parallelism in their stages (pp x dp x cp x tp) to the search.
     ``example_inputs`` may then be a function ``(global_batch, seq) -> inputs``."""
     from autopar.cluster import Cluster, plan_cluster
 
@@ -71,7 +72,10 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
         if constraints:
             raise AutoparError("constraints pin Specs of one mesh; plan on autopar.Mesh to use them, or leave them out with a Cluster")
         with _compat.no_local_tensor_mode():
-            return plan_cluster(model, args, mesh, memory_budget)
+            return plan_cluster(model, args, mesh, memory_budget, cp_in_stages=cp_in_stages)
+    if cp_in_stages:
+        raise AutoparError("cp_in_stages widens the search over an autopar.Cluster; on a fixed mesh, give it pp and cp axes "
+                           "(and handwritten('megatron-3d') pins context parallelism inside the stages)")
     mesh = _as_mesh(mesh)
     pins, pipe = _split_pins(constraints)
     with _compat.no_local_tensor_mode():

@@ -8,8 +8,9 @@ schedule, its activation recomputation (none / selective / full) and its per-op 
 of dp, or (HSDP) over shard groups that fill part of a node or whole nodes, replicated across the rest of dp (mesh
 ``dp x fsdp x tp``); without a pipeline also ``dp x cp x tp``, the sequence split over cp ranks (context
 parallelism: each rank runs its chunk of every sequence, attention gathers the keys and values, ZeRO shards over
-dp x cp), which is what fits a sequence too long for the other layouts; and ``plan.search``: every candidate
-screened, with its predicted step and memory, or why it was dropped.
+dp x cp), which is what fits a sequence too long for the other layouts, and on request (``cp_in_stages``) with
+one, ``pp x dp x cp x tp``; and ``plan.search``: every candidate screened, with its predicted step and memory, or
+why it was dropped.
 
 Two steps, because an ILP per candidate would take minutes at 1000+ devices:
 
@@ -26,10 +27,11 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    alone, in the order of a lower bound (the rest dropped once the bound passes the best): blocks repeated L
    times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory) and the schedule's analytic
    step, plus each rank's gradient sync as ``pipeline.evaluate`` prices it (its stages' bytes in one collective per
-   axis, in the runtime's reduce dtype; ZeRO-1's reduce-scatter and gather; a tied parameter summed over pp);
-   without one, the step is compute plus data-parallel communication (overlapped where the hardware's
-   runtime overlaps it; with cp, tp's profile at a cp-th of the rows -- a rank's share of the tokens and, balanced,
-   of the causal attention -- plus the keys' and values' gathers and the query swaps, ``_context_parallel``), ZeRO's
+   axis, in the runtime's reduce dtype; ZeRO-1's reduce-scatter and gather; a tied parameter summed over pp,
+   ``pipeline.rank_sync``); without one, the step is compute plus data-parallel communication (overlapped where
+   the hardware's runtime overlaps it). With cp, both take tp's profile at a cp-th of the rows -- a rank's share of
+   the tokens and, balanced, of the causal attention -- plus each block's gathers of the keys and values and the
+   query swaps (``_context_parallel``; a pipeline's per microbatch, in the blocks' stage times); ZeRO's
    bytes and launches come from ``autopar.zero`` (``param_cost``, ``bucket_latency``
    per gradient bucket, ``group_latency``) as the real plan's do, and the peak counts one block's recomputed
    activations as it does. A flat candidate whose rows per data-parallel rank split over tp is also priced with
@@ -142,7 +144,7 @@ class Candidate:
     virtual: int = 1
     zero: int = 0  # the ZeRO stage of every parameter group (a pipeline: 0 or 1); the real plan is pinned to it
     shard: int = 0  # with ZeRO: 0 shards over all of dp; s > 0 over groups of s ranks, replicated across them (HSDP)
-    cp: int = 1  # without a pipeline: context parallelism, the sequence split over cp ranks (ZeRO then shards over dp x cp)
+    cp: int = 1  # context parallelism, the sequence split over cp ranks (ZeRO then shards over dp x cp)
 
     def __str__(self) -> str:
         s = f"dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "") + f" pp={self.pp} tp={self.tp}"
@@ -160,7 +162,9 @@ class Screened:
     step: float  # predicted seconds (screen), inf when it does not fit
     memory: float  # predicted peak bytes per device
     note: str = ""
-    balance: float = 1.0  # pipelines: the average rank's memory over the fullest rank's, at the screened cut
+    # pipelines: the average rank's memory as the stages' ILP counts it (activations at min(p, m) microbatches in
+    # flight) over the fullest rank's, at the screened cut; the real plan's first bound is squeezed by it
+    balance: float = 1.0
 
     @property
     def rank(self) -> float:
@@ -416,13 +420,17 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
 
     uc = _at_rows(prof, c.recompute, rows, L)
     if c.zero:
-        uc = _distributed_optimizer(prof, uc, c.dp, (c.recompute, rows, L))
+        uc = _distributed_optimizer(prof, uc, c.dp * c.cp, (c.recompute, rows, L))
+    mesh = cluster.mesh(c.dp, c.pp, c.tp, cp=c.cp)
+    link = mesh.link(mesh.pipe_axis())
+    # the proxy's parameter Specs are on (dp, tp); with context parallelism the stages' mesh is (dp, cp, tp)
+    sizes = {"dp": c.dp, "cp": c.cp, "tp": c.tp} if c.cp > 1 else {"dp": c.dp, "tp": c.tp}
+    inner = Mesh(sizes, cluster.hw())
+    inner._spans = {n: mesh.spans_nodes(n) if n in mesh.names else False for n in sizes}
+    if c.cp > 1:
+        uc = _context_parallel_units(prof, c, inner, uc, rows, L)
     units = _units(L)
     U = L + 2
-    mesh = cluster.mesh(c.dp, c.pp, c.tp)
-    link = mesh.link(mesh.pipe_axis())
-    inner = Mesh({"dp": c.dp, "tp": c.tp}, cluster.hw())  # the proxy's parameter Specs are on (dp, tp)
-    inner._spans = {"dp": mesh.spans_nodes("dp") if "dp" in mesh.names else False, "tp": False}
     p, v, m = c.pp, c.virtual, c.microbatches
     S = p * v
     flights = list(sched.in_flight(c.schedule, p, m, v))
@@ -435,9 +443,19 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         options.append(refine(uc, units, got, p, m, v, flights, budget) if v > 1 else got)
     elif options:  # no balanced cut fits: repair the even one (as plan_pipeline does)
         options.append(refine(uc, units, options[0], p, m, v, flights, budget))
+    # the whole model's bytes as the real plan's stage ILP bounds them (``plan_pipeline``: every unit's activations at
+    # min(p, m) microbatches in flight, the most any rank keeps), against p times the fullest rank's: the squeeze
+    # that makes the ILP's first bound the fullest rank's budget
+    counted = sum(st) + min(p, m) * sum(uc.act)
     best = None
 
-    opt = ZeroOption(1, (0,)) if c.zero else None  # ZeRO-1 over dp: the distributed optimizer
+    # ZeRO-1 over dp (and cp): Megatron's distributed optimizer. A proxy Spec's axis 0 (dp) is (dp, cp) here: a
+    # weight is whole on cp and its gradient summed there; its axis 1 (tp) is the stages' last
+    data = (0, 1) if c.cp > 1 else (0,)
+    opt = ZeroOption(1, data) if c.zero else None
+
+    def on_inner(axes: tuple) -> tuple:
+        return tuple(b for a in axes for b in (data if a == 0 else (inner.ndim - 1,)))
 
     for starts in options:
         ends = list(starts[1:]) + [U]
@@ -447,9 +465,10 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         plain: list[dict[int, float]] = [{} for _ in range(p)]
         zeroed: list[dict[tuple, list[float]]] = [{} for _ in range(p)]
         for k, (i, j) in enumerate(zip(starts, ends)):
-            for axes, (pb, wb) in prefixed.items():
+            for proxy_axes, (pb, wb) in prefixed.items():
+                axes = on_inner(proxy_axes)
                 if opt is not None and 0 in axes:
-                    acc = zeroed[k % p].setdefault((opt, tuple(a for a in axes if a != 0)), [0.0, 0.0])
+                    acc = zeroed[k % p].setdefault((opt, tuple(a for a in axes if a not in data)), [0.0, 0.0])
                     acc[0] += pb[j] - pb[i]
                     acc[1] += wb[j] - wb[i]
                     continue
@@ -464,11 +483,28 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         ranks = _rank_memory(uc, st, starts, U, p, v, flights)
         mem = max(ranks)
         if best is None or (mem <= budget, -total) > (best[1] <= budget, -best[0]):
-            best = (total, mem, sum(ranks) / (p * mem) if mem > 0 else 1.0)
+            best = (total, mem, counted / (p * mem) if mem > 0 else 1.0)
     if best is None:
         return Screened(c, math.inf, math.inf, "no stage cut")
     total, mem, even = best
     return Screened(c, total if mem <= budget else math.inf, mem, "" if mem <= budget else "does not fit", even)
+
+
+def _context_parallel_units(prof: _Profile, c: Candidate, inner: Mesh, uc: UnitCosts, rows: float, L: int) -> UnitCosts:
+    """``uc`` (a cp rank's costs: ``rows`` is a microbatch's rows over dp x cp) with each block's context-parallel
+    traffic at a microbatch's sequences (``_context_parallel``): its seconds on the block's critical path (put in its
+    backward: the screen reads a unit's forward and backward together), the gathered keys and values backward keeps,
+    and what is alive while it runs with the recomputed bytes. Memoised on the profile."""
+    key = ("cp", c.dp, c.cp, c.zero, c.recompute, rows, L)
+    if key not in prof.memo:
+        seconds, kept, held = _context_parallel(prof, c, inner, rows * c.cp)
+        blocks = range(1, L + 1)
+        regen = list(uc.regen) or [0.0] * len(uc.fwd)
+        prof.memo[key] = dataclasses.replace(
+            uc, bwd=[b + seconds if u in blocks else b for u, b in enumerate(uc.bwd)],
+            act=[a + kept if u in blocks else a for u, a in enumerate(uc.act)],
+            regen=[max(r, held) if u in blocks else r for u, r in enumerate(regen)])
+    return prof.memo[key]
 
 
 def _sync_sums(uc: UnitCosts, U: int) -> tuple[dict, list]:
@@ -542,47 +578,51 @@ def _hsdp_groups(cluster: Cluster, dp: int, tp: int) -> list[int]:
     return [s for s in _divisors(dp) if 1 < s < dp and (g % (s * tp) == 0 or (s * tp) % g == 0)]
 
 
-def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...], seq: int | None = None) -> list[Candidate]:
+def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...], seq: int | None = None,
+               cp_in_stages: bool = False) -> list[Candidate]:
     """Every factorisation dp x pp x tp of the cluster (tp within a node, pp at most the blocks, dp dividing the
     batch), with each pipeline's microbatch counts and schedules, each recomputation mode, and without a pipeline
-    each ZeRO stage, over all of dp or (HSDP) over shard groups inside it; and without a pipeline, given the
-    sequence length ``seq``, dp x cp x tp with context parallelism over cp ranks (each rank's chunk of the sequence
-    halving, so that causal attention balances), ZeRO over dp x cp."""
+    each ZeRO stage, over all of dp or (HSDP) over shard groups inside it; and given the sequence length ``seq``,
+    without a pipeline the same with context parallelism over cp ranks (dp x cp x tp: each rank's chunk of the
+    sequence halving, so that causal attention balances), ZeRO over dp x cp. ``cp_in_stages``: pipelines with cp
+    too (pp x dp x cp x tp, Megatron's and torchtitan's 4-D layouts), where the batch leaves the microbatches no
+    other way to split: a pipeline whose dp x cp ranks could split the batch with the same microbatch count has the
+    same stages without cp's gathers, and is a candidate itself."""
     out = []
     for tp in _divisors(cluster.gpus_per_node):
         rest = cluster.devices // tp
-        for cp in _divisors(rest)[1:] if seq else ():
-            dp = rest // cp
-            if batch % dp or seq % (2 * cp):
-                continue
-            for rc in recompute:
-                for z in (0, 1, 2, 3):
-                    out.append(Candidate(dp, 1, tp, rc, zero=z, cp=cp))
-        for pp in _divisors(rest):
-            dp = rest // pp
-            if batch % dp or (pp > 1 and pp > L):
-                continue
-            for rc in recompute:
-                if pp == 1:
-                    for z in (0, 1, 2, 3) if dp > 1 else (0,):
-                        out.append(Candidate(dp, 1, tp, rc, zero=z))
-                        for s in _hsdp_groups(cluster, dp, tp) if z else ():
-                            out.append(Candidate(dp, 1, tp, rc, zero=z, shard=s))
+        for cp in [1] + ([k for k in _divisors(rest)[1:] if seq % (2 * k) == 0] if seq else []):
+            for pp in _divisors(rest // cp) if cp == 1 or cp_in_stages else (1,):
+                dp = rest // (cp * pp)
+                if batch % dp or (pp > 1 and pp > L):
                     continue
-                for m in microbatch_candidates(batch // dp, pp):
-                    opts, _ = _schedules(PipelinePin(), pp, m, L, L + 2)
-                    names = {name for name, _ in opts}
-                    for name, v in opts:
-                        if name == "gpipe" and "1f1b" in names:
-                            continue  # 1F1B has GPipe's bubble with fewer microbatches in flight: never worse
-                        for z in (0, 1) if dp > 1 else (0,):  # ZeRO-1: the distributed optimizer
-                            out.append(Candidate(dp, pp, tp, rc, m, name, v, zero=z))
+                for rc in recompute:
+                    if pp == 1:
+                        for z in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+                            out.append(Candidate(dp, 1, tp, rc, zero=z, cp=cp))
+                            for s in _hsdp_groups(cluster, dp, tp) if z and cp == 1 else ():
+                                out.append(Candidate(dp, 1, tp, rc, zero=z, shard=s))
+                        continue
+                    plain = set(microbatch_candidates(batch // (dp * cp), pp)) if cp > 1 and batch % (dp * cp) == 0 else set()
+                    for m in microbatch_candidates(batch // dp, pp):
+                        if m in plain:
+                            continue  # dp x cp data-parallel ranks run these microbatches without cp's gathers
+                        opts, _ = _schedules(PipelinePin(), pp, m, L, L + 2)
+                        names = {name for name, _ in opts}
+                        for name, v in opts:
+                            if name == "gpipe" and "1f1b" in names:
+                                continue  # 1F1B has GPipe's bubble with fewer microbatches in flight: never worse
+                            for z in (0, 1) if dp * cp > 1 else (0,):  # ZeRO-1: the distributed optimizer
+                                out.append(Candidate(dp, pp, tp, rc, m, name, v, zero=z, cp=cp))
     return out
 
 
 @gc_paused
 def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | None = None, *, top: int = 1,
-                 recompute: "tuple[str, ...] | None" = None) -> Plan:
+                 recompute: "tuple[str, ...] | None" = None, cp_in_stages: bool = False) -> Plan:
+    """The module's search (its docstring). ``top``: how many screened candidates are planned for real;
+    ``recompute``: the modes tried (all by default); ``cp_in_stages``: also pipelines with context parallelism in
+    their stages (``candidates``; more candidates to screen: up to 5x the planning time at 1000+ devices)."""
     t_start = time.perf_counter()
     hw = cluster.hw()
     budget = hw.memory if memory_budget is None else float(memory_budget)
@@ -603,7 +643,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
     real_budget, budget = budget, budget * SCREEN_MARGIN
     timings = {"proxy": 0.0, "screen": 0.0, "plan": 0.0}
     profiles: dict[int, _Profile | None] = {}
-    cands = candidates(cluster, B, max(L, 1), modes, seq)
+    cands = candidates(cluster, B, max(L, 1), modes, seq, cp_in_stages)
     if not cands:
         least = math.ceil(cluster.devices / (cluster.gpus_per_node * max(L, 1)))  # dp that leaves at most L stages
         raise AutoparError(
@@ -767,7 +807,7 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
                 if alt.step < math.inf and (alt.rank, alt.memory) < (got.rank, got.memory):
                     got = alt
         else:
-            got = _screen_pipeline(prof, c, cluster, B / (c.dp * c.microbatches), L, budget)
+            got = _screen_pipeline(prof, c, cluster, B / (c.dp * c.cp * c.microbatches), L, budget)
         if c.tp > 1 and not prof.splits_weights and not got.note:
             got = dataclasses.replace(got, note=TP_WITHOUT_WEIGHTS)
         out.append(got)
@@ -792,10 +832,11 @@ def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float)
     mesh = cluster.mesh(c.dp, c.pp, c.tp, cp=c.cp)
     if c.pp > 1:
         pin = PipelinePin(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual if c.virtual > 1 else None)
-        # the stages' ILP bounds the average rank; the screen saw how much fuller the fullest rank is (the embedding's
-        # and the head's ranks), so the first solve already leaves that room instead of finding out and solving again
+        # the stages' ILP bounds the average rank (as it counts them); the screen saw how much fuller the fullest rank
+        # is (the embedding's and the head's ranks, the first ranks' microbatches in flight), so the first solve
+        # already leaves that room instead of finding out and solving again
         # the screened ZeRO stage (0, or 1: the distributed optimizer), pinned as without a pipeline
-        zero = [ZeroPin("*", c.zero)] if c.dp > 1 else []
+        zero = [ZeroPin("*", c.zero, _zero_axes(mesh, c))] if c.dp * c.cp > 1 else []
         return plan_pipeline(model, args, mesh, budget, zero, pin, recompute=c.recompute, squeeze=min(1.0, s.balance))
     # the screened ZeRO stage (and HSDP shard group), pinned: the screen chose it, and a free choice per group makes
     # the ILP much larger
@@ -803,12 +844,17 @@ def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float)
         mesh = cluster.mesh(c.dp, c.pp, c.tp, c.shard)
         pins = [ZeroPin("*", c.zero, ("fsdp",))]
     elif c.cp > 1:
-        mesh = cluster.mesh(c.dp, c.pp, c.tp, cp=c.cp)
-        pins = [ZeroPin("*", c.zero, tuple(a for a in ("dp", "cp") if a in mesh.names) if c.zero else None)]
+        pins = [ZeroPin("*", c.zero, _zero_axes(mesh, c))]
     else:
         pins = [ZeroPin("*", c.zero)] if c.dp > 1 else []
     # a screened peak well under the budget: skip the solver's infeasibility pre-check (0.6 s on Llama-3-70B)
     return make_plan(trace(model, args), mesh, budget, pins, c.recompute, likely_fits=s.memory < 0.8 * budget)
+
+
+def _zero_axes(mesh: Mesh, c: Candidate) -> "tuple[str, ...] | None":
+    """The axes a candidate's ZeRO shards over: with context parallelism dp and cp both (a weight is whole on
+    each); otherwise the data axes, the pin's default."""
+    return tuple(a for a in ("dp", "cp") if a in mesh.names) if c.zero and c.cp > 1 else None
 
 
 def search_table(plan: Plan, rows: int = 12) -> str:

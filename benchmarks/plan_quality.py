@@ -1,6 +1,7 @@
 """Plan quality against published results: fidelity of the cost model, quality of autopar's plans, planning time.
 
-Run: ``python benchmarks/plan_quality.py [--cases sc21,175b,titan,check] [--only MODEL] [--fidelity-only]``.
+Run: ``python benchmarks/plan_quality.py [--cases sc21,175b,titan,check] [--only MODEL] [--fidelity-only]
+[--cp-in-stages]`` (the last: autopar's search also tries context parallelism inside pipeline stages).
 Meta-device models: no devices, no memory beyond the planner's own.
 
 For each published run it prints:
@@ -263,6 +264,7 @@ def main() -> None:
     ap.add_argument("--cases", default="sc21,175b,titan,check")
     ap.add_argument("--only", default="", help="comma-separated model names")
     ap.add_argument("--fidelity-only", action="store_true", help="only the published configurations' predictions")
+    ap.add_argument("--cp-in-stages", action="store_true", help="autopar's search also tries cp inside pipeline stages")
     args = ap.parse_args()
     groups = set(args.cases.split(","))
     only = set(filter(None, args.only.split(",")))
@@ -312,7 +314,7 @@ def main() -> None:
             print(tabulate.tabulate(rows[-1:], tablefmt="plain"), flush=True)
             continue
         t0 = time.perf_counter()
-        auto = plan_cluster(model, inputs, cluster)
+        auto = plan_cluster(model, inputs, cluster, cp_in_stages=args.cp_in_stages)
         took = time.perf_counter() - t0
         ratio = auto.cost.step_time / pub.cost.step_time
         ratios.append(ratio)

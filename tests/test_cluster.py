@@ -46,13 +46,54 @@ def test_candidates_keep_tensor_parallel_inside_a_node_and_split_the_batch():
     assert all(256 // c.dp % c.microbatches == 0 for c in cands if c.pp > 1)
 
 
-def test_candidates_split_the_sequence_only_without_a_pipeline_and_in_even_chunks():
+def test_candidates_split_the_sequence_in_even_chunks_and_inside_pipeline_stages_when_asked():
     cl = Cluster(2, 8)
     cands = candidates(cl, batch=4, L=8, recompute=("none",), seq=80)
     cp = [c for c in cands if c.cp > 1]
     assert cp and all(c.pp == 1 and c.dp * c.cp * c.tp == 16 and 4 % c.dp == 0 and 80 % (2 * c.cp) == 0 for c in cp)
     assert {c.cp for c in cp} == {2, 4, 8}  # 80 tokens: the 5 per rank of cp=16 do not halve
+    assert not [c for c in cp if c.shard]  # HSDP's shard groups are of dp alone
+    # asked for, cp inside pipeline stages too (Megatron's and torchtitan's 4-D), where the batch leaves the
+    # microbatches no other split: the same microbatches over dp x cp data-parallel ranks are a candidate already
+    more = candidates(cl, batch=4, L=8, recompute=("none",), seq=80, cp_in_stages=True)
+    piped = [c for c in more if c.cp > 1 and c.pp > 1]
+    assert {(c.pp, c.cp) for c in piped} >= {(2, 2), (2, 4), (4, 2), (2, 8)}
+    assert all(c.dp * c.cp * c.pp * c.tp == 16 and 4 % c.dp == 0 and 80 % (2 * c.cp) == 0 for c in piped)
+    plain = {(c.dp, c.pp, c.tp, c.microbatches) for c in more if c.pp > 1 and c.cp == 1}
+    assert all((c.dp * c.cp, c.pp, c.tp, c.microbatches) not in plain for c in piped)
+    assert {c.microbatches for c in piped if (c.dp, c.cp, c.pp) == (2, 2, 2)} == {2}  # m = 1 is dp=4's
+    # the distributed optimizer shards over dp x cp: offered where only cp has more than one rank too
+    assert {c.zero for c in piped if c.dp == 1} == {0, 1}
+    assert set(more) >= set(cands)
     assert not [c for c in candidates(cl, batch=4, L=8, recompute=("none",)) if c.cp > 1]  # no sequence given
+
+
+def test_context_parallelism_inside_pipeline_stages_is_screened_as_the_real_plan_prices_it():
+    """32K-token sequences of a 16-block Llama on four 8-GPU A100 nodes under 8 GiB: the search composes pp, dp, cp
+    and tp on one mesh (Megatron's 4-D layout). The screen's step and peak for such a candidate are the real plan's
+    (each block's key/value gathers and causal-attention swaps per microbatch, ZeRO-1 sharded over dp x cp), and the
+    real plan splits the sequence on cp inside its stages."""
+    from models.llama import Llama, LlamaConfig
+
+    from autopar.cluster import _real_plan
+
+    seq = 32768
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=4096, max_seq_len=seq, n_layer=16, n_head=16, n_kv_head=4, dim=2048, ffn_dim=8192)).to(torch.bfloat16)
+    x = torch.empty(4, seq, dtype=torch.long, device="meta")
+    cl, budget = Cluster(4, 8, "a100-80gb"), 8 * 2**30
+    plan = plan_cluster(model, (x, x), cl, budget, recompute=("selective",), cp_in_stages=True)
+    axes = dict(zip(plan.mesh.names, plan.mesh.sizes))
+    assert axes.get("pp", 1) > 1 and axes.get("cp", 1) > 1, search_table(plan)
+    assert plan.cost.memory_per_device <= budget
+    assert plan.search[0].step == pytest.approx(plan.cost.step_time, rel=0.03)
+    assert all(set(shard) >= {"cp"} for stage, shard in plan.zero_stages.values() if stage)
+    assert any(c.kind == "send" and c.axis == "cp" for c in plan.collective_list)  # balanced causal attention
+    # a pipeline candidate with cp at ZeRO-0 too: the screen agrees with its real plan
+    s = next(s for s in plan.search if s.candidate.pp > 1 and s.candidate.cp > 1 and not s.candidate.zero and s.step < math.inf)
+    real = _real_plan(model, (x, x), cl, s, budget)
+    assert s.step == pytest.approx(real.cost.step_time, rel=0.03), (str(s.candidate), s.step, real.cost.step_time)
+    assert s.memory == pytest.approx(max(real.pipeline.rank_memory), rel=0.05)
 
 
 def test_a_sequence_too_long_for_every_other_layout_is_split_by_context_parallelism(monkeypatch):
@@ -74,7 +115,7 @@ def test_a_sequence_too_long_for_every_other_layout_is_split_by_context_parallel
     assert plan.search[0].step == pytest.approx(plan.cost.step_time, rel=0.05)
     assert any(c.kind == "send" and c.axis == "cp" for c in plan.collective_list)  # balanced causal attention
     plain = cluster.candidates
-    monkeypatch.setattr(cluster, "candidates", lambda cl_, batch, L, rc, seq=None: plain(cl_, batch, L, rc))
+    monkeypatch.setattr(cluster, "candidates", lambda cl_, batch, L, rc, seq=None, cp_in_stages=False: plain(cl_, batch, L, rc))
     with pytest.raises(autopar.InfeasibleError, match="fits 1.0 GiB"):
         plan_cluster(model, (x, x), cl, budget)
 
@@ -180,6 +221,8 @@ def test_autopar_plan_takes_a_cluster_and_an_inputs_function():
     assert math.prod(plan.mesh.sizes) == 4 and plan.search
     with pytest.raises(autopar.AutoparError, match="global_batch"):
         autopar.plan(model, Cluster(1, 4), make)
+    with pytest.raises(autopar.AutoparError, match="cp_in_stages widens the search over an autopar.Cluster"):
+        autopar.plan(model, autopar.Mesh({"pp": 2, "cp": 2}), make, global_batch=8, seq=16, cp_in_stages=True)
 
 
 def test_recomputation_trades_compute_for_activations_in_the_cost_model():

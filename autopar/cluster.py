@@ -293,6 +293,7 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     # a block's parameters that sync over the same axes act as one (their sums): fewer entries to walk per candidate
     block: dict[tuple, list] = {}
     params, wire = {}, {}
+    rest: dict[tuple, float] = {}  # (unit, axes) -> the embedding's / head's ZeRO-0 gradient bytes
     for name, (uu, sg, local, axes, n) in a.params.items():
         first = min(uu) if uu else 0
         if 0 < first < U - 2:
@@ -306,11 +307,20 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
         else:
             params[name] = ({0 if u == 0 else L + 1 for u in uu} or {0}, sg, local, axes, n)
             wire[name] = a.grad_wire.get(name, local)
+            if axes:
+                key = (min(params[name][0]), tuple(axes))
+                rest[key] = rest.get(key, 0.0) + local
     for axes, (sg, local, n, w) in block.items():
         for k in range(L):
             params[f"block{k}{axes}"] = ({1 + k}, sg, local, axes, n)
             wire[f"block{k}{axes}"] = w
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire)
+    flat = [0.0] * (L + 2)  # each unit's largest ZeRO-0 gradient bucket (``UnitCosts.flat``)
+    for (u, _axes), nbytes in rest.items():
+        flat[u] = max(flat[u], nbytes)
+    one = max((local for axes, (_sg, local, _n, _w) in block.items() if axes), default=0.0)
+    for k in range(L):
+        flat[1 + k] = one
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire, flat=flat)
 
 
 def _units(L: int) -> Units:
@@ -537,7 +547,7 @@ def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple) ->
     key = ("zero1", dp) + at
     if key not in prof.memo:
         params = {n: (uu, (sg - local) / dp + 2 * local, local, axes, e) for n, (uu, sg, local, axes, e) in uc.params.items()}
-        prof.memo[key] = dataclasses.replace(uc, params=params)
+        prof.memo[key] = dataclasses.replace(uc, params=params, flat=[])  # no ZeRO-0 buckets left
     return prof.memo[key]
 
 

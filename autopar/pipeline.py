@@ -185,6 +185,9 @@ class UnitCosts:
     # parameter -> bytes its gradient puts on the wire when summed: its local bytes in the dtype the runtime reduces
     # in (``Hardware.reduce_factor``: Megatron-LM's fp32 main grads); the local bytes where absent
     grad_wire: dict[str, float] = dataclasses.field(default_factory=dict)
+    # per unit, its largest gradient bucket of ZeRO-0 parameters (one block's, per set of sync axes): the runtime
+    # all-reduces a bucket as one flat copy after the last backward, when the activations are gone (``runtime``)
+    flat: list[float] = dataclasses.field(default_factory=list)
     # what the cut searches derive from these costs (``unit_state``, ``_sums``), once: the cluster screen prices
     # thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
     memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -225,6 +228,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for v, kb in kept_values(problem, strategy, cost).values():  # redistributed values backward keeps
         act[unit(v)] += kb
     params, zero, grad_wire = {}, {}, {}
+    buckets: dict[tuple, float] = {}  # (unit, sync axes) -> local bytes of its ZeRO-0 gradients
     groups = zero_groups(tg, problem.order)
     for n in problem.order:
         if tg.kinds.get(n) != PARAM:
@@ -241,6 +245,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes))
         params[n] = (uu, held, float(local), axes, math.prod(meta.shape))
         grad_wire[n] = local * inner.hardware.reduce_factor(meta.dtype)
+        if axes and n not in zero:
+            buckets[min(uu), tuple(axes)] = buckets.get((min(uu), tuple(axes)), 0.0) + local
     # bytes crossing each boundary: a value produced in unit a and read in unit b crosses boundaries a+1 .. b
     diff = [0] * (U + 1)
     grad = [False] * (U + 1)
@@ -272,7 +278,10 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for i in range(U + 1):
         run += diff[i]
         cross.append(run)
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire)
+    flat = [0.0] * U
+    for (u, _axes), nbytes in buckets.items():
+        flat[u] = max(flat[u], nbytes)
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -301,6 +310,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     rank_state = [0.0] * p
     rank_act = [0.0] * p
     rank_regen = [0.0] * p  # one block's recomputed activations, alive while its backward runs
+    rank_flat = [0.0] * p  # its largest gradient bucket's flat copy, after the last backward
     sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
     zero_bytes: list[dict[tuple, list[float]]] = [dict() for _ in range(p)]  # (option, rest axes) -> [bytes, wire]
     ranks_of: dict[str, set[int]] = {}
@@ -327,7 +337,9 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         rank_state[r] += state
         rank_act[r] += a / v
         rank_regen[r] = max(rank_regen[r], max(uc.regen[i:j], default=0.0))
-    memory = tuple(rank_state[r] + flights[r] * rank_act[r] + rank_regen[r] for r in range(p))
+        rank_flat[r] = max(rank_flat[r], max(uc.flat[i:j], default=0.0))
+    # activations peak in the schedule, a bucket's flat copy once they are gone (``cost.peak_memory``)
+    memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_regen[r], rank_flat[r]) for r in range(p))
     sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) for r in range(p)]
     for name, rs in ranks_of.items():
         if len(rs) > 1:
@@ -386,21 +398,23 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
     regen = uc.regen or [0.0] * U  # unit_costs fills it; a UnitCosts built by hand may leave it empty
+    flat = uc.flat or [0.0] * U
 
     def pack(limit: float) -> tuple[int, ...] | None:
         starts, i = [], 0
         for k in range(S):
             r = k % p
             cap = budget / v
-            j, tt, mm_state, mm_act, mm_regen = i, 0.0, 0.0, 0.0, 0.0
+            j, tt, mm_state, mm_act, mm_regen, mm_flat = i, 0.0, 0.0, 0.0, 0.0, 0.0
             last = U - (S - k - 1)  # leave a unit for every later stage
             while j < last:
-                nt, ns, na, nr = tt + t[j], mm_state + st[j], mm_act + uc.act[j], max(mm_regen, regen[j])
-                if j > i and (nt > limit or ns + flights[r] * na / v + nr > cap):
+                nt, ns, na, nr, nf = tt + t[j], mm_state + st[j], mm_act + uc.act[j], max(mm_regen, regen[j]), max(mm_flat, flat[j])
+                held = ns + max(flights[r] * na / v + nr, nf)
+                if j > i and (nt > limit or held > cap):
                     break
-                if j == i and ns + flights[r] * na / v + nr > cap:
+                if j == i and held > cap:
                     return None
-                tt, mm_state, mm_act, mm_regen = nt, ns, na, nr
+                tt, mm_state, mm_act, mm_regen, mm_flat = nt, ns, na, nr, nf
                 j += 1
             if k == S - 1 and j < U:
                 return None
@@ -427,10 +441,14 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
 def _sums(uc: UnitCosts, st: list[float]) -> tuple:
     """What ``_rank_memory`` reads of a stage in O(1): running sums of the units' state and activations, and the
     largest recomputation in a run of units. Memoised on ``uc`` for its own ``unit_state``."""
+    def made() -> tuple:  # None: nothing recomputed, no bucket
+        return (_prefix(st), _prefix(uc.act), _range_max(uc.regen) if any(uc.regen) else None,
+                _range_max(uc.flat) if any(uc.flat) else None)
+
     if uc.memo.get(("state", len(st))) is not st:
-        return _prefix(st), _prefix(uc.act), _range_max(uc.regen) if any(uc.regen) else None  # None: nothing recomputed
+        return made()
     if "sums" not in uc.memo:
-        uc.memo["sums"] = _prefix(st), _prefix(uc.act), _range_max(uc.regen) if any(uc.regen) else None
+        uc.memo["sums"] = made()
     return uc.memo["sums"]
 
 
@@ -469,15 +487,17 @@ def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int
 
 def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int) -> float:
     """Rank r's bytes in ``_rank_memory``: its stages are r, r + p, ..."""
-    ps, pa, regen = sums
-    state = act = back = 0.0
+    ps, pa, regen, flat = sums
+    state = act = back = bucket = 0.0
     for k in range(r, len(starts), p):
         i, j = starts[k], starts[k + 1] if k + 1 < len(starts) else U
         state += ps[j] - ps[i]
         act += (pa[j] - pa[i]) / v
         if regen is not None:
             back = max(back, regen(i, j))
-    return state + flight * act + back
+        if flat is not None:
+            bucket = max(bucket, flat(i, j))
+    return state + max(flight * act + back, bucket)
 
 
 def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:

@@ -551,16 +551,23 @@ def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple) ->
     return prof.memo[key]
 
 
-def _bound(prof: _Profile, c: Candidate, batch: int, L: int) -> float:
+def _bound(prof: _Profile, c: Candidate, batch: int, L: int, cluster: Cluster) -> float:
     """A lower bound on a candidate's screened step: the schedule's analytic step (as ``_screen_pipeline`` prices
     it) with the slowest stage at least the average, at least ceil(L / S) blocks and at least the embedding or the
-    head alone; no communication."""
+    head alone; no communication but context parallelism's, which both screens put on each block's critical path
+    (``_context_parallel``)."""
     rows = batch / (c.dp * c.cp * c.microbatches)
     a, b = prof.units[c.recompute]
     U = len(a.fwd)
     per = [max(x1 + (x2 - x1) * (rows - 1), 0.0) for x1, x2 in zip(
         [f + g for f, g in zip(a.fwd, a.bwd)], [f + g for f, g in zip(b.fwd, b.bwd)])]
     blk = per[U - 2] if U > 2 else 0.0
+    if c.cp > 1 and L:
+        key = ("cp bound", c.dp, c.cp, c.tp, c.recompute, rows)
+        if key not in prof.memo:
+            mesh = Mesh({"dp": c.dp, "cp": c.cp, "tp": c.tp}, cluster.hw())
+            prof.memo[key] = _context_parallel(prof, c, mesh, rows * c.cp)[0]
+        blk += prof.memo[key]
     work = per[0] + per[-1] + L * blk  # one microbatch through the whole model
     if c.pp == 1:
         return work
@@ -632,7 +639,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
                  recompute: "tuple[str, ...] | None" = None, cp_in_stages: bool = False) -> Plan:
     """The module's search (its docstring). ``top``: how many screened candidates are planned for real;
     ``recompute``: the modes tried (all by default); ``cp_in_stages``: also pipelines with context parallelism in
-    their stages (``candidates``; more candidates to screen: up to 5x the planning time at 1000+ devices)."""
+    their stages (``candidates``; more candidates to screen: up to twice the planning time at 1000+ devices)."""
     t_start = time.perf_counter()
     hw = cluster.hw()
     budget = hw.memory if memory_budget is None else float(memory_budget)
@@ -702,7 +709,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
                 for c in cands:
                     own = c.tp in profiles
                     ref = profiles[c.tp] if own else one
-                    entries.append((0.0 if ref is None else _bound(ref, c, B, L) / (1 if own else c.tp), str(c), c))
+                    entries.append((0.0 if ref is None else _bound(ref, c, B, L, cluster) / (1 if own else c.tp), str(c), c))
             entries = sorted(entries, key=lambda r: (r[0] * _rank_penalty(r[2]), r[1]))
             order = list(dict.fromkeys(c.tp for _, _, c in entries))  # the degrees, in the order the screen reaches them
             return _screen(entries, profile, order, cluster, B, L, budget, timings)
@@ -799,9 +806,9 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
         pen = _rank_penalty(c)
         prof = profile(c.tp, order) if lb * pen <= best_step else None
         if prof is not None and c.tp != 1:
-            lb = _bound(prof, c, B, L)  # its own bound, now that it has a profile
+            lb = _bound(prof, c, B, L, cluster)  # its own bound, now that it has a profile
             if _batch_over_tp(c, B) and one is not None:
-                lb = min(lb, _bound(one, dataclasses.replace(c, dp=c.dp * c.tp, tp=1), B, L))
+                lb = min(lb, _bound(one, dataclasses.replace(c, dp=c.dp * c.tp, tp=1), B, L, cluster))
         if lb * pen > best_step:
             out.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
             dropped.append((lb, name, c))

@@ -89,8 +89,8 @@ def test_context_parallelism_inside_pipeline_stages_is_screened_as_the_real_plan
     assert plan.search[0].step == pytest.approx(plan.cost.step_time, rel=0.03)
     assert all(set(shard) >= {"cp"} for stage, shard in plan.zero_stages.values() if stage)
     assert any(c.kind == "send" and c.axis == "cp" for c in plan.collective_list)  # balanced causal attention
-    # a pipeline candidate with cp at ZeRO-0 too: the screen agrees with its real plan
-    s = next(s for s in plan.search if s.candidate.pp > 1 and s.candidate.cp > 1 and not s.candidate.zero and s.step < math.inf)
+    # the next 4-D candidate too: the screen agrees with its real plan
+    s = [s for s in plan.search if s.candidate.pp > 1 and s.candidate.cp > 1 and s.step < math.inf][1]
     real = _real_plan(model, (x, x), cl, s, budget)
     assert s.step == pytest.approx(real.cost.step_time, rel=0.03), (str(s.candidate), s.step, real.cost.step_time)
     assert s.memory == pytest.approx(max(real.pipeline.rank_memory), rel=0.05)
@@ -454,3 +454,30 @@ def test_the_screen_prices_the_distributed_optimizer_on_a_pipeline_as_the_real_p
         assert {z[0] for z in real.zero_stages.values()} == {zero}
         assert s.memory == pytest.approx(max(real.pipeline.rank_memory), rel=0.05), (str(s.candidate), s.memory, real.pipeline.rank_memory)
         assert s.step == pytest.approx(real.cost.step_time, rel=0.03), (str(s.candidate), s.step, real.cost.step_time)
+
+
+def test_the_bound_counts_context_parallel_traffic_and_stays_below_the_screen():
+    """The branch and bound's bound for a cp candidate adds each block's key/value gathers and query swaps (both
+    screens put them on the critical path): above the bound of the same rows per rank split by dp alone, and still
+    at most the screened step, with a pipeline or without."""
+    from models.llama import Llama, LlamaConfig
+
+    from autopar import cluster as C
+
+    seq = 8192
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=4096, max_seq_len=seq, n_layer=8, n_head=8, n_kv_head=2, dim=1024, ffn_dim=4096)).to(torch.bfloat16)
+    x = torch.empty(8, seq, dtype=torch.long, device="meta")
+    cl = Cluster(2, 8, "a100-80gb")
+    proxy, L = C._proxy_model(model)
+    tgs = [C.trace(proxy, C.slice_batch((x, x), r)) for r in (2, 4)]
+    prof = C._profile(tgs, 2, cl.hw(), True, ("selective",))
+    cands = [c for c in C.candidates(cl, 8, L, ("selective",), seq, cp_in_stages=True) if c.cp > 1 and c.tp == 2 and c.zero <= 1]
+    assert {c.pp > 1 for c in cands} == {True, False}
+    for c in cands:
+        if c.pp > 1:
+            s = C._screen_pipeline(prof, c, cl, 8 / (c.dp * c.cp * c.microbatches), L, math.inf)
+        else:
+            s = C._screen_flat(prof, c, cl, 8 / (c.dp * c.cp), L, math.inf)
+        lb = C._bound(prof, c, 8, L, cl)
+        assert C._bound(prof, dataclasses.replace(c, dp=c.dp * c.cp, cp=1), 8, L, cl) < lb <= s.step * (1 + 1e-9), str(c)

@@ -292,6 +292,7 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     grad = [a.cross_grad[0], a.cross_grad[1]] + [a.cross_grad[U - 2]] * (L - 1) + [a.cross_grad[U - 1], a.cross_grad[U]]
     # a block's parameters that sync over the same axes act as one (their sums): fewer entries to walk per candidate
     block: dict[tuple, list] = {}
+    largest = 0.0  # the template block's largest parameter (``UnitCosts.accum``)
     params, wire = {}, {}
     rest: dict[tuple, float] = {}  # (unit, axes) -> the embedding's / head's ZeRO-0 gradient bytes
     for name, (uu, sg, local, axes, n) in a.params.items():
@@ -299,6 +300,7 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
         if 0 < first < U - 2:
             continue  # another proxy block's parameter: the template block (the last) stands for every block
         if first == U - 2 and U > 2:  # the template block's parameter: one per block
+            largest = max(largest, local)
             acc = block.setdefault(tuple(axes), [0.0, 0.0, 0, 0.0])
             acc[0] += sg
             acc[1] += local
@@ -320,7 +322,9 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     one = max((local for axes, (_sg, local, _n, _w) in block.items() if axes), default=0.0)
     for k in range(L):
         flat[1 + k] = one
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire, flat=flat)
+    accum = [a.accum[0] if a.accum else 0.0] + [largest] * L + [a.accum[-1] if a.accum else 0.0]
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire, flat=flat,
+                     accum=accum)
 
 
 def _units(L: int) -> Units:

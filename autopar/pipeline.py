@@ -188,6 +188,17 @@ class UnitCosts:
     # per unit, its largest gradient bucket of ZeRO-0 parameters (one block's, per set of sync axes): the runtime
     # all-reduces a bucket as one flat copy after the last backward, when the activations are gone (``runtime``)
     flat: list[float] = dataclasses.field(default_factory=list)
+    # per unit, its largest gradient: a microbatch after the first computes each gradient whole before adding it to
+    # the one accumulated so far, so one of them is alive beside the unit's backward (``back``)
+    accum: list[float] = dataclasses.field(default_factory=list)
+
+    def back(self) -> list[float]:
+        """Per unit, the bytes alive while its backward runs beside what the microbatches keep: what its
+        recomputation brings back, and one gradient before it is accumulated. Memoised: read it, do not change it."""
+        if "back" not in self.memo:
+            n = len(self.fwd)
+            self.memo["back"] = [r + a for r, a in zip(self.regen or [0.0] * n, self.accum or [0.0] * n)]
+        return self.memo["back"]
     # what the cut searches derive from these costs (``unit_state``, ``_sums``), once: the cluster screen prices
     # thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
     memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -281,7 +292,11 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     flat = [0.0] * U
     for (u, _axes), nbytes in buckets.items():
         flat[u] = max(flat[u], nbytes)
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat)
+    accum = [0.0] * U
+    for uu, _held, local, _axes, _n in params.values():
+        for u in uu:
+            accum[u] = max(accum[u], local)
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, accum)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -309,7 +324,8 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     flights = sched.in_flight(schedule, p, m, v)
     rank_state = [0.0] * p
     rank_act = [0.0] * p
-    rank_regen = [0.0] * p  # one block's recomputed activations, alive while its backward runs
+    rank_regen = [0.0] * p  # one block's recomputed activations and a gradient, alive while its backward runs
+    back = uc.back()
     rank_flat = [0.0] * p  # its largest gradient bucket's flat copy, after the last backward
     sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
     zero_bytes: list[dict[tuple, list[float]]] = [dict() for _ in range(p)]  # (option, rest axes) -> [bytes, wire]
@@ -336,7 +352,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         stages.append(StagePlan(s, r, tuple(units.labels[i:j]), f, b, int(send), state, a))
         rank_state[r] += state
         rank_act[r] += a / v
-        rank_regen[r] = max(rank_regen[r], max(uc.regen[i:j], default=0.0))
+        rank_regen[r] = max(rank_regen[r], max(back[i:j], default=0.0))
         rank_flat[r] = max(rank_flat[r], max(uc.flat[i:j], default=0.0))
     # activations peak in the schedule, a bucket's flat copy once they are gone (``cost.peak_memory``)
     memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_regen[r], rank_flat[r]) for r in range(p))
@@ -397,7 +413,7 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
         return None
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
-    regen = uc.regen or [0.0] * U  # unit_costs fills it; a UnitCosts built by hand may leave it empty
+    regen = uc.back()
     flat = uc.flat or [0.0] * U
 
     def pack(limit: float) -> tuple[int, ...] | None:
@@ -442,7 +458,8 @@ def _sums(uc: UnitCosts, st: list[float]) -> tuple:
     """What ``_rank_memory`` reads of a stage in O(1): running sums of the units' state and activations, and the
     largest recomputation in a run of units. Memoised on ``uc`` for its own ``unit_state``."""
     def made() -> tuple:  # None: nothing recomputed, no bucket
-        return (_prefix(st), _prefix(uc.act), _range_max(uc.regen) if any(uc.regen) else None,
+        back = uc.back()
+        return (_prefix(st), _prefix(uc.act), _range_max(back) if any(back) else None,
                 _range_max(uc.flat) if any(uc.flat) else None)
 
     if uc.memo.get(("state", len(st))) is not st:

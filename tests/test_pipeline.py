@@ -89,7 +89,9 @@ def test_a_rank_counts_the_block_it_recomputes_beside_its_checkpoints():
     """Under recomputation a block's activations come back while its backward runs: each pipeline rank's peak is its
     state, its in-flight microbatches' kept bytes, and one block's recomputed activations -- with full
     recomputation, what a block keeps without it less the checkpoint it keeps with it (the cuts, the screen and the
-    reported peak all count it; they left it out, 12% under on the first rank here)."""
+    reported peak all count it; they left it out, 12% under on the first rank here). Beside it, a microbatch after
+    the first computes each gradient before adding it to the accumulated one: the unit's largest gradient too (the
+    tied embedding's on both ranks here, and a block's c_fc beside its recomputation)."""
     model, inputs = build("gpt2-small")
     mesh = autopar.Mesh({"pp": 2}, hardware="h100-80gb")
     extra, act = {}, {}
@@ -100,9 +102,10 @@ def test_a_rank_counts_the_block_it_recomputes_beside_its_checkpoints():
         extra[mode] = [pp.rank_memory[r] - sum(s.state for s in st) - pp.in_flight[r] * sum(s.activations for s in st)
                        for r, st in enumerate(ranks)]
     blocks = 6  # the first rank's: the embedding and h.0-h.5
-    assert extra["none"] == [0.0, 0.0]
-    assert 0 < extra["selective"][0] < extra["full"][0] and extra["full"][0] == pytest.approx(extra["full"][1])
-    assert extra["full"][0] == pytest.approx((act["none"] - act["full"]) / blocks, rel=0.01)
+    wte, c_fc = (p.numel() * p.element_size() for p in (model.wte.weight, model.h[0].mlp.c_fc.weight))
+    assert extra["none"] == [wte, wte]
+    assert wte <= extra["selective"][0] < extra["full"][0] and extra["full"][0] == pytest.approx(extra["full"][1])
+    assert extra["full"][0] == pytest.approx((act["none"] - act["full"]) / blocks + c_fc, rel=0.01)
 
 
 def test_cuts_balance_a_heavy_head_by_time_not_by_blocks():
@@ -221,8 +224,11 @@ def test_a_rank_counts_its_largest_gradient_bucket_after_the_last_backward():
     got, pp = extra({"pp": 2, "dp": 2}, 0)
     assert all(sum(s.activations for s in pp.stages if s.rank == r) * pp.in_flight[r] < block / 4 for r in range(2))
     assert got == [pytest.approx(block), pytest.approx(block)]
-    assert all(e < block / 4 for e in extra({"pp": 2, "dp": 2}, 1)[0])
-    assert all(e < block / 4 for e in extra({"pp": 2}, 0)[0])
+    # no bucket: the microbatches' few activations and one gradient before it is accumulated (the largest, up.weight;
+    # measured under ZeRO-1: predicted/measured 0.931 without it, 0.997 with it)
+    up = model.layers[0].up.weight.numel() * 4
+    assert all(up <= e < up + block / 8 for e in extra({"pp": 2, "dp": 2}, 1)[0])
+    assert all(up <= e < up + block / 8 for e in extra({"pp": 2}, 0)[0])
 
 
 def test_each_device_reports_the_bytes_of_its_own_stages():

@@ -24,10 +24,11 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
    redistributions into them, as the ILP priced them), activation bytes per microbatch, parameter state; per
    boundary: the bytes that cross it.
 4. For each schedule (GPipe, 1F1B, interleaved 1F1B with ``v`` stages per rank where the blocks divide), the cuts
-   minimise the slowest stage subject to every rank's memory (state + in-flight microbatches x activations + one
-   block's recomputed activations, alive while its backward runs, <= budget): bisection on the slowest stage's
-   time, with a greedy packing as the feasibility test (exact for contiguous cuts, since a shorter run of units
-   never needs more time or memory). The schedule is then
+   minimise the slowest stage subject to every rank's memory (state + the larger of: in-flight microbatches x
+   activations + what one unit's backward brings -- its recomputed activations, and a gradient before it is
+   accumulated --; the flat copy of its largest gradient bucket, after the last backward; <= budget): bisection on
+   the slowest stage's time, with a greedy packing as the feasibility test (exact for contiguous cuts, since a
+   shorter run of units never needs more time or memory). The schedule is then
    simulated (``autopar.schedule``): the step is the simulated timeline plus the gradient all-reduce after it
    (ZeRO-1: the reduce-scatter, and the gather of the updated shards before the next step, ``zero.pipeline_sync_priced``).
 5. The fastest (m, schedule, cuts) that fits wins; ties go to fewer microbatches, then the schedule order.
@@ -191,6 +192,9 @@ class UnitCosts:
     # per unit, its largest gradient: a microbatch after the first computes each gradient whole before adding it to
     # the one accumulated so far, so one of them is alive beside the unit's backward (``back``)
     accum: list[float] = dataclasses.field(default_factory=list)
+    # what the cut searches derive from these costs (``unit_state``, ``_sums``, ``back``), once: the cluster screen
+    # prices thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
+    memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def back(self) -> list[float]:
         """Per unit, the bytes alive while its backward runs beside what the microbatches keep: what its
@@ -199,9 +203,6 @@ class UnitCosts:
             n = len(self.fwd)
             self.memo["back"] = [r + a for r, a in zip(self.regen or [0.0] * n, self.accum or [0.0] * n)]
         return self.memo["back"]
-    # what the cut searches derive from these costs (``unit_state``, ``_sums``), once: the cluster screen prices
-    # thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
-    memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units, inner: Mesh) -> UnitCosts:

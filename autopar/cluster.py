@@ -292,15 +292,12 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     grad = [a.cross_grad[0], a.cross_grad[1]] + [a.cross_grad[U - 2]] * (L - 1) + [a.cross_grad[U - 1], a.cross_grad[U]]
     # a block's parameters that sync over the same axes act as one (their sums): fewer entries to walk per candidate
     block: dict[tuple, list] = {}
-    largest = 0.0  # the template block's largest parameter (``UnitCosts.accum``)
     params, wire = {}, {}
-    rest: dict[tuple, float] = {}  # (unit, axes) -> the embedding's / head's ZeRO-0 gradient bytes
     for name, (uu, sg, local, axes, n) in a.params.items():
         first = min(uu) if uu else 0
         if 0 < first < U - 2:
             continue  # another proxy block's parameter: the template block (the last) stands for every block
         if first == U - 2 and U > 2:  # the template block's parameter: one per block
-            largest = max(largest, local)
             acc = block.setdefault(tuple(axes), [0.0, 0.0, 0, 0.0])
             acc[0] += sg
             acc[1] += local
@@ -309,22 +306,13 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
         else:
             params[name] = ({0 if u == 0 else L + 1 for u in uu} or {0}, sg, local, axes, n)
             wire[name] = a.grad_wire.get(name, local)
-            if axes:
-                key = (min(params[name][0]), tuple(axes))
-                rest[key] = rest.get(key, 0.0) + local
     for axes, (sg, local, n, w) in block.items():
         for k in range(L):
             params[f"block{k}{axes}"] = ({1 + k}, sg, local, axes, n)
             wire[f"block{k}{axes}"] = w
-    flat = [0.0] * (L + 2)  # each unit's largest ZeRO-0 gradient bucket (``UnitCosts.flat``)
-    for (u, _axes), nbytes in rest.items():
-        flat[u] = max(flat[u], nbytes)
-    one = max((local for axes, (_sg, local, _n, _w) in block.items() if axes), default=0.0)
-    for k in range(L):
-        flat[1 + k] = one
-    accum = [a.accum[0] if a.accum else 0.0] + [largest] * L + [a.accum[-1] if a.accum else 0.0]
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire, flat=flat,
-                     accum=accum)
+    # a unit's largest gradient bucket and gradient do not depend on the rows: the proxy's, the template's per block
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire,
+                     flat=expand(a.flat, b.flat), accum=expand(a.accum, b.accum))
 
 
 def _units(L: int) -> Units:

@@ -392,7 +392,14 @@ def _context_parallel(prof: _Profile, c: Candidate, mesh: Mesh, rows: float) -> 
     to whole on cp (``CostModel.edge_priced``: all-gathers, again when the block is recomputed, reduce-scatters in
     backward) and the sends of a balanced causal attention (``CostModel.op_priced``). Returns (seconds on the
     critical path, bytes backward keeps of the gathered keys and values -- none under full recomputation --, bytes
-    alive while one block runs)."""
+    alive while one block runs). Memoised on the profile: the bound and both screens read it for many candidates."""
+    key = ("cp traffic", c.dp, c.cp, c.tp, c.recompute, rows, mesh)
+    if key not in prof.memo:
+        prof.memo[key] = _context_parallel_priced(prof, c, mesh, rows)
+    return prof.memo[key]
+
+
+def _context_parallel_priced(prof: _Profile, c: Candidate, mesh: Mesh, rows: float) -> tuple[float, float, float]:
     cost = CostModel(mesh, {"attention": c.recompute})
     seconds = kept = held = 0.0
     for info, heads_on_tp in prof.attention:
@@ -497,7 +504,7 @@ def _context_parallel_units(prof: _Profile, c: Candidate, inner: Mesh, uc: UnitC
     traffic at a microbatch's sequences (``_context_parallel``): its seconds on the block's critical path (put in its
     backward: the screen reads a unit's forward and backward together), the gathered keys and values backward keeps,
     and what is alive while it runs with the recomputed bytes. Memoised on the profile."""
-    key = ("cp", c.dp, c.cp, c.zero, c.recompute, rows, L)
+    key = ("cp units", c.dp, c.cp, c.zero, c.recompute, rows, L)
     if key not in prof.memo:
         seconds, kept, held = _context_parallel(prof, c, inner, rows * c.cp)
         blocks = range(1, L + 1)
@@ -554,12 +561,8 @@ def _bound(prof: _Profile, c: Candidate, batch: int, L: int, cluster: Cluster) -
     per = [max(x1 + (x2 - x1) * (rows - 1), 0.0) for x1, x2 in zip(
         [f + g for f, g in zip(a.fwd, a.bwd)], [f + g for f, g in zip(b.fwd, b.bwd)])]
     blk = per[U - 2] if U > 2 else 0.0
-    if c.cp > 1 and L:
-        key = ("cp bound", c.dp, c.cp, c.tp, c.recompute, rows)
-        if key not in prof.memo:
-            mesh = Mesh({"dp": c.dp, "cp": c.cp, "tp": c.tp}, cluster.hw())
-            prof.memo[key] = _context_parallel(prof, c, mesh, rows * c.cp)[0]
-        blk += prof.memo[key]
+    if c.cp > 1 and L:  # the flat screen's mesh (the same links as a pipeline's stages)
+        blk += _context_parallel(prof, c, Mesh({"dp": c.dp, "cp": c.cp, "tp": c.tp}, cluster.hw()), rows * c.cp)[0]
     work = per[0] + per[-1] + L * blk  # one microbatch through the whole model
     if c.pp == 1:
         return work

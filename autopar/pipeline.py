@@ -325,7 +325,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     flights = sched.in_flight(schedule, p, m, v)
     rank_state = [0.0] * p
     rank_act = [0.0] * p
-    rank_regen = [0.0] * p  # one block's recomputed activations and a gradient, alive while its backward runs
+    rank_back = [0.0] * p  # what one unit's backward brings (``UnitCosts.back``), alive while it runs
     back = uc.back()
     rank_flat = [0.0] * p  # its largest gradient bucket's flat copy, after the last backward
     sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
@@ -353,10 +353,10 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         stages.append(StagePlan(s, r, tuple(units.labels[i:j]), f, b, int(send), state, a))
         rank_state[r] += state
         rank_act[r] += a / v
-        rank_regen[r] = max(rank_regen[r], max(back[i:j], default=0.0))
+        rank_back[r] = max(rank_back[r], max(back[i:j], default=0.0))
         rank_flat[r] = max(rank_flat[r], max(uc.flat[i:j], default=0.0))
     # activations peak in the schedule, a bucket's flat copy once they are gone (``cost.peak_memory``)
-    memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_regen[r], rank_flat[r]) for r in range(p))
+    memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r], rank_flat[r]) for r in range(p))
     sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) for r in range(p)]
     for name, rs in ranks_of.items():
         if len(rs) > 1:
@@ -414,7 +414,7 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
         return None
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
-    regen = uc.back()
+    back = uc.back()
     flat = uc.flat or [0.0] * U
 
     def pack(limit: float) -> tuple[int, ...] | None:
@@ -422,16 +422,16 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
         for k in range(S):
             r = k % p
             cap = budget / v
-            j, tt, mm_state, mm_act, mm_regen, mm_flat = i, 0.0, 0.0, 0.0, 0.0, 0.0
+            j, tt, mm_state, mm_act, mm_back, mm_flat = i, 0.0, 0.0, 0.0, 0.0, 0.0
             last = U - (S - k - 1)  # leave a unit for every later stage
             while j < last:
-                nt, ns, na, nr, nf = tt + t[j], mm_state + st[j], mm_act + uc.act[j], max(mm_regen, regen[j]), max(mm_flat, flat[j])
+                nt, ns, na, nr, nf = tt + t[j], mm_state + st[j], mm_act + uc.act[j], max(mm_back, back[j]), max(mm_flat, flat[j])
                 held = ns + max(flights[r] * na / v + nr, nf)
                 if j > i and (nt > limit or held > cap):
                     break
                 if j == i and held > cap:
                     return None
-                tt, mm_state, mm_act, mm_regen, mm_flat = nt, ns, na, nr, nf
+                tt, mm_state, mm_act, mm_back, mm_flat = nt, ns, na, nr, nf
                 j += 1
             if k == S - 1 and j < U:
                 return None
@@ -457,8 +457,9 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
 
 def _sums(uc: UnitCosts, st: list[float]) -> tuple:
     """What ``_rank_memory`` reads of a stage in O(1): running sums of the units' state and activations, and the
-    largest recomputation in a run of units. Memoised on ``uc`` for its own ``unit_state``."""
-    def made() -> tuple:  # None: nothing recomputed, no bucket
+    largest of a run of units' backward transients (``UnitCosts.back``) and gradient buckets (``flat``). Memoised
+    on ``uc`` for its own ``unit_state``."""
+    def made() -> tuple:  # None: no backward transient, no bucket
         back = uc.back()
         return (_prefix(st), _prefix(uc.act), _range_max(back) if any(back) else None,
                 _range_max(uc.flat) if any(uc.flat) else None)
@@ -496,23 +497,24 @@ def _prefix(xs: list[float]) -> list[float]:
 
 def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, v: int, flights: list[int],
                  sums: "tuple | None" = None) -> list[float]:
-    """Each pipeline rank's bytes: its stages' parameter state, ``flights`` microbatches of their activations, and
-    the largest recomputation one of its units brings back in its backward. ``sums``: ``_sums(uc, st)``, when the
-    caller prices many cuts."""
+    """Each pipeline rank's bytes: its stages' parameter state, and the larger of ``flights`` microbatches of their
+    activations with the largest transient one of its units' backward brings (``UnitCosts.back``), and its largest
+    gradient bucket's flat copy after the last backward. ``sums``: ``_sums(uc, st)``, when the caller prices many
+    cuts."""
     sums = sums or _sums(uc, st)
     return [_one_rank(sums, starts, r, U, p, v, flights[r]) for r in range(p)]
 
 
 def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int) -> float:
     """Rank r's bytes in ``_rank_memory``: its stages are r, r + p, ..."""
-    ps, pa, regen, flat = sums
+    ps, pa, backs, flat = sums
     state = act = back = bucket = 0.0
     for k in range(r, len(starts), p):
         i, j = starts[k], starts[k + 1] if k + 1 < len(starts) else U
         state += ps[j] - ps[i]
         act += (pa[j] - pa[i]) / v
-        if regen is not None:
-            back = max(back, regen(i, j))
+        if backs is not None:
+            back = max(back, backs(i, j))
         if flat is not None:
             bucket = max(bucket, flat(i, j))
     return state + max(flight * act + back, bucket)

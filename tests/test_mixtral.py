@@ -154,13 +154,22 @@ def test_tiny_model_traces_to_the_same_loss_and_gradients():
     assert [(b.fqn, b.tied_to) for b in tg.blocks] == [("layers.0", None), ("layers.1", "layers.0")]
 
 
-def test_tiny_model_plans_and_only_routing_ops_lack_rules():
+def test_tiny_model_plans_and_its_routing_stays_split_by_the_batch():
+    """Every op has a rule but ``arange`` (it makes a constant): the expert compute is bmm/matmul (the expert dim
+    is a batch dim), and the router's ``topk`` and its queue's ``cumsum`` keep any split of a dim they do not run
+    along. Without those two rules data parallelism gathered every block's router probabilities and each rank
+    chose experts for the whole batch."""
     model, inputs = _tiny_batch()
     tg = trace(model, inputs)
     ops = {n.target for n in tg.gm.graph.nodes if n.op == "call_function"}
     no_rule = {str(t) for t in ops if rule_for(t) is None and str(t) != "<built-in function getitem>"}
-    # the expert compute is bmm/matmul (rules exist: the expert dim is a batch dim); only the routing runs replicated
-    assert no_rule <= {"aten.topk.default", "aten.cumsum.default", "aten.arange.default"}, no_rule
+    assert no_rule <= {"aten.arange.default"}, no_rule
     assert torch.ops.aten.bmm.default in ops
     plan = autopar.plan(model, autopar.Mesh({"tp": 2}), inputs)
     assert plan.solver_status == "optimal"
+    plan = autopar.plan(model, autopar.Mesh({"dp": 2}), inputs)
+    for name in ("topk", "cumsum"):
+        node = next(n.name for n in tg.gm.graph.nodes if n.op == "call_function" and n.target.__name__.startswith(name))
+        assert str(plan.nodes[node].strategy.output) == "S(0)", (name, plan.nodes[node].strategy)
+    moved = [c for c in plan.collectives() if not c.where.startswith(("grads", "zero"))]
+    assert all(c.bytes <= 8 * inputs[0].numel() for c in moved), [f"{c.kind} {c.where} {c.bytes}" for c in moved]

@@ -2,7 +2,9 @@
 
 ``sum`` over a split dim leaves each rank with a partial sum (``P``); over other dims the split is kept (and
 renumbered when the reduced dims are dropped). Sums are linear, so ``P`` passes through. ``amax`` and softmax
-cannot reduce across ranks locally: they only keep splits of dims they do not reduce.
+cannot reduce across ranks locally: they only keep splits of dims they do not reduce; nor can ``topk`` (an MoE
+router's choice of experts, values and indices alike) or ``cumsum`` (its place in each expert's queue) along the dim
+they run on.
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ def amax(info: OpInfo) -> list[Option]:
 
 @register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
 def softmax(info: OpInfo) -> list[Option]:
+    x = info.inputs[0]
+    dim = info.arg(1, "dim") % x.ndim
+    return [Option((Shard(d),), Shard(d)) for d in range(x.ndim) if d != dim]
+
+
+@register(aten.topk.default)
+def topk(info: OpInfo) -> list[Option]:
+    x = info.inputs[0]
+    dim = info.arg(2, "dim", -1) % x.ndim
+    return [Option((Shard(d),), Shard(d)) for d in range(x.ndim) if d != dim]
+
+
+@register(aten.cumsum.default)
+def cumsum(info: OpInfo) -> list[Option]:
     x = info.inputs[0]
     dim = info.arg(1, "dim") % x.ndim
     return [Option((Shard(d),), Shard(d)) for d in range(x.ndim) if d != dim]

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh", default=None, help="axes outermost first, e.g. dp=8,tp=8")
     p.add_argument("--cluster", default=None, help="NODESxGPUS, e.g. 192x8: search the mesh too (instead of --mesh)")
     p.add_argument("--hardware", default="h100-80gb")
-    p.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per data-parallel rank; with pp, 8 x pp per rank)")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per data-parallel (or expert-parallel) rank; with pp, 8 x pp per rank)")
     p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {DEFAULT_SEQ}, or the model's context if shorter; longer than a known model's context, it extends it)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's memory)")
@@ -227,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "batch", 0) is None:  # one sequence per data-parallel rank by default; 8 per pipeline stage with pp
         axes = _parse_mesh(args.mesh)
         pp = axes.get("pp", 1)  # a pipeline needs microbatches to fill its stages
-        args.batch = max(1, math.prod(v for k, v in axes.items() if k.startswith("dp"))) * (8 * pp if pp > 1 else 1)
+        from autopar.mesh import Mesh
+
+        mesh = Mesh(axes)
+        data = math.prod(v for k, v in axes.items() if mesh.role(k) in ("data", "expert"))  # the axes that split the batch
+        args.batch = max(1, data) * (8 * pp if pp > 1 else 1)
     # a --seq longer than a registry model's context extends it (long-context planning); the default is capped
     args.context = getattr(args, "seq", None)
     if args.cmd in ("plan", "compare") and args.seq is None:

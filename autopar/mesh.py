@@ -77,15 +77,19 @@ class Mesh:
 
     def role(self, axis: "str | int") -> str | None:
         """What the axis name promises: "data" for dp* axes (each rank gets its share of the batch there and holds
-        whole weights), "model" for tp / cp / sp / ep / mp axes (every rank of the axis sees the same batch),
-        "pipe" for pp / pipe (each rank runs a different stage of the layers; tensors are never split on it),
-        None for other names (the solver chooses)."""
+        whole weights), "expert" for ep (a share of the batch too, and whole weights but the experts: a stack of
+        experts may be split along its expert dim there, tokens going to their experts' ranks by all-to-all, as
+        Megatron's and DeepSpeed's expert-parallel groups run inside data parallelism), "model" for tp / cp / sp /
+        mp axes (every rank of the axis sees the same batch), "pipe" for pp / pipe (each rank runs a different stage
+        of the layers; tensors are never split on it), None for other names (the solver chooses)."""
         name = self.names[self.axis_index(axis)]
         if name.startswith("dp") or name in ("fsdp", "ddp", "hsdp"):
             return "data"
         if name in ("pp", "pipe"):
             return "pipe"
-        if name in ("tp", "cp", "sp", "ep", "mp"):
+        if name == "ep":
+            return "expert"
+        if name in ("tp", "cp", "sp", "mp"):
             return "model"
         return None
 

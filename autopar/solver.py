@@ -23,6 +23,11 @@ Keeping the ILP small (what makes a 32-layer, 2-D-mesh plan take seconds):
   is split along its batch dim there or whole, never along another dim (a sequence or hidden split is a model
   axis's job). Two placements an axis instead of five: Llama-3-8B with its RMSNorm from parts on dp 32 x tp 2,
   4k variables and 0.8 s to solve instead of 16k and 3.6 s, the same optimum.
+- **Expert axes split the batch or the experts.** An expert axis (``ep``) splits the batch as a data axis does,
+  and may also split a stack of experts (``expert_dims``: a parameter a batched matmul reads along its batch dim)
+  along that dim, followed through the ops like the batch: expert parallelism is a Spec, ``S(0)`` on the experts,
+  and the redistribution from the tokens' batch split to the experts' split is the all-to-all that dispatches
+  them, priced and emitted by the one redistribution function like any other.
 
 The ILP (``autopar.milp``: HiGHS through highspy; OR-Tools when highspy is missing) over the remaining *decision*
 nodes v, strategies s:
@@ -308,23 +313,66 @@ def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool]) -> tuple[dict[
     return saved_out, internal, frozenset(slots)
 
 
-def _batch_only(cs: list[Strategy], in_dims: list[int | None], axes: list[int]) -> tuple[list[Strategy], int | None]:
+def _batch_only(cs: list[Strategy], in_dims: list[int | None], axes: list[int], in_exp: list[int | None] = (),
+                expert_axes: tuple[int, ...] = ()) -> tuple[list[Strategy], int | None, int | None]:
     """The strategies of ``cs`` whose tensors lie on the data ``axes`` as a data axis promises (``Mesh.role``): each
     input that carries the batch (``in_dims[i]``: the dim its rows lie along, None where it has none) split along
-    it or whole, and the output too; and the dim the output's rows lie along (None: no batch, e.g. a loss that
-    reduces it to a partial sum, or not one dim). Splitting anything else on a data axis (a sequence, a hidden dim)
-    is a model axis's job; as options there they multiplied the ILP's edges (5 placements an axis instead of 2:
-    Llama-3-8B with its RMSNorm from parts on dp 32 x tp 2, 14k edge variables) for plans no better."""
-    if all(d is None for d in in_dims):
-        return cs, None
-    a = axes[0]
-    fed = [c for c in cs if all(d is None or c.inputs[i][a] == Shard(d) for i, d in enumerate(in_dims))]
-    outs = {c.output[a] for c in fed}
-    bd = next(iter(outs)).dim if len(outs) == 1 and isinstance(next(iter(outs)), Shard) else None
+    it or whole, and the output too; the dim the output's rows lie along (None: no batch, e.g. a loss that
+    reduces it to a partial sum, or not one dim); and the dim its experts lie along. Splitting anything else on a
+    data axis (a sequence, a hidden dim) is a model axis's job; as options there they multiplied the ILP's edges (5
+    placements an axis instead of 2: Llama-3-8B with its RMSNorm from parts on dp 32 x tp 2, 14k edge variables)
+    for plans no better.
+
+    On an expert axis (``expert_axes``, among ``axes``) a strategy may instead split the experts: every input that
+    carries a stack of experts (``in_exp[i]``: its expert dim) split along it, at least one such, no partial input,
+    and the output split (along its own expert dim, returned). The other inputs arrive as that needs (the tokens
+    of each expert, their batch gathered: the all-to-all that dispatches them)."""
+    has_exp = bool(expert_axes) and any(e is not None for e in in_exp)
+    if all(d is None for d in in_dims) and not has_exp:
+        return cs, None, None
     ok = lambda p, d: isinstance(p, Replicate) or p == Shard(d)  # noqa: E731
-    keep = [c for c in cs if all((bd is None or ok(c.output[x], bd))
-                                 and all(d is None or ok(c.inputs[i][x], d) for i, d in enumerate(in_dims)) for x in axes)]
-    return (keep, bd) if keep else (cs, None)
+
+    def experts_split(c: Strategy, x: int) -> bool:
+        return (has_exp and isinstance(c.output[x], Shard) and not any(isinstance(i[x], Partial) for i in c.inputs)
+                and all(e is None or c.inputs[i][x] == Shard(e) for i, e in enumerate(in_exp)))
+
+    bd = ed = None
+    if any(d is not None for d in in_dims):
+        a = axes[0]
+        fed = [c for c in cs if all(d is None or c.inputs[i][a] == Shard(d) for i, d in enumerate(in_dims))]
+        outs = {c.output[a] for c in fed}
+        bd = next(iter(outs)).dim if len(outs) == 1 and isinstance(next(iter(outs)), Shard) else None
+    if has_exp:
+        outs = {c.output[expert_axes[0]] for c in cs if experts_split(c, expert_axes[0])}
+        ed = next(iter(outs)).dim if len(outs) == 1 else None
+    keep = [c for c in cs if all(((bd is None or ok(c.output[x], bd)) and all(d is None or ok(c.inputs[i][x], d) for i, d in enumerate(in_dims)))
+                                 or (x in expert_axes and experts_split(c, x)) for x in axes)]
+    return (keep, bd, ed) if keep else (cs, None, None)
+
+
+def expert_dims(tg: TracedGraph) -> dict[str, int]:
+    """Parameter -> the dim its stack of experts lies along: a parameter of 3+ dims that a batched matmul (``bmm``,
+    or ``matmul`` of two 3-D operands) reads with that dim as its batch dim, through transposes and permutes
+    (Mixtral's ``bmm(x, w1.transpose(1, 2))`` over ``w1`` of (experts, hidden, dim)). A graph's fact, whatever the
+    mesh."""
+    out: dict[str, int] = {}
+    for n in tg.gm.graph.nodes:
+        if n.op != "placeholder" or tg.kinds.get(n.name) != "param" or not isinstance(n.meta.get("val"), torch.Tensor) or n.meta["val"].ndim < 3:
+            continue
+        todo = [(u, n, 0) for u in n.users]  # follow each use, tracking where the param's dim 0 lies
+        while todo:
+            u, src, d = todo.pop()
+            if u.op != "call_function":
+                continue
+            if u.target == aten.transpose.int:
+                i, j = (x % src.meta["val"].ndim for x in u.args[1:3])
+                todo += [(w, u, j if d == i else i if d == j else d) for w in u.users]
+            elif u.target == aten.permute.default:
+                todo += [(w, u, list(u.args[1]).index(d)) for w in u.users]
+            elif u.target in (aten.bmm.default, aten.matmul.default) and d == 0 and all(
+                    a.meta["val"].ndim == 3 for a in u.args[:2]):
+                out[n.name] = 0
+    return out
 
 
 def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
@@ -351,7 +399,12 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     folded_use: dict[str, tuple[str, int]] = {}
     direct_use: dict[str, tuple[str, int]] = {}
     wide = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and sizes[a] > 1]
+    expert_axes = tuple(a for a in range(mesh.ndim) if mesh.role(a) == "expert" and sizes[a] > 1)
+    batchy = sorted(wide + list(expert_axes))  # the axes that split the batch
+    if "expert_dims" not in tg.memo:
+        tg.memo["expert_dims"] = expert_dims(tg)
     batch_dim: dict[str, int] = {}  # node -> the dim its batch rows lie along (absent: none, or not known)
+    exp_dim: dict[str, int] = dict(tg.memo["expert_dims"]) if expert_axes else {}  # node -> its experts' dim
     for n in graph_nodes:
         if n.op == "output":
             for a in n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]:
@@ -373,29 +426,39 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             cands[n.name], costs[n.name] = cands[rep], costs[rep]
             if rep in batch_dim:
                 batch_dim[n.name] = batch_dim[rep]
+            if rep in exp_dim:
+                exp_dim[n.name] = exp_dim[rep]
         elif n.op == "placeholder":
-            cs = candidates(n, sizes, pk, tuple(mesh.role(a) for a in range(mesh.ndim)))
+            cs = candidates(n, sizes, pk, tuple(mesh.role(a) for a in range(mesh.ndim)), exp_dim.get(n.name))
             if not cs and pk == INPUT:
-                dp = " x ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in range(mesh.ndim) if mesh.role(a) == "data")
+                data = [a for a in range(mesh.ndim) if mesh.role(a) in ("data", "expert")]
+                dp = " x ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in data)
                 raise ShardingError(
                     f"input {n.name!r} has batch dim {meta[n.name].shape[0] if meta[n.name].shape else 0}, which does not divide over "
-                    f"the data axes {dp}; use a global batch that is a multiple of {math.prod(mesh.sizes[a] for a in range(mesh.ndim) if mesh.role(a) == 'data')}"
+                    f"the data axes {dp}; use a global batch that is a multiple of {math.prod(mesh.sizes[a] for a in data)}"
                 )
             cands[n.name] = cs
             costs[n.name] = [cost.placeholder(meta[n.name], s.output, pk, n.name in tg.trainable) for s in cs]
-            on_data = {c.output[wide[0]] for c in cs} if wide else set()
+            on_data = {c.output[batchy[0]] for c in cs} if batchy else set()
             if pk == INPUT and len(on_data) == 1 and isinstance(next(iter(on_data)), Shard):
                 batch_dim[n.name] = next(iter(on_data)).dim
         else:
             cs = candidates(n, sizes)
-            data = [a for a in range(mesh.ndim) if mesh.role(a) == "data"]
-            weights = [i for i, a in enumerate(tensor_inputs(n)) if tg.kinds.get(a.name) == "param"]
-            if data and weights:  # a data axis uses weights whole (no tensor parallel through the back door)
-                cs = [c for c in cs if all(isinstance(c.inputs[i][a], Replicate) for i in weights for a in data)] or cs
-            if wide:  # a data axis splits the batch, nothing else (or gathers it)
-                cs, bd = _batch_only(cs, [batch_dim.get(source.get(a.name, a.name)) for a in tensor_inputs(n)], wide)
+            data = [a for a in range(mesh.ndim) if mesh.role(a) in ("data", "expert")]
+            ins = tensor_inputs(n)
+            weights = [i for i, a in enumerate(ins) if tg.kinds.get(a.name) == "param"]
+            if data and weights:  # a data axis uses weights whole (no tensor parallel through the back door); an
+                # expert axis may split a stack of experts along its expert dim
+                whole = lambda c, i, a: isinstance(c.inputs[i][a], Replicate) or (  # noqa: E731
+                    a in expert_axes and c.inputs[i][a] == Shard(exp_dim.get(ins[i].name, -1)))
+                cs = [c for c in cs if all(whole(c, i, a) for i in weights for a in data)] or cs
+            if batchy:  # a data axis splits the batch, nothing else (or gathers it); an expert axis may split experts
+                src = [source.get(a.name, a.name) for a in ins]
+                cs, bd, ed = _batch_only(cs, [batch_dim.get(u) for u in src], batchy, [exp_dim.get(u) for u in src], expert_axes)
                 if bd is not None:
                     batch_dim[n.name] = bd
+                if ed is not None:
+                    exp_dim[n.name] = ed
             if len(wide) > 1:
                 # several data axes (HSDP's replicas and shard groups) split the batch alike: one placement on all
                 # of them, or the product of their options multiplies the ILP (dp16 x fsdp4 x tp2 on a 7.5B GPT:
@@ -466,7 +529,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             want = problem.strategy(user, s).inputs[slot]
             stored = Spec(tuple(Replicate() if isinstance(q, Partial) else q for q in want.placements))
             if stored not in specs:  # e.g. split on a data axis, where weights stay whole: store it whole there
-                stored = Spec(tuple(q if mesh.role(a) != "data" else Replicate() for a, q in enumerate(stored.placements)))
+                stored = Spec(tuple(q if mesh.role(a) not in ("data", "expert") else Replicate() for a, q in enumerate(stored.placements)))
             d.append(specs.index(stored) if stored in specs else specs.index(Spec.replicated(mesh.ndim)))
         problem.derived[p] = d
     problem.timings["strategies"] = time.perf_counter() - t0

@@ -15,6 +15,7 @@ def test_axes_and_coordinates():
     assert [m.coordinate(r) for r in (0, 1, 4, 7)] == [(0, 0), (0, 1), (1, 0), (1, 3)]
     assert m.stride("dp") == 4 and m.stride("tp") == 1
     assert m.role("dp") == "data" and m.role("tp") == "model" and autopar.Mesh({"x": 2}).role("x") is None
+    assert autopar.Mesh({"dp": 2, "ep": 2}).role("ep") == "expert"
 
 
 def test_inner_axes_fill_a_node_before_an_axis_spans_nodes():

@@ -408,3 +408,32 @@ def test_a_groups_sync_weight_scales_its_gradient_communication(zero):
     sync = objective[1.0] - objective[0.0]
     assert sync > 0.05 * objective[1.0]  # a real share of the step
     assert objective[0.25] == pytest.approx(objective[0.0] + 0.25 * sync, rel=1e-3)
+
+
+def test_an_expert_axis_splits_the_batch_or_the_experts():
+    """``ep`` (role "expert") gives each rank its share of the batch, like ``dp``, and may also split a stack of
+    experts along its expert dim: the tokens go to their experts' ranks and back by all-to-all (forward and
+    backward), and the experts' gradients are whole where they are computed (no all-reduce over ep). A dp axis
+    keeps its promise of whole weights: the same model on dp keeps the experts whole."""
+    from autopar.solver import expert_dims
+    from autopar.trace import trace
+    from models.mixtral import Mixtral, MixtralConfig
+
+    cfg = MixtralConfig(vocab_size=8192, max_seq_len=1024, n_layer=2, n_head=8, n_kv_head=4, dim=1024, ffn_dim=3584)
+    x = torch.empty(16, 1024, dtype=torch.long, device="meta")
+    tg = trace(_meta(Mixtral, cfg), (x, x))
+    found = {tg.fqns[n]: d for n, d in expert_dims(tg).items()}
+    assert found == {f"layers.{i}.moe.{w}": 0 for i in range(2) for w in ("w1", "w2", "w3")}
+    plans = {a: autopar.plan(_meta(Mixtral, cfg), autopar.Mesh({a: 8}, hardware=H100), (x, x)) for a in ("dp", "ep")}
+    experts = [f"layers.{i}.moe.{w}" for i in range(2) for w in ("w1", "w2", "w3")]
+    assert {str(plans["ep"].spec_of(e)) for e in experts} == {"S(0)"}
+    assert {str(plans["dp"].spec_of(e)) for e in experts} == {"R"}
+    assert str(plans["ep"].spec_of("layers.0.moe.gate.weight")) == "R" and str(plans["ep"].input_spec) == "S(0)"
+    moved = collections.Counter((c.kind, c.phase) for c in plans["ep"].collectives() if _in_blocks(plans["ep"], c))
+    # dispatch and combine in each of the 2 blocks, and their transposes in backward
+    assert moved[("all_to_all", "forward")] == 4 and moved[("all_to_all", "backward")] == 4, moved
+    assert not any(c.kind == "all_to_all" for c in plans["dp"].collectives())
+    synced = {p for b in plans["ep"].grad_buckets for p in b.params} | {p for b in plans["ep"].zero_buckets for p in b.params}
+    assert synced and not synced & {n for n, f in tg.fqns.items() if f in experts}
+    # the ep plan's options include every dp plan (experts whole); splitting them is what makes it faster
+    assert plans["ep"].cost.step_time < plans["dp"].cost.step_time

@@ -12,8 +12,9 @@ whose sharded dims do not divide by their axes. Ops without a rule run replicate
 
 Placeholders are not ops: parameters, buffers and constants may take any Spec of ``R`` / ``S(d)``; the user's
 inputs take ``R`` or ``S(0)`` (the batch dim) per axis, as a sampler would hand them out. Axis names carry roles:
-on a data axis (``dp``...) inputs are ``S(0)`` and weights ``R``; on a model axis (``tp``...) inputs are ``R``;
-other names leave both to the solver.
+on a data axis (``dp``...) inputs are ``S(0)`` and weights ``R``; on an expert axis (``ep``) inputs are ``S(0)``
+and weights ``R`` but a stack of experts, which may be split along its expert dim; on a model axis (``tp``...)
+inputs are ``R``; other names leave both to the solver.
 """
 
 from __future__ import annotations
@@ -151,18 +152,23 @@ def op_candidates(info: OpInfo, sizes: tuple[int, ...]) -> list[Strategy]:
     return _expand(options, [m.shape for m in info.inputs], [m.shape for m in info.outputs], sizes)
 
 
-def placeholder_candidates(meta: TensorMeta, sizes: tuple[int, ...], is_input: bool, roles: tuple | None = None) -> list[Strategy]:
+def placeholder_candidates(meta: TensorMeta, sizes: tuple[int, ...], is_input: bool, roles: tuple | None = None,
+                           expert_dim: int | None = None) -> list[Strategy]:
+    """``expert_dim``: the dim a stack of experts lies along (``solver.expert_dims``), which an expert axis may split."""
     dims = [0] if (is_input and meta.ndim > 0) else list(range(meta.ndim))
     choices: list[Placement] = [R] + [Shard(d) for d in dims]
     per_axis = []
     for a, n in enumerate(sizes):
         role = roles[a] if roles else None
+        batchy = role in ("data", "expert")  # both give each rank its share of the batch
         if n == 1:
             per_axis.append([R])
-        elif is_input and role == "model" or (is_input and role == "data" and meta.ndim == 0):
+        elif is_input and role == "model" or (is_input and batchy and meta.ndim == 0):
             per_axis.append([R])
-        elif is_input and role == "data":
+        elif is_input and batchy:
             per_axis.append([Shard(0)])
+        elif not is_input and role == "expert":
+            per_axis.append([R] if expert_dim is None else [R, Shard(expert_dim)])  # experts split, the rest whole
         elif not is_input and role == "data":
             per_axis.append([R])  # a data axis replicates the weights (sharding their storage is ZeRO's job)
         else:
@@ -175,14 +181,17 @@ def placeholder_candidates(meta: TensorMeta, sizes: tuple[int, ...], is_input: b
     return out
 
 
-def candidates(node: fx.Node, sizes: tuple[int, ...], kind: str | None = None, roles: tuple | None = None) -> list[Strategy]:
+def candidates(node: fx.Node, sizes: tuple[int, ...], kind: str | None = None, roles: tuple | None = None,
+               expert_dim: int | None = None) -> list[Strategy]:
     """All valid strategies of one node on a mesh with axis sizes ``sizes``.
 
     ``kind`` is the placeholder kind (param / buffer / constant / input) for placeholders, else None; ``roles``
-    the mesh axes' roles (``Mesh.role``), which fix how the user's inputs are split.
+    the mesh axes' roles (``Mesh.role``), which fix how the user's inputs are split; ``expert_dim`` a parameter's
+    stack of experts (split on an expert axis, or whole).
     """
     if node.op == "placeholder":
-        return placeholder_candidates(_meta(node.meta["val"]), sizes, is_input=(kind == "input"), roles=roles)
+        return placeholder_candidates(_meta(node.meta["val"]), sizes, is_input=(kind == "input"), roles=roles,
+                                      expert_dim=expert_dim)
     if node.target is operator.getitem:
         raise ValueError("getitem nodes take their producer's spec; they have no strategies of their own")
     return op_candidates(op_info(node), sizes)

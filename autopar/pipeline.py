@@ -53,7 +53,7 @@ from autopar.plan import Collective, PipelinePlan, Plan, PlanCost, StagePlan, _f
 from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, solve, zero_groups
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
-from autopar.zero import ZeroOption, eligible, pipeline_held, pipeline_sync_priced, shard_factor
+from autopar.zero import ZeroOption, effective, pipeline_held, pipeline_sync_priced, shard_factor
 
 MAX_MICROBATCH_CANDIDATES = 6
 SQUEEZE_ATTEMPTS = 3  # solves of the stages' ILP, its memory bound tightened each time no stage cut fits the ranks
@@ -252,7 +252,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         axes = grad_sync_axes(spec, inner)
         held = nc.state + nc.grad
         opt = choice.zero.get(groups[n][0], ZeroOption(0)) if n in groups else ZeroOption(0)
-        if opt.stage == 1 and eligible(opt, spec, meta, inner):
+        opt = effective(opt, spec, inner)
+        if opt.stage == 1:
             held = pipeline_held(opt, spec, meta, inner)
             zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes))
         params[n] = (uu, held, float(local), axes, math.prod(meta.shape))

@@ -20,7 +20,7 @@ from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroB
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
 from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, solve, zero_groups
-from autopar.zero import ZeroOption, eligible, gather_priced, grad_bucket, param_cost, scatter_priced, shard_factor, zero3_uses
+from autopar.zero import ZeroOption, effective, gather_priced, grad_bucket, param_cost, scatter_priced, shard_factor, zero3_uses
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info, tensor_inputs
 from autopar.trace import INPUT, PARAM, TracedGraph
@@ -191,8 +191,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if spec != stored:
             whole_grads[name] = tuple(mesh.names[a] for a in range(mesh.ndim) if spec[a] != stored[a])
         opt = choice.zero.get(g, ZeroOption(0))
-        if not eligible(opt, spec, meta, mesh):
-            opt = ZeroOption(0)
+        opt = effective(opt, spec, mesh)
         zero_of[name] = opt
         zc = param_cost(opt, spec, meta, mesh, uses=zero3_uses(tg, name))
         copy_time += zc.copy

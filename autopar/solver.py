@@ -49,7 +49,7 @@ nodes v, strategies s:
   (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather).
 - A parameter's gradient communication is priced by its bandwidth (over the axes its ``zero.grad_spec`` sums it
   over: not where its only use reads it as P); the planner buckets gradients per (ZeRO option o
-  a parameter runs -- its group's, or stage 0 where it is not eligible --, axes S its gradients are all-reduced over
+  a parameter runs -- its group's, over the shard axes where it is whole: ``zero.effective`` --, axes S its gradients are all-reduced over
   beyond o's shards, scope: the block copy, or the whole model for ZeRO-1), and a bucket pays its launches once:
   ``bucket[o, g, S] in [0, 1]``, ``bucket[o, g, S] >= sum_{(s, k) in T(v, o, g, S)} ind[v, s, g, k]`` for every
   decision v, ind being the (strategy s, group option k) indicator (x[v, s] - sum_k w[v, s, g, k] for stage 0,
@@ -104,7 +104,7 @@ from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
-from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, eligible, grad_bucket, grad_spec, group_latency, param_cost,
+from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, effective, grad_bucket, grad_spec, group_latency, param_cost,
                           zero3_traffic, zero3_uses, zero_axes, zero_options)
 
 
@@ -771,7 +771,7 @@ def solve(
             per = []
             for k, opt in enumerate(zopts):
                 c = _zcost(opt, spec, meta, mesh, copies, gparams, uses) if k else base
-                per.append((opt.stage if eligible(opt, spec, meta, mesh) else 0,
+                per.append((effective(opt, spec, mesh).stage,
                             (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.copy - base.copy),
                             grad_bucket(opt, spec, meta, mesh)))
             b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)

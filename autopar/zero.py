@@ -70,7 +70,7 @@ def zero_axes(mesh: Mesh) -> tuple[int, ...]:
     """The axes ZeRO may shard over: the data and expert axes, and the context-parallel ones (``cp``), whose ranks
     run other tokens of the same sequences, so a weight is whole there and its gradient summed over them, as over
     data parallelism (torchtitan's FSDP shards over dp x cp). A stack of experts split on an expert axis is not
-    whole there: it keeps its own shard (``eligible``)."""
+    whole there: it keeps its own shard (``effective``)."""
     return tuple(a for a in range(mesh.ndim) if (mesh.role(a) in ("data", "expert") or mesh.names[a] == "cp") and mesh.sizes[a] > 1)
 
 
@@ -90,12 +90,15 @@ def shard_factor(opt: ZeroOption, mesh: Mesh) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def eligible(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> bool:
-    """A parameter can be sharded by ``opt`` when it is whole on the shard axes (of any size: the flat shards are
-    padded, ``collectives.padded_flat``)."""
+def effective(opt: ZeroOption, spec: Spec, mesh: Mesh) -> ZeroOption:
+    """The option a parameter of ``spec`` runs when its group takes ``opt``: sharded over those of the shard axes
+    where it is whole (of any size: the flat shards are padded, ``collectives.padded_flat``), stage 0 where it is
+    whole on none. A stack of experts split on ep keeps its own shard there and shards over dp alone (Megatron's
+    distributed optimizer over the expert-data-parallel group); a weight split on cp, over the data axes."""
     if opt.stage == 0:
-        return True
-    return all(isinstance(spec[a], Replicate) for a in opt.shard_axes)
+        return opt
+    axes = tuple(a for a in opt.shard_axes if isinstance(spec[a], Replicate))
+    return ZeroOption(opt.stage, axes) if axes else ZeroOption(0)
 
 
 @dataclass(frozen=True)
@@ -116,14 +119,13 @@ def zero3_traffic(uses: tuple[str, ...]) -> tuple[int, int]:
 
 def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int = 1, group_params: int = 1,
                uses: tuple[str, ...] = ("linear",)) -> ZeroCost:
-    """One trainable parameter's memory and communication under ``opt`` (stage 0 if it is not eligible).
+    """One trainable parameter's memory and communication under ``opt`` (as it runs it: ``effective``).
 
     ``copies`` and ``group_params`` spread a group's one-at-a-time transients over the parameters that share them
     (a bucket of full gradients per group copy in stage 2; one gathered parameter at a time in stage 3). ``uses``
     (``zero3_uses``): how many times stage 3 gathers and reduce-scatters it, as the real plan emits them.
     """
-    if not eligible(opt, spec, meta, mesh):
-        opt = ZeroOption(0)
+    opt = effective(opt, spec, mesh)
     p = itemsize(meta.dtype)
     o = optimizer_bytes(meta.dtype)
     e = math.prod(spec.local_shape(meta.shape, mesh.sizes))
@@ -162,8 +164,7 @@ def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> 
     step: ``autopar.runtime``), the shard and its optimizer state, e p/n + e o/n, beside the gathered parameter and
     its gradient, 2 e p. Stages 2 and 3 do not run on a pipeline (their savings need gradients reduced as they are
     made, once per step here)."""
-    if opt.stage not in (0, 1) or not eligible(opt, spec, meta, mesh):
-        opt = ZeroOption(0)
+    opt = effective(opt, spec, mesh) if opt.stage in (0, 1) else ZeroOption(0)
     e = math.prod(spec.local_shape(meta.shape, mesh.sizes))
     p, o = itemsize(meta.dtype), optimizer_bytes(meta.dtype)
     if opt.stage == 0:
@@ -194,13 +195,12 @@ def grad_spec(stored: Spec, read: "Spec | None" = None) -> Spec:
 
 
 def grad_bucket(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> "tuple[ZeroOption, tuple[int, ...]] | None":
-    """The gradient bucket a parameter lands in under ``opt``, as the plan makes them: (the option it runs -- ``opt``,
-    or stage 0 where it is not eligible --, the axes its gradients are all-reduced over beyond that option's shards).
+    """The gradient bucket a parameter lands in under ``opt``, as the plan makes them: (the option it runs --
+    ``effective`` --, the axes its gradients are all-reduced over beyond that option's shards).
     ZeRO-1/2 always reduce-scatter; stages 0 and 3 have a bucket only where something is left to all-reduce (None
     otherwise). The planner, the ILP and the cluster screen bucket by it (``spec``: the ``grad_spec``); a bucket pays
     ``bucket_latency`` once."""
-    if not eligible(opt, spec, meta, mesh):
-        opt = ZeroOption(0)
+    opt = effective(opt, spec, mesh)
     rest = tuple(a for a in grad_sync_axes(spec, mesh) if a not in opt.shard_axes)
     return (opt, rest) if opt.stage in (1, 2) or rest else None
 

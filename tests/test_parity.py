@@ -264,19 +264,26 @@ def test_dropout_is_named_when_the_ranks_draw_their_own_masks():
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5, r
 
 
-@pytest.mark.parametrize("axes,spec", [({"ep": 4}, "S(0)"), ({"dp": 2, "ep": 2}, "RS(0)"), ({"ep": 2, "tp": 2}, "S(0)R")],
-                         ids=["ep4", "dp2xep2", "ep2xtp2"])
-def test_expert_parallel_moe_matches_single_device(axes, spec):
+@pytest.mark.parametrize("axes,spec,zero", [({"ep": 4}, "S(0)", None), ({"dp": 2, "ep": 2}, "RS(0)", 3), ({"ep": 2, "tp": 2}, "S(0)R", None)],
+                         ids=["ep4", "dp2xep2-zero3", "ep2xtp2"])
+def test_expert_parallel_moe_matches_single_device(axes, spec, zero):
     """Expert parallelism: a Mixtral's stacked experts split along their expert dim on ep, each rank's tokens sent
     to their experts' ranks and back by all-to-all (the routing's dispatch and combine kept split by the batch),
-    beside data parallelism on dp or tensor parallelism on tp."""
+    beside data parallelism on dp or tensor parallelism on tp. With ZeRO-3 over dp x ep the experts, already
+    split on ep, shard over dp alone (``zero.effective``); the other weights over both."""
     from models.mixtral import Mixtral, MixtralConfig
 
     torch.manual_seed(0)
     model = Mixtral(MixtralConfig.tiny())
     split = "".join("S(0)" if a != "tp" else "R" for a in axes)
     pins = [("layers.*.moe.w[123]", spec), ("layers.*.moe:matmul*", split)]
+    if zero:
+        pins.append(autopar.ZeroPin("*", zero, shard=("dp", "ep")))
     r = parity(model, _inputs(), axes, constraints=pins)
-    assert {(c.kind, c.axis, c.phase) for c in r["plan"].collectives() if c.kind == "all_to_all"} == {
+    plan = r["plan"]
+    assert {(c.kind, c.axis, c.phase) for c in plan.collectives() if c.kind == "all_to_all"} == {
         ("all_to_all", "ep", "forward"), ("all_to_all", "ep", "backward")}
+    if zero:
+        shards = {plan.nodes[p].path.removesuffix(".weight").rsplit(".", 1)[-1]: b.shard_axes for b in plan.zero_buckets for p in b.params}
+        assert shards["w1"] == shards["w2"] == ("dp",) and shards["wq"] == ("dp", "ep"), shards
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r

@@ -97,7 +97,7 @@ def cmd_plan_cluster(args) -> int:
     nodes, gpus = _parse_cluster(args.cluster)
     cluster = autopar.Cluster(nodes, gpus, args.hardware)
     print(f"planning {args.model} on {cluster} ({cluster.devices} devices; global batch {args.batch} x seq {args.seq}, {args.dtype}): "
-          "searching dp x pp x tp and dp x cp x tp, microbatches, schedule, recomputation ...", flush=True)
+          "searching dp x pp x tp and dp x cp x tp (a mixture of experts: dp x ep too), microbatches, schedule, recomputation ...", flush=True)
     budget = args.memory_budget * 2**30 if args.memory_budget else None
     plan = autopar.plan(model, cluster, inputs(args.batch, args.seq), memory_budget=budget)
     print(plan.table())

@@ -9,8 +9,10 @@ of dp, or (HSDP) over shard groups that fill part of a node or whole nodes, repl
 ``dp x fsdp x tp``); without a pipeline also ``dp x cp x tp``, the sequence split over cp ranks (context
 parallelism: each rank runs its chunk of every sequence, attention gathers the keys and values, ZeRO shards over
 dp x cp), which is what fits a sequence too long for the other layouts, and on request (``cp_in_stages``) with
-one, ``pp x dp x cp x tp``; and ``plan.search``: every candidate screened, with its predicted step and memory, or
-why it was dropped.
+one, ``pp x dp x cp x tp``; for a mixture of experts (``solver.expert_dims``), with and without a pipeline, also
+``pp x dp/ep x ep x tp``, dp's ranks in groups of ep inside a node, each group holding the experts split between
+its ranks (expert parallelism, Megatron's: carved out of dp); and ``plan.search``: every candidate screened, with its
+predicted step and memory, or why it was dropped.
 
 Two steps, because an ILP per candidate would take minutes at 1000+ devices:
 
@@ -40,7 +42,10 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    where the real plan can (its gradients all summed over tp, a data-parallel all-reduce). Candidates whose
    memory does not fit are dropped, with the reason kept. HSDP, and a tp axis that carries only the batch or the
    sequence (splitting no weight), are ranked as if 2% slower than they screen: they hold more state and add an
-   axis, so they have to win by more than a near-tie.
+   axis, so they have to win by more than a near-tie. An expert degree e has its own profile per tp degree, the
+   proxy's ILP solved on ``ep=e x tp=t`` at one and two rows per rank (the all-to-alls of dispatch and combine in
+   the blocks' times, the experts' Specs as the ILP splits them); its candidates add the outer dp, over which every
+   weight is whole and summed, and over which alone the experts' ZeRO shards.
 2. **Plan.** The ``top`` best screened candidates are planned for real on the full graph (``make_plan`` with the
    screened ZeRO stage, or ``plan_pipeline`` with the screened schedule and microbatch count pinned); the fastest
    real plan is returned. A candidate the real plan finds too big gives way to the next; if every candidate the
@@ -115,17 +120,21 @@ class Cluster:
     def hw(self) -> Hardware:
         return dataclasses.replace(get_hardware(self.hardware), devices_per_node=self.gpus_per_node)
 
-    def mesh(self, dp: int, pp: int, tp: int, shard: int = 0, cp: int = 1) -> Mesh:
+    def mesh(self, dp: int, pp: int, tp: int, shard: int = 0, cp: int = 1, ep: int = 1) -> Mesh:
         """The mesh of a factorisation: pp outermost, then dp, cp, tp innermost (axes of size 1 left out). ``shard``
         (HSDP): the data-parallel ranks split into ``dp / shard`` replicas (axis ``dp``) of ``shard`` ranks each (axis
         ``fsdp``, inside the replicas: as close as the tp ranks allow). ``cp``: context parallelism, the sequence
-        split over that many ranks (torchtitan's order: dp, cp, tp)."""
+        split over that many ranks (torchtitan's order: dp, cp, tp). ``ep``: expert parallelism, carved out of dp
+        (Megatron's): the dp ranks split into ``dp / ep`` groups (axis ``dp``) of ``ep`` ranks (axis ``ep``, next to
+        tp), each group holding the experts split between its ranks."""
         if dp * pp * tp * cp != self.devices:
             raise AutoparError(f"dp={dp} x pp={pp} x tp={tp}" + (f" x cp={cp}" if cp > 1 else "") + f" is not the cluster's {self.devices} devices")
         if shard and (dp % shard or not 1 < shard < dp):
             raise AutoparError(f"an HSDP shard group of {shard} does not split dp={dp} into replicas; use a divisor of dp "
                                "between 2 and dp / 2")
-        data = (("dp", dp // shard), ("fsdp", shard)) if shard else (("dp", dp),)
+        if ep > 1 and (dp % ep or shard or cp > 1):
+            raise AutoparError(f"an expert axis of {ep} must divide dp={dp}, without HSDP or context parallelism")
+        data = (("dp", dp // shard), ("fsdp", shard)) if shard else (("dp", dp // ep), ("ep", ep)) if ep > 1 else (("dp", dp),)
         axes = {k: v for k, v in (("pp", pp),) + data + (("cp", cp), ("tp", tp)) if v > 1} or {"dp": 1}
         return Mesh(axes, self.hw())
 
@@ -145,9 +154,10 @@ class Candidate:
     zero: int = 0  # the ZeRO stage of every parameter group (a pipeline: 0 or 1); the real plan is pinned to it
     shard: int = 0  # with ZeRO: 0 shards over all of dp; s > 0 over groups of s ranks, replicated across them (HSDP)
     cp: int = 1  # context parallelism, the sequence split over cp ranks (ZeRO then shards over dp x cp)
+    ep: int = 1  # expert parallelism: dp's ranks in groups of ep, each holding the experts split between them
 
     def __str__(self) -> str:
-        s = f"dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "") + f" pp={self.pp} tp={self.tp}"
+        s = f"dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + (f" cp={self.cp}" if self.cp > 1 else "") + f" pp={self.pp} tp={self.tp}"
         if self.pp > 1:
             s += f" {self.schedule}{'' if self.virtual == 1 else f' v={self.virtual}'} m={self.microbatches}"
             s += " zero=1" if self.zero else ""
@@ -207,14 +217,15 @@ def _proxy_model(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
     return (tr._truncated(model, path, 2), n) if n > 2 else (model, n)
 
 
-def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tuple[str, ...]) -> _Profile | None:
-    """``tgs``: the proxy traced at one and two rows per rank of dp=2."""
+def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tuple[str, ...], ep: int = 1) -> _Profile | None:
+    """``tgs``: the proxy traced at one and two rows per rank of dp=2 (with ``ep``: of ep=ep, whose ranks, inside a
+    node beside tp's, may split the experts; the all-to-alls that take the tokens to them are in the units' times)."""
     from autopar.planner import cost_model
 
     # no overlap in the proxy's ILP: the screen prices data-parallel communication itself, and the max() of an
     # overlapped step makes the ILP's relaxation weak (seconds instead of a fraction of one)
-    mesh = Mesh({"dp": 2, "tp": t}, dataclasses.replace(hw, overlap=0.0))
-    mesh._spans = {"dp": spans_nodes, "tp": False}
+    mesh = Mesh({"dp": 2, "tp": t} if ep == 1 else {"ep": ep, "tp": t}, dataclasses.replace(hw, overlap=0.0))
+    mesh._spans = {"dp": spans_nodes, "tp": False} if ep == 1 else {"ep": False, "tp": False}
     units = [graph_units(tg) for tg in tgs]
     cost0 = cost_model(tgs[0], mesh, "none")
     problem = build_problem(tgs[0], mesh, cost0)
@@ -329,7 +340,12 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     rank runs 1 / cp of each sequence's tokens and, balanced, 1 / cp of its causal attention, as that many rows
     would; ``_context_parallel`` adds what moves between the cp ranks, and ZeRO shards over dp x cp."""
     uc = _at_rows(prof, c.recompute, rows, L)
-    if c.cp > 1:
+    if c.ep > 1:  # the profile's Specs are on (ep, tp): whole on the outer dp
+        outer = c.dp // c.ep
+        mesh = Mesh({"dp": outer, "ep": c.ep, "tp": c.tp} if outer > 1 else {"ep": c.ep, "tp": c.tp}, cluster.hw())
+        mesh._spans = {"dp": True, "ep": False, "tp": False} if outer > 1 else {"ep": False, "tp": False}
+        opt = ZeroOption(c.zero, tuple(range(mesh.ndim - 1))) if c.zero else ZeroOption(0)
+    elif c.cp > 1:
         mesh = Mesh({"dp": c.dp, "cp": c.cp, "tp": c.tp}, cluster.hw())
         opt = ZeroOption(c.zero, (0, 1)) if c.zero else ZeroOption(0)
     elif c.shard:
@@ -348,7 +364,9 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         copies = L if u == 1 else 1
         if batch_over_tp:  # tp = 1's proxy may have put any placement on its axis of size 1
             spec = Spec(tuple(spec.placements[:-1]) + (Replicate(),))
-        if c.shard:  # the proxy's Specs are on (dp, tp): the data placement holds on both data axes
+        if c.ep > 1 and mesh.ndim == 3:
+            spec = Spec((Replicate(),) + tuple(spec.placements))
+        elif c.shard:  # the proxy's Specs are on (dp, tp): the data placement holds on both data axes
             spec = Spec((spec.placements[0],) + tuple(spec.placements))
         elif c.cp > 1:  # a weight is whole on cp, its gradient summed there
             spec = Spec((spec.placements[0], Replicate()) + tuple(spec.placements[1:]))
@@ -429,11 +447,13 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
 
     uc = _at_rows(prof, c.recompute, rows, L)
     if c.zero:
-        uc = _distributed_optimizer(prof, uc, c.dp * c.cp, (c.recompute, rows, L))
-    mesh = cluster.mesh(c.dp, c.pp, c.tp, cp=c.cp)
+        uc = _distributed_optimizer(prof, uc, c.dp * c.cp, (c.recompute, rows, L), c.dp // c.ep if c.ep > 1 else 0)
+    mesh = cluster.mesh(c.dp, c.pp, c.tp, cp=c.cp, ep=c.ep)
     link = mesh.link(mesh.pipe_axis())
-    # the proxy's parameter Specs are on (dp, tp); with context parallelism the stages' mesh is (dp, cp, tp)
-    sizes = {"dp": c.dp, "cp": c.cp, "tp": c.tp} if c.cp > 1 else {"dp": c.dp, "tp": c.tp}
+    # the proxy's parameter Specs are on (dp, tp) (with expert parallelism (ep, tp)); with context parallelism the
+    # stages' mesh is (dp, cp, tp), with expert parallelism (dp, ep, tp)
+    sizes = ({"dp": c.dp, "cp": c.cp, "tp": c.tp} if c.cp > 1 else {"dp": c.dp // c.ep, "ep": c.ep, "tp": c.tp} if c.ep > 1
+             else {"dp": c.dp, "tp": c.tp})
     inner = Mesh(sizes, cluster.hw())
     inner._spans = {n: mesh.spans_nodes(n) if n in mesh.names else False for n in sizes}
     if c.cp > 1:
@@ -445,7 +465,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     flights = list(sched.in_flight(c.schedule, p, m, v))
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
-    prefixed, tied = _sync_sums(uc, U)
+    prefixed, tied = _sync_sums(uc, U, every=c.ep > 1 and c.dp > c.ep)
     options = [equal_starts(units, S)] if L % S == 0 else []
     got = balance(uc, units, S, p, flights, v, budget)
     if got is not None:  # one stage per rank: the balanced cut is the answer; interleaved: the per-rank sums matter
@@ -458,12 +478,16 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     counted = sum(st) + min(p, m) * sum(uc.act)
     best = None
 
-    # ZeRO-1 over dp (and cp): Megatron's distributed optimizer. A proxy Spec's axis 0 (dp) is (dp, cp) here: a
-    # weight is whole on cp and its gradient summed there; its axis 1 (tp) is the stages' last
-    data = (0, 1) if c.cp > 1 else (0,)
+    # ZeRO-1 over dp (and cp, or ep): Megatron's distributed optimizer. A proxy Spec's axis 0 (dp) is (dp, cp) here:
+    # a weight is whole on cp and its gradient summed there; its axis 1 (tp) is the stages' last. With expert
+    # parallelism the proxy's axis 0 is ep, and every weight is whole on the outer dp, summed there too: a stack of
+    # experts split on ep shards over dp alone (``zero.effective``)
+    data = (0, 1) if c.cp > 1 or c.ep > 1 else (0,)
     opt = ZeroOption(1, data) if c.zero else None
 
     def on_inner(axes: tuple) -> tuple:
+        if c.ep > 1:
+            return (0,) + tuple(1 if a == 0 else inner.ndim - 1 for a in axes)
         return tuple(b for a in axes for b in (data if a == 0 else (inner.ndim - 1,)))
 
     for starts in options:
@@ -477,7 +501,8 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
             for proxy_axes, (pb, wb) in prefixed.items():
                 axes = on_inner(proxy_axes)
                 if opt is not None and 0 in axes:
-                    acc = zeroed[k % p].setdefault((opt, tuple(a for a in axes if a not in data)), [0.0, 0.0])
+                    eff = ZeroOption(1, tuple(a for a in data if a in axes))
+                    acc = zeroed[k % p].setdefault((eff, tuple(a for a in axes if a not in data)), [0.0, 0.0])
                     acc[0] += pb[j] - pb[i]
                     acc[1] += wb[j] - wb[i]
                     continue
@@ -516,36 +541,40 @@ def _context_parallel_units(prof: _Profile, c: Candidate, inner: Mesh, uc: UnitC
     return prof.memo[key]
 
 
-def _sync_sums(uc: UnitCosts, U: int) -> tuple[dict, list]:
+def _sync_sums(uc: UnitCosts, U: int, every: bool = False) -> tuple[dict, list]:
     """Per set of sync axes, running sums over the units of the parameter bytes and the gradient bytes on the wire
     (a rank sums its stages' and prices them with ``pipeline.rank_sync``, as ``pipeline.evaluate`` does), and the
-    parameters read by several units (a tied embedding: summed over the pp ranks that hold them too). Memoised on
-    ``uc``."""
+    parameters read by several units (a tied embedding: summed over the pp ranks that hold them too). ``every``:
+    the parameters the proxy sums over no axis too (with expert parallelism, a stack of experts split on the
+    proxy's ep: the candidate's outer dp still sums it). Memoised on ``uc``."""
     from autopar.pipeline import _prefix
 
-    if ("sync", U) not in uc.memo:
+    if ("sync", U, every) not in uc.memo:
         sums: dict[tuple, list[list[float]]] = {}
         tied = []
         for name, (uu, _sg, local, axes, _n) in uc.params.items():
             wire = uc.grad_wire.get(name, local)
-            if axes:
+            if axes or every:
                 acc = sums.setdefault(tuple(axes), [[0.0] * U, [0.0] * U])
                 for u in uu:
                     acc[0][u] += local
                     acc[1][u] += wire
             if len(uu) > 1:
                 tied.append((uu, wire))
-        uc.memo["sync", U] = ({axes: (_prefix(pb), _prefix(wb)) for axes, (pb, wb) in sums.items()}, tied)
-    return uc.memo["sync", U]
+        uc.memo["sync", U, every] = ({axes: (_prefix(pb), _prefix(wb)) for axes, (pb, wb) in sums.items()}, tied)
+    return uc.memo["sync", U, every]
 
 
-def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple) -> UnitCosts:
+def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple, outer: int = 0) -> UnitCosts:
     """``uc`` with every parameter under ZeRO-1 over dp on a pipeline (``zero.pipeline_held``): of its ZeRO-0
     bytes, e (p + o) + e p, the stored parameter and its optimizer state sharded dp ways, the gathered parameter and
-    its accumulated gradient whole. Memoised on the profile beside ``uc`` (``at``: its key there)."""
-    key = ("zero1", dp) + at
+    its accumulated gradient whole. ``outer``: with expert parallelism, the dp ranks outside ep, over which alone a
+    parameter split on ep (a stack of experts: its gradient not summed over the proxy's axis 0) shards. Memoised
+    on the profile beside ``uc`` (``at``: its key there)."""
+    key = ("zero1", dp, outer) + at
     if key not in prof.memo:
-        params = {n: (uu, (sg - local) / dp + 2 * local, local, axes, e) for n, (uu, sg, local, axes, e) in uc.params.items()}
+        n_of = lambda axes: dp if not outer or 0 in axes else outer  # noqa: E731
+        params = {n: (uu, (sg - local) / n_of(axes) + 2 * local, local, axes, e) for n, (uu, sg, local, axes, e) in uc.params.items()}
         prof.memo[key] = dataclasses.replace(uc, params=params, flat=[])  # no ZeRO-0 buckets left
     return prof.memo[key]
 
@@ -579,6 +608,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _experts(tg) -> int:
+    """How many experts a mixture-of-experts layer stacks (``solver.expert_dims``; 0 without any): the expert
+    degrees the search tries divide it."""
+    from autopar.solver import expert_dims
+
+    metas = {n.name: n.meta["val"] for n in tg.gm.graph.nodes if n.op == "placeholder"}
+    sizes = {metas[n].shape[d] for n, d in expert_dims(tg).items()}
+    return min(sizes) if sizes else 0
+
+
 def _rank_penalty(c: Candidate) -> float:
     return HSDP_RANK_PENALTY if c.shard else 1.0
 
@@ -591,7 +630,7 @@ def _hsdp_groups(cluster: Cluster, dp: int, tp: int) -> list[int]:
 
 
 def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...], seq: int | None = None,
-               cp_in_stages: bool = False) -> list[Candidate]:
+               cp_in_stages: bool = False, experts: int = 0) -> list[Candidate]:
     """Every factorisation dp x pp x tp of the cluster (tp within a node, pp at most the blocks, dp dividing the
     batch), with each pipeline's microbatch counts and schedules, each recomputation mode, and without a pipeline
     each ZeRO stage, over all of dp or (HSDP) over shard groups inside it; and given the sequence length ``seq``,
@@ -599,7 +638,9 @@ def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...],
     sequence halving, so that causal attention balances), ZeRO over dp x cp. ``cp_in_stages``: pipelines with cp
     too (pp x dp x cp x tp, Megatron's and torchtitan's 4-D layouts), where the batch leaves the microbatches no
     other way to split: a pipeline whose dp x cp ranks could split the batch with the same microbatch count has the
-    same stages without cp's gathers, and is a candidate itself."""
+    same stages without cp's gathers, and is a candidate itself. ``experts``: a mixture of experts' stack size;
+    dp's ranks then also form expert groups of each degree that divides it and fits in a node beside tp
+    (``pp x dp/ep x ep x tp``: the all-to-alls stay on the node's links), ZeRO sharding over both."""
     out = []
     for tp in _divisors(cluster.gpus_per_node):
         rest = cluster.devices // tp
@@ -614,6 +655,9 @@ def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...],
                             out.append(Candidate(dp, 1, tp, rc, zero=z, cp=cp))
                             for s in _hsdp_groups(cluster, dp, tp) if z and cp == 1 else ():
                                 out.append(Candidate(dp, 1, tp, rc, zero=z, shard=s))
+                            for e in _divisors(experts)[1:] if cp == 1 else ():
+                                if dp % e == 0 and cluster.gpus_per_node % (e * tp) == 0:
+                                    out.append(Candidate(dp, 1, tp, rc, zero=z, ep=e))
                         continue
                     plain = set(microbatch_candidates(batch // (dp * cp), pp)) if cp > 1 and batch % (dp * cp) == 0 else set()
                     for m in microbatch_candidates(batch // dp, pp):
@@ -626,6 +670,9 @@ def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...],
                                 continue  # 1F1B has GPipe's bubble with fewer microbatches in flight: never worse
                             for z in (0, 1) if dp * cp > 1 else (0,):  # ZeRO-1: the distributed optimizer
                                 out.append(Candidate(dp, pp, tp, rc, m, name, v, zero=z, cp=cp))
+                                for e in _divisors(experts)[1:] if cp == 1 else ():
+                                    if dp % e == 0 and cluster.gpus_per_node % (e * tp) == 0:
+                                        out.append(Candidate(dp, pp, tp, rc, m, name, v, zero=z, ep=e))
     return out
 
 
@@ -654,8 +701,12 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
         return _plan_each(model, args, cluster, budget, t_start)
     real_budget, budget = budget, budget * SCREEN_MARGIN
     timings = {"proxy": 0.0, "screen": 0.0, "plan": 0.0}
-    profiles: dict[int, _Profile | None] = {}
-    cands = candidates(cluster, B, max(L, 1), modes, seq, cp_in_stages)
+    profiles: dict[tuple[int, int], _Profile | None] = {}  # (tp, ep) -> the proxy's profile
+    t0 = time.perf_counter()
+    tgs = [trace(proxy, slice_batch(args, r)) for r in (2, 4)]  # one and two rows per rank of the proxy's dp=2
+    timings["proxy"] = time.perf_counter() - t0
+    experts = _experts(tgs[0])
+    cands = candidates(cluster, B, max(L, 1), modes, seq, cp_in_stages, experts)
     if not cands:
         least = math.ceil(cluster.devices / (cluster.gpus_per_node * max(L, 1)))  # dp that leaves at most L stages
         raise AutoparError(
@@ -668,9 +719,15 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
             f"{next(d for d in _divisors(cluster.devices) if candidates(cluster, d, max(L, 1), modes[:1]))}, or fewer devices"
         )
     t0 = time.perf_counter()
-    tgs = [trace(proxy, slice_batch(args, r)) for r in (2, 4)]  # one and two rows per rank of the proxy's dp=2
+    # an expert degree's profile runs at one and two rows per rank of ep: traced here, not on the profiling threads
+    traced = {2: tgs[0], 4: tgs[1]}
+    for e in sorted({c.ep for c in cands if c.ep > 1}):
+        for r in (e, 2 * e):
+            if r not in traced and B % r == 0:
+                traced[r] = trace(proxy, slice_batch(args, r))
+    proxies = {e: [traced[e], traced[2 * e]] if e > 1 else tgs for e in {c.ep for c in cands} if e == 1 or 2 * e in traced}
     spans = cluster.devices > cluster.gpus_per_node
-    timings["proxy"] = time.perf_counter() - t0
+    timings["proxy"] += time.perf_counter() - t0
 
     def screen_round(entries: "list | None") -> "tuple[list[Screened], list]":
         # the next degrees the screen will reach are profiled ahead on other threads: most of a profile is HiGHS,
@@ -679,21 +736,25 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
         ahead: dict[int, Future] = {}
         pool = ThreadPoolExecutor(max_workers=AHEAD + 1)
 
-        def profile(tp: int, after: "list[int] | None" = None) -> "_Profile | None":
-            if tp not in profiles:
+        def made(key: tuple[int, int]) -> "_Profile | None":
+            tp, ep = key
+            return _profile(proxies[ep], tp, hw, spans, modes, ep) if ep in proxies else None
+
+        def profile(key: tuple[int, int], after: "list[tuple[int, int]] | None" = None) -> "_Profile | None":
+            if key not in profiles:
                 t1 = time.perf_counter()
-                mine = ahead.pop(tp, None)
-                for nxt in [t for t in (after or []) if t not in profiles and t not in ahead and t != tp]:
+                mine = ahead.pop(key, None)
+                for nxt in [k for k in (after or []) if k not in profiles and k not in ahead and k != key]:
                     if sum(not f.done() for f in ahead.values()) >= AHEAD:
                         break
-                    ahead[nxt] = pool.submit(_profile, tgs, nxt, hw, spans, modes)
-                profiles[tp] = mine.result() if mine is not None else _profile(tgs, tp, hw, spans, modes)
+                    ahead[nxt] = pool.submit(made, nxt)
+                profiles[key] = mine.result() if mine is not None else made(key)
                 timings["proxy"] += time.perf_counter() - t1
-            return profiles[tp]
+            return profiles[key]
 
         t1 = time.perf_counter()
         try:
-            one = profile(1)
+            one = profile((1, 1))
             if entries is None:
                 entries = []
                 # branch and bound: a candidate's step is at least its schedule's bubble-bound on perfectly balanced
@@ -702,11 +763,11 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
                 # tp = 1's bound over tp stands in (a tp-way split at best divides each op's time: the bound is
                 # homogeneous in the units' times)
                 for c in cands:
-                    own = c.tp in profiles
-                    ref = profiles[c.tp] if own else one
+                    own = (c.tp, c.ep) in profiles
+                    ref = profiles[c.tp, c.ep] if own else one
                     entries.append((0.0 if ref is None else _bound(ref, c, B, L, cluster) / (1 if own else c.tp), str(c), c))
             entries = sorted(entries, key=lambda r: (r[0] * _rank_penalty(r[2]), r[1]))
-            order = list(dict.fromkeys(c.tp for _, _, c in entries))  # the degrees, in the order the screen reaches them
+            order = list(dict.fromkeys((c.tp, c.ep) for _, _, c in entries))  # the degrees, in the order the screen reaches them
             return _screen(entries, profile, order, cluster, B, L, budget, timings)
         finally:
             for f in ahead.values():  # degrees profiled ahead that the screen then pruned: dropped if not started yet
@@ -788,7 +849,7 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
     return best
 
 
-def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, L: int, budget: float,
+def _screen(bounded: list, profile, order: list[tuple[int, int]], cluster: Cluster, B: int, L: int, budget: float,
             timings: dict) -> "tuple[list[Screened], list]":
     """Evaluate the candidates (``(bound, name, candidate)``, by bound) until the bound passes the best step found.
     Returns the candidates screened, those dropped included, and the dropped ones' entries (a later round starts
@@ -796,11 +857,11 @@ def _screen(bounded: list, profile, order: list[int], cluster: Cluster, B: int, 
     out: list[Screened] = []
     dropped = []
     best_step = math.inf  # the best rank so far (``Screened.rank``)
-    one = profile(1, order)
+    one = profile((1, 1), order)
     for lb, name, c in bounded:
         pen = _rank_penalty(c)
-        prof = profile(c.tp, order) if lb * pen <= best_step else None
-        if prof is not None and c.tp != 1:
+        prof = profile((c.tp, c.ep), order) if lb * pen <= best_step else None
+        if prof is not None and (c.tp, c.ep) != (1, 1):
             lb = _bound(prof, c, B, L, cluster)  # its own bound, now that it has a profile
             if _batch_over_tp(c, B) and one is not None:
                 lb = min(lb, _bound(one, dataclasses.replace(c, dp=c.dp * c.tp, tp=1), B, L, cluster))
@@ -833,7 +894,7 @@ def _batch_over_tp(c: Candidate, batch: int) -> bool:
     rank split over tp. Its real plan then has tp = 1's strategies with the batch split over both axes (the ILP
     finds that itself), which the tp-degree proxy -- profiled at one and two rows per rank, too few to split --
     never shows; the screen prices it from tp = 1's profile at rows / tp per device."""
-    return c.pp == 1 and c.cp == 1 and c.tp > 1 and (batch // c.dp) % c.tp == 0
+    return c.pp == 1 and c.cp == 1 and c.ep == 1 and c.tp > 1 and (batch // c.dp) % c.tp == 0
 
 
 def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float) -> Plan:
@@ -841,7 +902,7 @@ def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float)
     from autopar.planner import make_plan
 
     c = s.candidate
-    mesh = cluster.mesh(c.dp, c.pp, c.tp, cp=c.cp)
+    mesh = cluster.mesh(c.dp, c.pp, c.tp, cp=c.cp, ep=c.ep)
     if c.pp > 1:
         pin = PipelinePin(schedule=c.schedule, microbatches=c.microbatches, virtual=c.virtual if c.virtual > 1 else None)
         # the stages' ILP bounds the average rank (as it counts them); the screen saw how much fuller the fullest rank
@@ -855,7 +916,7 @@ def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float)
     if c.shard:
         mesh = cluster.mesh(c.dp, c.pp, c.tp, c.shard)
         pins = [ZeroPin("*", c.zero, ("fsdp",))]
-    elif c.cp > 1:
+    elif c.cp > 1 or c.ep > 1:
         pins = [ZeroPin("*", c.zero, _zero_axes(mesh, c))]
     else:
         pins = [ZeroPin("*", c.zero)] if c.dp > 1 else []
@@ -865,8 +926,9 @@ def _real_plan(model, args: tuple, cluster: Cluster, s: Screened, budget: float)
 
 def _zero_axes(mesh: Mesh, c: Candidate) -> "tuple[str, ...] | None":
     """The axes a candidate's ZeRO shards over: with context parallelism dp and cp both (a weight is whole on
-    each); otherwise the data axes, the pin's default."""
-    return tuple(a for a in ("dp", "cp") if a in mesh.names) if c.zero and c.cp > 1 else None
+    each), with expert parallelism dp and ep (a stack of experts split on ep shards over dp alone:
+    ``zero.effective``); otherwise the data axes, the pin's default."""
+    return tuple(a for a in ("dp", "ep", "cp") if a in mesh.names) if c.zero and (c.cp > 1 or c.ep > 1) else None
 
 
 def search_table(plan: Plan, rows: int = 12) -> str:

@@ -68,6 +68,48 @@ def test_candidates_split_the_sequence_in_even_chunks_and_inside_pipeline_stages
     assert not [c for c in candidates(cl, batch=4, L=8, recompute=("none",)) if c.cp > 1]  # no sequence given
 
 
+def test_candidates_carve_expert_groups_out_of_dp_inside_a_node():
+    cl = Cluster(4, 8)
+    plain = candidates(cl, batch=64, L=8, recompute=("none",))
+    assert not [c for c in plain if c.ep > 1]  # no experts, no expert axis
+    cands = candidates(cl, batch=64, L=8, recompute=("none",), experts=8)
+    ep = [c for c in cands if c.ep > 1]
+    assert {c.ep for c in ep} == {2, 4, 8}
+    # carved out of dp (its ranks split the batch), beside tp inside a node: the all-to-alls stay on NVLink
+    assert all(c.dp % c.ep == 0 and 8 % (c.ep * c.tp) == 0 and c.dp * c.pp * c.tp == 32 for c in ep)
+    assert {(c.pp > 1, c.zero) for c in ep} == {(False, 0), (False, 1), (False, 2), (False, 3), (True, 0), (True, 1)}
+    assert not [c for c in ep if c.cp > 1 or c.shard]
+    assert {dataclasses.replace(c, ep=1) for c in ep} <= set(plain)  # each the layout of a plain candidate
+    assert cl.mesh(16, 2, 1, ep=8).names == ("pp", "dp", "ep") and not cl.mesh(16, 2, 1, ep=8).spans_nodes("ep")
+
+
+def test_a_mixture_of_experts_is_planned_with_expert_parallelism_screened_as_the_real_plan_prices_it():
+    """A Mixtral-style model of 16 experts on two 8-GPU H100 nodes: the search carves expert groups out of dp, with
+    and without a pipeline, and takes one. For the best candidate of each kind the screen's step and peak are its
+    real plan's: the all-to-alls in the blocks' times, the experts' gradients summed over the outer dp alone, their
+    ZeRO-1 shards over it (``zero.effective``)."""
+    from autopar.cluster import _real_plan
+    from models.mixtral import Mixtral, MixtralConfig
+
+    cfg = MixtralConfig(vocab_size=8192, max_seq_len=1024, n_layer=8, n_head=16, n_kv_head=4, dim=1024, ffn_dim=2816, n_experts=16)
+    with torch.device("meta"):
+        model = Mixtral(cfg).to(torch.bfloat16)
+    x = torch.empty(64, 1024, dtype=torch.long, device="meta")
+    cl = Cluster(2, 8, "h100-80gb")
+    plan = plan_cluster(model, (x, x), cl)
+    axes = dict(zip(plan.mesh.names, plan.mesh.sizes))
+    assert axes.get("ep", 1) > 1, search_table(plan)
+    assert str(plan.spec_of("layers.0.moe.w1")).count("S(0)") >= 1  # the experts split on ep
+    assert any(c.kind == "all_to_all" and c.axis == "ep" for c in plan.collectives())
+    for piped in (False, True):
+        s = min((s for s in plan.search if s.candidate.ep > 1 and (s.candidate.pp > 1) == piped and s.step < math.inf),
+                key=lambda s: s.step)
+        real = _real_plan(model, (x, x), cl, s, 80 * 2**30)
+        peak = max(real.pipeline.rank_memory) if piped else real.cost.memory_per_device
+        assert s.step == pytest.approx(real.cost.step_time, rel=0.03), (str(s.candidate), s.step, real.cost.step_time)
+        assert s.memory == pytest.approx(peak, rel=0.05), (str(s.candidate), s.memory, peak)
+
+
 def test_context_parallelism_inside_pipeline_stages_is_screened_as_the_real_plan_prices_it():
     """32K-token sequences of a 16-block Llama on four 8-GPU A100 nodes under 8 GiB: the search composes pp, dp, cp
     and tp on one mesh (Megatron's 4-D layout). The screen's step and peak for such a candidate are the real plan's

@@ -351,10 +351,10 @@ def _batch_only(cs: list[Strategy], in_dims: list[int | None], axes: list[int], 
 
 
 def expert_dims(tg: TracedGraph) -> dict[str, int]:
-    """Parameter -> the dim its stack of experts lies along: a parameter of 3+ dims that a batched matmul (``bmm``,
-    or ``matmul`` of two 3-D operands) reads with that dim as its batch dim, through transposes and permutes
-    (Mixtral's ``bmm(x, w1.transpose(1, 2))`` over ``w1`` of (experts, hidden, dim)). A graph's fact, whatever the
-    mesh."""
+    """Parameter -> the dim its stack of experts lies along (0): a parameter of 3+ dims whose leading dim a batched
+    matmul (``bmm``, or ``matmul`` of two 3-D operands) reads as its batch dim, through transposes and permutes
+    (Mixtral's ``bmm(x, w1.transpose(1, 2))`` over ``w1`` of (experts, hidden, dim); torchtitan's grouped experts
+    alike). A graph's fact, whatever the mesh."""
     out: dict[str, int] = {}
     for n in tg.gm.graph.nodes:
         if n.op != "placeholder" or tg.kinds.get(n.name) != "param" or not isinstance(n.meta.get("val"), torch.Tensor) or n.meta["val"].ndim < 3:
@@ -368,9 +368,10 @@ def expert_dims(tg: TracedGraph) -> dict[str, int]:
                 i, j = (x % src.meta["val"].ndim for x in u.args[1:3])
                 todo += [(w, u, j if d == i else i if d == j else d) for w in u.users]
             elif u.target == aten.permute.default:
-                todo += [(w, u, list(u.args[1]).index(d)) for w in u.users]
+                nd = src.meta["val"].ndim
+                todo += [(w, u, [x % nd for x in u.args[1]].index(d)) for w in u.users]
             elif u.target in (aten.bmm.default, aten.matmul.default) and d == 0 and all(
-                    a.meta["val"].ndim == 3 for a in u.args[:2]):
+                    isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].ndim == 3 for a in u.args[:2]):
                 out[n.name] = 0
     return out
 

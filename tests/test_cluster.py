@@ -157,7 +157,7 @@ def test_a_sequence_too_long_for_every_other_layout_is_split_by_context_parallel
     assert plan.search[0].step == pytest.approx(plan.cost.step_time, rel=0.05)
     assert any(c.kind == "send" and c.axis == "cp" for c in plan.collective_list)  # balanced causal attention
     plain = cluster.candidates
-    monkeypatch.setattr(cluster, "candidates", lambda cl_, batch, L, rc, seq=None, cp_in_stages=False: plain(cl_, batch, L, rc))
+    monkeypatch.setattr(cluster, "candidates", lambda cl_, batch, L, rc, seq=None, cp_in_stages=False, experts=0: plain(cl_, batch, L, rc))
     with pytest.raises(autopar.InfeasibleError, match="fits 1.0 GiB"):
         plan_cluster(model, (x, x), cl, budget)
 

@@ -69,7 +69,7 @@ def _plan_verbose(model, mesh, inputs, budget):
 
 def _handwritten_for(mesh) -> list:
     """The hand-written strategies that apply to this mesh's axes."""
-    data = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1]
+    data = [a for a in range(mesh.ndim) if mesh.role(a) in ("data", "expert") and mesh.sizes[a] > 1]  # ep: "+ep"
     tp = [a for a in range(mesh.ndim) if mesh.names[a] == "tp" and mesh.sizes[a] > 1]
     if mesh.pipe_axis() is not None:  # Megatron-LM's 3-D: 1F1B, and interleaved with 2 stages per rank
         out = ["megatron-3d", ("megatron-3d", {"virtual_stages": 2})]

@@ -26,8 +26,12 @@ Strategies:
   microbatches of ``microbatch_size`` rows per replica (default 1); ``zero=1`` is Megatron's distributed optimizer
   (ZeRO-1 over the data axes), the default ZeRO-0. A ``cp`` axis adds context parallelism inside the stages (4-D:
   attention's queries split by sequence on cp, ZeRO-1 over the data and cp axes).
-What cannot be realised yet (ZeRO-2/3 with a pipeline, gradient accumulation without one) is rejected with an error
-that says so, never silently ignored.
+An ``ep`` axis (expert parallelism, Megatron's and DeepSpeed's, carved out of data parallelism) composes with
+``ddp``, ``fsdp`` and ``megatron`` ("+ep"): the batch split over it as over dp, every stack of experts
+(``solver.expert_dims``) split along its expert dim on it, the other weights whole there; ZeRO shards over the data
+and ep axes both (the experts over the data axes alone: ``zero.effective``).
+What cannot be realised yet (ZeRO-2/3 with a pipeline, gradient accumulation without one, an ep axis with a
+pipeline) is rejected with an error that says so, never silently ignored.
 """
 
 from __future__ import annotations
@@ -95,19 +99,37 @@ def _activations(ndim: int, data, cp, t: int | None, on_cp: str, on_tp: str = "S
     return "".join(on_tp if a == t else on_cp if a in cp else ("S(0)" if a in data else "R") for a in range(ndim))
 
 
-def _zero_pin(mesh: Mesh, stage: int, data, cp) -> ZeroPin:
-    """Every group's ZeRO stage; with cp, sharded over the data and cp axes both (torchtitan's dp_shard x cp)."""
-    return ZeroPin("*", stage, tuple(mesh.names[a] for a in list(data) + list(cp)) if cp and stage else None)
+def _zero_pin(mesh: Mesh, stage: int, data, cp, ep=()) -> ZeroPin:
+    """Every group's ZeRO stage; with cp, sharded over the data and cp axes both (torchtitan's dp_shard x cp); with
+    ep, over the data and ep axes."""
+    axes = sorted(set(data) | set(cp) | set(ep))
+    return ZeroPin("*", stage, tuple(mesh.names[a] for a in axes) if (cp or ep) and stage else None)
 
 
-def _megatron_pins(tg, family: str, t: int, data, ndim: int, sequence_parallel: bool, cp=()) -> list:
+def _with_experts(spec: str, ep, dim: int | None) -> str:
+    """``spec`` (one placement per axis) with a stack of experts (expert dim ``dim``; None: not one) split on the
+    ep axes."""
+    if dim is None or not ep:
+        return spec
+    from autopar.spec import Spec
+
+    placements = [str(p) for p in Spec.parse(spec).placements]
+    return "".join(f"S({dim})" if a in ep else p for a, p in enumerate(placements))
+
+
+def _megatron_pins(tg, family: str, t: int, data, ndim: int, sequence_parallel: bool, cp=(), ep=(), experts=None) -> list:
     """Megatron's layout on tp axis ``t``: the family's projections column- then row-parallel (whole on the other
     axes); attention on its tp rank's heads (dim 1 of (B, H, T, D)), pinned so that the solver does not swap it for
     a split of the queries on tp -- where attention is one fused op; with ``sequence_parallel`` each block's residual
     adds split by sequence (dim 1 of (B, T, C)) on tp. Activations keep the batch split on the data axes and, with
-    context parallelism on the axes ``cp``, the sequence split there (attention's queries: dim 2)."""
+    context parallelism on the axes ``cp``, the sequence split there (attention's queries: dim 2); the stacks of
+    ``experts`` (FQN -> expert dim) split on the ``ep`` axes too."""
     on_tp = lambda p: "".join(p if a == t else "R" for a in range(ndim))  # noqa: E731
-    pins = [Pin(glob, on_tp(placement)) for glob, placement in _layout(tg, family)]
+    experts = experts or {}
+    pins = []
+    for glob, placement in _layout(tg, family):
+        dims = {d for f, d in experts.items() if fnmatch.fnmatchcase(f, glob)}
+        pins.append(Pin(glob, _with_experts(on_tp(placement), ep, min(dims) if dims else None)))
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     if any(n.op == "call_function" and n.target is sdpa for n in tg.gm.graph.nodes):
         pins.append(Pin("*:scaled_dot_product_attention*", _activations(ndim, data, cp, t, "S(2)")))
@@ -227,10 +249,14 @@ def handwritten(
     data = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and mesh.sizes[a] > 1]
     tp_axes = [a for a in range(mesh.ndim) if mesh.names[a] == "tp" and mesh.sizes[a] > 1]
     cp_axes = [a for a in range(mesh.ndim) if mesh.names[a] == "cp" and mesh.sizes[a] > 1]
-    other = [a for a in range(mesh.ndim) if mesh.sizes[a] > 1 and a not in data and a not in tp_axes and a not in cp_axes and a != pipe]
+    ep_axes = [a for a in range(mesh.ndim) if mesh.role(a) == "expert" and mesh.sizes[a] > 1]
+    other = [a for a in range(mesh.ndim) if mesh.sizes[a] > 1 and a not in data + tp_axes + cp_axes + ep_axes and a != pipe]
     if other:
         names = ", ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in other)
-        raise NotRealised(f"{strategy}: mesh axes {names} have no role in this strategy (it uses dp..., tp, cp and pp axes)")
+        raise NotRealised(f"{strategy}: mesh axes {names} have no role in this strategy (it uses dp..., tp, cp, ep and pp axes)")
+    if ep_axes and (pipe is not None or strategy == "explicit" or cp_axes):
+        raise NotRealised(f"{strategy}: an ep axis composes with ddp, fsdp and megatron on a mesh without pp or cp; mesh {mesh}. "
+                          "Plan it with autopar.plan, which composes ep with pipelines")
     if cp_axes and strategy not in ("ddp", "fsdp", "megatron-3d", "explicit"):
         raise NotRealised(f"{strategy}: a cp axis composes with ddp / fsdp on the data axes and Megatron on tp (torchtitan's "
                           f"FSDP + CP, FSDP + TP + CP), or with a pipeline (megatron-3d); mesh {mesh}")
@@ -249,7 +275,7 @@ def handwritten(
         return _megatron_3d(model, mesh, example_inputs, pipe, data, tp_axes, batch, microbatch_size, microbatches, schedule,
                             virtual_stages, sequence_parallel, memory_budget, traces, recompute, blocks_per_stage, zero, cp_axes)
     if microbatch_size is not None and batch is not None:
-        local = batch // max(1, math.prod(mesh.sizes[a] for a in data))
+        local = batch // max(1, math.prod(mesh.sizes[a] for a in data + ep_axes))
         if microbatch_size != local:
             raise NotRealised(
                 f"{strategy}: microbatch_size={microbatch_size} with a per-rank batch of {local} needs gradient accumulation "
@@ -258,22 +284,27 @@ def handwritten(
     rep_all = "R" * mesh.ndim
     pins: list = []
     label = strategy
-    if strategy in ("ddp", "fsdp") and not data and not cp_axes:
+    if strategy in ("ddp", "fsdp") and not data and not cp_axes and not ep_axes:
         raise ShardingError(f"{strategy} needs a data axis (named dp...) larger than 1; mesh {mesh} has none")
     if strategy in ("ddp", "fsdp") and tp_axes:  # torchtitan's 2-D composition: Megatron on tp, DDP / FSDP on dp
         zero = zero if zero is not None else (3 if strategy == "fsdp" else 0)
         label, strategy = f"{strategy}+tp" + ("+cp" if cp_axes else ""), "megatron"
     if strategy in ("ddp", "fsdp"):
         stage = zero if zero is not None else (3 if strategy == "fsdp" else 0)
-        pins = [_zero_pin(mesh, stage, data, cp_axes)]
+        pins = [_zero_pin(mesh, stage, data, cp_axes, ep_axes)]
         if cp_axes:
             label += "+cp"
+    if ep_axes:
+        label += "+ep"
     tg = traced
     if tg is None:
         with _compat.no_local_tensor_mode():
             tg = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
+    from autopar.solver import expert_dims
+
+    experts = {tg.fqns[n]: d for n, d in expert_dims(tg).items()} if ep_axes else {}
     if strategy in ("ddp", "fsdp"):
-        pins += [Pin(f, rep_all) for n, f in tg.fqns.items() if tg.kinds.get(n) == "param"]
+        pins += [Pin(f, _with_experts(rep_all, ep_axes, experts.get(f))) for n, f in tg.fqns.items() if tg.kinds.get(n) == "param"]
         if cp_axes:  # context parallel: every attention's queries split by sequence on cp (keys, values whole)
             pins.append(Pin("*:scaled_dot_product_attention*", _activations(mesh.ndim, data, cp_axes, None, "S(2)")))
     elif strategy == "megatron":
@@ -286,9 +317,9 @@ def handwritten(
                 "nor Hugging Face's GPT-2 or Llama-style ones "
                 "found); pin its weights yourself with autopar.plan(..., constraints=[autopar.Pin(fqn, spec)])"
             )
-        pins += _megatron_pins(tg, family, tp_axes[0], data, mesh.ndim, sequence_parallel, cp_axes)
-        if data or cp_axes:
-            pins.append(_zero_pin(mesh, zero if zero is not None else 0, data, cp_axes))
+        pins += _megatron_pins(tg, family, tp_axes[0], sorted(data + ep_axes), mesh.ndim, sequence_parallel, cp_axes, ep_axes, experts)
+        if data or cp_axes or ep_axes:
+            pins.append(_zero_pin(mesh, zero if zero is not None else 0, data, cp_axes, ep_axes))
     plan = make_plan(tg, mesh, memory_budget, pins, recompute)
     knobs = []
     if sequence_parallel:

@@ -668,8 +668,8 @@ def _zero_allowed(zgroups, zopts: list[ZeroOption], mesh: Mesh, pins) -> dict[st
             axes = [mesh.names[a] for a in zero_axes(mesh)]
             raise ShardingError(
                 f"ZeRO pin {pin.group!r}: stage {pin.stage}" + (f" over {','.join(pin.shard)}" if pin.shard else "")
-                + f" is not available on mesh {mesh}: ZeRO shards over the data axes (named dp...) and context-parallel "
-                f"ones (cp), here {axes or 'none'}"
+                + f" is not available on mesh {mesh}: ZeRO shards over the data axes (named dp...), expert "
+                f"(ep) and context-parallel ones (cp), here {axes or 'none'}"
             )
         for g in hits:
             allowed[g] = allowed.get(g, ok) & ok

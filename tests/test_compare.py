@@ -97,6 +97,29 @@ def test_fsdp_with_a_tp_axis_is_torchtitans_2d():
     assert str(plan.spec_of("h.0.attn.c_attn.weight")) == "RS(0)"
 
 
+def test_an_ep_axis_splits_the_experts_in_every_hand_written_strategy():
+    """Megatron's and DeepSpeed's expert parallelism, carved out of data parallelism: on an ep axis the batch is
+    split as on dp, the stacked experts along their expert dim, the other weights whole; FSDP shards over dp and ep
+    (the experts over dp alone); Megatron splits the experts' hidden dim on tp as well. A pipeline with ep is
+    refused with what to use instead."""
+    from models.mixtral import Mixtral, MixtralConfig
+
+    torch.manual_seed(0)
+    model = Mixtral(MixtralConfig.tiny())
+    x = torch.randint(0, 64, (4, 16))
+    fsdp = autopar.handwritten(model, autopar.Mesh({"dp": 2, "ep": 2}), (x, x), "fsdp")
+    assert fsdp.label == "fsdp+ep" and str(fsdp.input_spec) == "S(0)S(0)"
+    assert str(fsdp.spec_of("layers.0.moe.w1")) == "RS(0)" and str(fsdp.spec_of("layers.0.attention.wq.weight")) == "RR"
+    shards = {fsdp.nodes[p].path: b.shard_axes for b in fsdp.zero_buckets for p in b.params}
+    assert shards["layers.0.moe.w1"] == ("dp",) and shards["layers.0.attention.wq.weight"] == ("dp", "ep")
+    megatron = autopar.handwritten(model, autopar.Mesh({"ep": 2, "tp": 2}), (x, x), "megatron")
+    assert megatron.label == "megatron+ep"
+    assert str(megatron.spec_of("layers.0.moe.w1")) == "S(0)S(1)" and str(megatron.spec_of("layers.0.moe.w2")) == "S(0)S(2)"
+    assert str(megatron.spec_of("layers.0.attention.wq.weight")) == "RS(0)"
+    with pytest.raises(autopar.NotRealised, match="autopar.plan"):
+        autopar.handwritten(model, autopar.Mesh({"pp": 2, "ep": 2}), (x, x), "megatron-3d")
+
+
 def test_strategies_that_do_not_fit_the_mesh_say_why():
     with pytest.raises(autopar.ShardingError, match="data axis"):
         autopar.handwritten(_gpt(), autopar.Mesh({"tp": 2}), _batch(), "fsdp")

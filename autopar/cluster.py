@@ -343,7 +343,6 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     if c.ep > 1:  # the profile's Specs are on (ep, tp): whole on the outer dp
         outer = c.dp // c.ep
         mesh = Mesh({"dp": outer, "ep": c.ep, "tp": c.tp} if outer > 1 else {"ep": c.ep, "tp": c.tp}, cluster.hw())
-        mesh._spans = {"dp": True, "ep": False, "tp": False} if outer > 1 else {"ep": False, "tp": False}
         opt = ZeroOption(c.zero, tuple(range(mesh.ndim - 1))) if c.zero else ZeroOption(0)
     elif c.cp > 1:
         mesh = Mesh({"dp": c.dp, "cp": c.cp, "tp": c.tp}, cluster.hw())
@@ -618,6 +617,12 @@ def _experts(tg) -> int:
     return min(sizes) if sizes else 0
 
 
+def _expert_degrees(cluster: Cluster, experts: int, dp: int, tp: int) -> list[int]:
+    """The expert-parallel degrees (> 1) for ``experts`` experts on dp ranks of tp devices each: dividing the experts
+    and dp, and fitting in a node beside tp (the all-to-alls on the node's links)."""
+    return [e for e in _divisors(experts)[1:] if dp % e == 0 and cluster.gpus_per_node % (e * tp) == 0]
+
+
 def _rank_penalty(c: Candidate) -> float:
     return HSDP_RANK_PENALTY if c.shard else 1.0
 
@@ -655,9 +660,8 @@ def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...],
                             out.append(Candidate(dp, 1, tp, rc, zero=z, cp=cp))
                             for s in _hsdp_groups(cluster, dp, tp) if z and cp == 1 else ():
                                 out.append(Candidate(dp, 1, tp, rc, zero=z, shard=s))
-                            for e in _divisors(experts)[1:] if cp == 1 else ():
-                                if dp % e == 0 and cluster.gpus_per_node % (e * tp) == 0:
-                                    out.append(Candidate(dp, 1, tp, rc, zero=z, ep=e))
+                            for e in _expert_degrees(cluster, experts, dp, tp) if cp == 1 else ():
+                                out.append(Candidate(dp, 1, tp, rc, zero=z, ep=e))
                         continue
                     plain = set(microbatch_candidates(batch // (dp * cp), pp)) if cp > 1 and batch % (dp * cp) == 0 else set()
                     for m in microbatch_candidates(batch // dp, pp):
@@ -670,9 +674,8 @@ def candidates(cluster: Cluster, batch: int, L: int, recompute: tuple[str, ...],
                                 continue  # 1F1B has GPipe's bubble with fewer microbatches in flight: never worse
                             for z in (0, 1) if dp * cp > 1 else (0,):  # ZeRO-1: the distributed optimizer
                                 out.append(Candidate(dp, pp, tp, rc, m, name, v, zero=z, cp=cp))
-                                for e in _divisors(experts)[1:] if cp == 1 else ():
-                                    if dp % e == 0 and cluster.gpus_per_node % (e * tp) == 0:
-                                        out.append(Candidate(dp, pp, tp, rc, m, name, v, zero=z, ep=e))
+                                for e in _expert_degrees(cluster, experts, dp, tp) if cp == 1 else ():
+                                    out.append(Candidate(dp, pp, tp, rc, m, name, v, zero=z, ep=e))
     return out
 
 

@@ -110,6 +110,24 @@ def test_a_mixture_of_experts_is_planned_with_expert_parallelism_screened_as_the
         assert s.memory == pytest.approx(peak, rel=0.05), (str(s.candidate), s.memory, peak)
 
 
+def test_on_one_node_an_expert_candidates_outer_dp_is_priced_on_the_nodes_links():
+    """The flat screen of dp/ep x ep on one 8-GPU node: its outer dp is inside the node too. The screen had it span
+    nodes (InfiniBand) whatever the cluster, and screened dp=8 ep=4 1.58x slower than its real plan."""
+    from autopar.cluster import _real_plan
+    from models.mixtral import Mixtral, MixtralConfig
+
+    cfg = MixtralConfig(vocab_size=8192, max_seq_len=1024, n_layer=8, n_head=16, n_kv_head=4, dim=1024, ffn_dim=2816, n_experts=16)
+    with torch.device("meta"):
+        model = Mixtral(cfg).to(torch.bfloat16)
+    x = torch.empty(32, 1024, dtype=torch.long, device="meta")
+    cl = Cluster(1, 8, "h100-80gb")
+    plan = plan_cluster(model, (x, x), cl, recompute=("none",))
+    s = min((s for s in plan.search if s.candidate.ep > 1 and s.candidate.pp == 1 and s.candidate.dp > s.candidate.ep
+             and s.step < math.inf), key=lambda s: s.step)
+    real = _real_plan(model, (x, x), cl, s, 80 * 2**30)
+    assert s.step == pytest.approx(real.cost.step_time, rel=0.03), (str(s.candidate), s.step, real.cost.step_time)
+
+
 def test_context_parallelism_inside_pipeline_stages_is_screened_as_the_real_plan_prices_it():
     """32K-token sequences of a 16-block Llama on four 8-GPU A100 nodes under 8 GiB: the search composes pp, dp, cp
     and tp on one mesh (Megatron's 4-D layout). The screen's step and peak for such a candidate are the real plan's

@@ -69,7 +69,7 @@ def _plan_verbose(model, mesh, inputs, budget):
 
 def _handwritten_for(mesh) -> list:
     """The hand-written strategies that apply to this mesh's axes."""
-    data = [a for a in range(mesh.ndim) if mesh.role(a) in ("data", "expert") and mesh.sizes[a] > 1]  # ep: "+ep"
+    data = [a for a in mesh.batch_axes() if mesh.sizes[a] > 1]  # with ep: "+ep"
     tp = [a for a in range(mesh.ndim) if mesh.names[a] == "tp" and mesh.sizes[a] > 1]
     if mesh.pipe_axis() is not None:  # Megatron-LM's 3-D: 1F1B, and interleaved with 2 stages per rank
         out = ["megatron-3d", ("megatron-3d", {"virtual_stages": 2})]
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         from autopar.mesh import Mesh
 
         mesh = Mesh(axes)
-        data = math.prod(v for k, v in axes.items() if mesh.role(k) in ("data", "expert"))  # the axes that split the batch
+        data = math.prod(mesh.sizes[a] for a in mesh.batch_axes())
         args.batch = max(1, data) * (8 * pp if pp > 1 else 1)
     # a --seq longer than a registry model's context extends it (long-context planning); the default is capped
     args.context = getattr(args, "seq", None)

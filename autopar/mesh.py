@@ -93,6 +93,10 @@ class Mesh:
             return "model"
         return None
 
+    def batch_axes(self) -> tuple[int, ...]:
+        """The axes that give each rank its share of the batch: the data axes and the expert ones (any size)."""
+        return tuple(a for a in range(self.ndim) if self.role(a) in ("data", "expert"))
+
     def pipe_axis(self) -> int | None:
         """The pipeline axis (role "pipe", size > 1), or None; more than one is an error."""
         axes = [a for a in range(self.ndim) if self.role(a) == "pipe" and self.sizes[a] > 1]

@@ -672,7 +672,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
     budget = mesh.hardware.memory if memory_budget is None else float(memory_budget)
     inner_pins = _inner_pins(pins, mesh, axis)
     B = _batch_rows(args)
-    data = math.prod(inner.sizes[a] for a in range(inner.ndim) if inner.role(a) in ("data", "expert"))
+    data = math.prod(inner.sizes[a] for a in inner.batch_axes())
     if B % data:
         raise ShardingError(f"the global batch of {B} rows does not split over the data axes (x{data}); use a multiple of {data}")
     per_replica = B // data

@@ -401,7 +401,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     direct_use: dict[str, tuple[str, int]] = {}
     wide = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and sizes[a] > 1]
     expert_axes = tuple(a for a in range(mesh.ndim) if mesh.role(a) == "expert" and sizes[a] > 1)
-    batchy = sorted(wide + list(expert_axes))  # the axes that split the batch
+    batchy = [a for a in mesh.batch_axes() if sizes[a] > 1]  # the axes that split the batch
     if "expert_dims" not in tg.memo:
         tg.memo["expert_dims"] = expert_dims(tg)
     batch_dim: dict[str, int] = {}  # node -> the dim its batch rows lie along (absent: none, or not known)
@@ -432,7 +432,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
         elif n.op == "placeholder":
             cs = candidates(n, sizes, pk, tuple(mesh.role(a) for a in range(mesh.ndim)), exp_dim.get(n.name))
             if not cs and pk == INPUT:
-                data = [a for a in range(mesh.ndim) if mesh.role(a) in ("data", "expert")]
+                data = mesh.batch_axes()
                 dp = " x ".join(f"{mesh.names[a]}={mesh.sizes[a]}" for a in data)
                 raise ShardingError(
                     f"input {n.name!r} has batch dim {meta[n.name].shape[0] if meta[n.name].shape else 0}, which does not divide over "
@@ -445,7 +445,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
                 batch_dim[n.name] = next(iter(on_data)).dim
         else:
             cs = candidates(n, sizes)
-            data = [a for a in range(mesh.ndim) if mesh.role(a) in ("data", "expert")]
+            data = mesh.batch_axes()
             ins = tensor_inputs(n)
             weights = [i for i, a in enumerate(ins) if tg.kinds.get(a.name) == "param"]
             if data and weights:  # a data axis uses weights whole (no tensor parallel through the back door); an
@@ -530,7 +530,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             want = problem.strategy(user, s).inputs[slot]
             stored = Spec(tuple(Replicate() if isinstance(q, Partial) else q for q in want.placements))
             if stored not in specs:  # e.g. split on a data axis, where weights stay whole: store it whole there
-                stored = Spec(tuple(q if mesh.role(a) not in ("data", "expert") else Replicate() for a, q in enumerate(stored.placements)))
+                stored = Spec(tuple(Replicate() if a in mesh.batch_axes() else q for a, q in enumerate(stored.placements)))
             d.append(specs.index(stored) if stored in specs else specs.index(Spec.replicated(mesh.ndim)))
         problem.derived[p] = d
     problem.timings["strategies"] = time.perf_counter() - t0

@@ -54,7 +54,7 @@ class ZeroOption:
         if self.stage == 0:
             return "ZeRO-0 (data parallel)"
         shard = ",".join(mesh.names[a] for a in self.shard_axes)
-        rest = [mesh.names[a] for a in range(mesh.ndim) if mesh.role(a) in ("data", "expert") and mesh.sizes[a] > 1 and a not in self.shard_axes]
+        rest = [mesh.names[a] for a in range(mesh.ndim) if a in mesh.batch_axes() and mesh.sizes[a] > 1 and a not in self.shard_axes]
         hsdp = f", replicated over {','.join(rest)} (HSDP)" if rest else ""
         return f"ZeRO-{self.stage} over {shard}{hsdp}"
 
@@ -71,7 +71,7 @@ def zero_axes(mesh: Mesh) -> tuple[int, ...]:
     run other tokens of the same sequences, so a weight is whole there and its gradient summed over them, as over
     data parallelism (torchtitan's FSDP shards over dp x cp). A stack of experts split on an expert axis is not
     whole there: it keeps its own shard (``effective``)."""
-    return tuple(a for a in range(mesh.ndim) if (mesh.role(a) in ("data", "expert") or mesh.names[a] == "cp") and mesh.sizes[a] > 1)
+    return tuple(a for a in range(mesh.ndim) if (a in mesh.batch_axes() or mesh.names[a] == "cp") and mesh.sizes[a] > 1)
 
 
 def zero_options(mesh: Mesh) -> list[ZeroOption]:

@@ -57,22 +57,16 @@ def amax(info: OpInfo) -> list[Option]:
     return _keep_options(x.ndim, _reduced_dims(info, info.arg(1, "dim")), bool(info.arg(2, "keepdim", False)))
 
 
-@register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+def _along(x, dim: int) -> list[Option]:
+    """An op that runs along ``dim`` (a softmax, a top-k, a running sum): any other dim's split is kept."""
+    return [Option((Shard(d),), Shard(d)) for d in range(x.ndim) if d != dim % x.ndim]
+
+
+@register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int, aten.cumsum.default)
 def softmax(info: OpInfo) -> list[Option]:
-    x = info.inputs[0]
-    dim = info.arg(1, "dim") % x.ndim
-    return [Option((Shard(d),), Shard(d)) for d in range(x.ndim) if d != dim]
+    return _along(info.inputs[0], info.arg(1, "dim"))
 
 
 @register(aten.topk.default)
 def topk(info: OpInfo) -> list[Option]:
-    x = info.inputs[0]
-    dim = info.arg(2, "dim", -1) % x.ndim
-    return [Option((Shard(d),), Shard(d)) for d in range(x.ndim) if d != dim]
-
-
-@register(aten.cumsum.default)
-def cumsum(info: OpInfo) -> list[Option]:
-    x = info.inputs[0]
-    dim = info.arg(1, "dim") % x.ndim
-    return [Option((Shard(d),), Shard(d)) for d in range(x.ndim) if d != dim]
+    return _along(info.inputs[0], info.arg(2, "dim", -1))

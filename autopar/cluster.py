@@ -30,7 +30,7 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory) and the schedule's analytic
    step, plus each rank's gradient sync as ``pipeline.evaluate`` prices it (its stages' bytes in one collective per
    axis, in the runtime's reduce dtype; ZeRO-1's reduce-scatter and gather; a tied parameter summed over pp,
-   ``pipeline.rank_sync``); without one, the step is compute plus data-parallel communication (overlapped where
+   ``pipeline.rank_sync``) and its optimizer step (``_step_sums``); without one, the step is compute plus data-parallel communication (overlapped where
    the hardware's runtime overlaps it). With cp, both take tp's profile at a cp-th of the rows -- a rank's share of
    the tokens and, balanced, of the causal attention -- plus each block's gathers of the keys and values and the
    query swaps (``_context_parallel``; a pipeline's per microbatch, in the blocks' stage times); ZeRO's
@@ -303,27 +303,30 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     grad = [a.cross_grad[0], a.cross_grad[1]] + [a.cross_grad[U - 2]] * (L - 1) + [a.cross_grad[U - 1], a.cross_grad[U]]
     # a block's parameters that sync over the same axes act as one (their sums): fewer entries to walk per candidate
     block: dict[tuple, list] = {}
-    params, wire = {}, {}
+    params, wire, step = {}, {}, {}
     for name, (uu, sg, local, axes, n) in a.params.items():
         first = min(uu) if uu else 0
         if 0 < first < U - 2:
             continue  # another proxy block's parameter: the template block (the last) stands for every block
         if first == U - 2 and U > 2:  # the template block's parameter: one per block
-            acc = block.setdefault(tuple(axes), [0.0, 0.0, 0, 0.0])
+            acc = block.setdefault(tuple(axes), [0.0, 0.0, 0, 0.0, 0.0])
             acc[0] += sg
             acc[1] += local
             acc[2] += n
             acc[3] += a.grad_wire.get(name, local)
+            acc[4] += a.step.get(name, 0.0)
         else:
             params[name] = ({0 if u == 0 else L + 1 for u in uu} or {0}, sg, local, axes, n)
             wire[name] = a.grad_wire.get(name, local)
-    for axes, (sg, local, n, w) in block.items():
+            step[name] = a.step.get(name, 0.0)
+    for axes, (sg, local, n, w, t) in block.items():
         for k in range(L):
             params[f"block{k}{axes}"] = ({1 + k}, sg, local, axes, n)
             wire[f"block{k}{axes}"] = w
+            step[f"block{k}{axes}"] = t
     # a unit's largest gradient bucket and gradient do not depend on the rows: the proxy's, the template's per block
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire,
-                     flat=expand(a.flat, b.flat), accum=expand(a.accum, b.accum))
+                     flat=expand(a.flat, b.flat), step=step, accum=expand(a.accum, b.accum))
 
 
 def _units(L: int) -> Units:
@@ -377,7 +380,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         act += copies * zc.act if opt.stage in (1, 2) else 0.0
         transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
         comm += copies * zc.comm
-        compute += copies * zc.copy  # the runtime's copies run on the compute stream, as the real plan prices them
+        compute += copies * zc.memory_bound  # copies and the optimizer step run on the compute stream, as the real plan prices them
         gb = grad_bucket(opt, spec, meta, mesh)
         if gb is not None:
             buckets[u == 1].add(gb)
@@ -465,6 +468,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
     prefixed, tied = _sync_sums(uc, U, every=c.ep > 1 and c.dp > c.ep)
+    stepped = _step_sums(uc, U)
     options = [equal_starts(units, S)] if L % S == 0 else []
     got = balance(uc, units, S, p, flights, v, budget)
     if got is not None:  # one stage per rank: the balanced cut is the answer; interleaved: the per-rank sums matter
@@ -508,6 +512,8 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
                 for ax in axes:
                     plain[k % p][ax] = plain[k % p].get(ax, 0.0) + wb[j] - wb[i]
         sync = [rank_sync(plain[r], zeroed[r], inner) for r in range(p)]
+        for k, (i, j) in enumerate(zip(starts, ends)):  # then each rank steps what it stores (``pipeline.evaluate``)
+            sync[k % p] += stepped[j] - stepped[i]
         for uu, wire in tied:
             rs = {next(k for k in range(S - 1, -1, -1) if starts[k] <= u) % p for u in uu}
             for r in rs if len(rs) > 1 else ():
@@ -564,6 +570,20 @@ def _sync_sums(uc: UnitCosts, U: int, every: bool = False) -> tuple[dict, list]:
     return uc.memo["sync", U, every]
 
 
+def _step_sums(uc: UnitCosts, U: int) -> list[float]:
+    """Running sums over the units of the optimizer's step seconds of their parameters (``UnitCosts.step``; a
+    parameter read by several units counted in each, as the ranks holding them each step it). Memoised on ``uc``."""
+    from autopar.pipeline import _prefix
+
+    if ("step", U) not in uc.memo:
+        per = [0.0] * U
+        for name, (uu, *_rest) in uc.params.items():
+            for u in uu:
+                per[u] += uc.step.get(name, 0.0)
+        uc.memo["step", U] = _prefix(per)
+    return uc.memo["step", U]
+
+
 def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple, outer: int = 0) -> UnitCosts:
     """``uc`` with every parameter under ZeRO-1 over dp on a pipeline (``zero.pipeline_held``): of its ZeRO-0
     bytes, e (p + o) + e p, the stored parameter and its optimizer state sharded dp ways, the gathered parameter and
@@ -574,7 +594,8 @@ def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple, ou
     if key not in prof.memo:
         n_of = lambda axes: dp if not outer or 0 in axes else outer  # noqa: E731
         params = {n: (uu, (sg - local) / n_of(axes) + 2 * local, local, axes, e) for n, (uu, sg, local, axes, e) in uc.params.items()}
-        prof.memo[key] = dataclasses.replace(uc, params=params, flat=[])  # no ZeRO-0 buckets left
+        step = {n: t / n_of(uc.params[n][3]) for n, t in uc.step.items()}  # a rank steps its shard alone
+        prof.memo[key] = dataclasses.replace(uc, params=params, flat=[], step=step)  # no ZeRO-0 buckets left
     return prof.memo[key]
 
 

@@ -25,6 +25,8 @@ Models:
 - collectives: alpha-beta on the axis's link, ring algorithms; ``wire`` bytes per device are
   all-reduce 2(n-1)/n B, all-gather and reduce-scatter (n-1)/n B, all-to-all (n-1)/n B (B = the full buffer).
 - inputs: each rank loads its share of the batch at the host-to-device bandwidth.
+- the optimizer: AdamW steps the elements a rank stores (its ZeRO shard, ``zero.param_cost``) once a step on the
+  compute stream, memory-bound: ``Hardware.optimizer_step_bytes`` per element (``optimizer_step_time``).
 - memory, in three kinds: state held all step (parameters and AdamW state: two moments in the parameter's
   dtype, or for 16-bit parameters the ZeRO paper's 12 bytes of fp32 master copy and moments; buffers; inputs),
   gradients, and activations kept for backward (what autograd saves, found by running each op once on fake
@@ -42,7 +44,7 @@ from functools import lru_cache
 import torch
 
 from autopar.collectives import balances
-from autopar.hardware import Link
+from autopar.hardware import Hardware, Link
 from autopar.mesh import Mesh
 from autopar.redistribute import Step, redistribute
 from autopar.spec import Replicate, Spec, Strategy
@@ -201,6 +203,13 @@ def optimizer_bytes(dtype: torch.dtype) -> int:
     trained in mixed precision, an fp32 master copy and two fp32 moments (the ZeRO paper's 12)."""
     isz = itemsize(dtype)
     return 2 * isz if isz >= 4 else 12
+
+
+def optimizer_step_time(elements: float, hw: Hardware) -> float:
+    """Seconds one AdamW step of ``elements`` parameter elements takes on one device: memory-bound, its
+    ``Hardware.optimizer_step_bytes`` per element at the elementwise rate. A rank steps the elements it stores:
+    its local shard of every parameter, a ZeRO shard of it under stages 1-3 (``zero.param_cost``)."""
+    return elements * hw.optimizer_step_bytes / (hw.hbm_bandwidth * hw.memory_efficiency)
 
 
 def peak_memory(state: float, grad: float, act: float, t_grad: float = 0.0, t_act: float = 0.0) -> float:

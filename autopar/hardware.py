@@ -30,6 +30,8 @@ the machine was), every time the slowest rank's:
 - compute with every rank running at once (each gets ~half a core): fp32 matmul ~50 GFLOP/s per rank (one process
   alone ~100), bf16 ~225 GFLOP/s (alone ~460: AVX-512 BF16), elementwise ~2.4 GB/s (alone ~4.8); achieved rates,
   so the efficiencies are 1.0.
+- torch's AdamW step (for-loop, in place) ~4 ns per fp32 parameter element, 4 ranks at once: the time of 10 bytes
+  at the elementwise rate (``optimizer_step_bytes``; its passes allocate less than ``x * 2.0`` does).
 - per-op overhead ~11 us per ATen op and direction (charged in forward and again in backward), 4 ranks at once.
 - gloo over 127.0.0.1: all-reduce, all-gather and reduce-scatter of 4 KiB - 16 MiB on 4 ranks and on pairs, fitted
   to ``launch + steps * latency + wire / bandwidth``: ~0.4 ms launch, ~0.65 ms per ring step, ~1.1 GB/s; the launch
@@ -77,6 +79,10 @@ class Hardware:
     # Megatron-LM's and torchtitan's MFU formulas do.
     memory_efficiency: float = 0.8  # fraction of HBM bandwidth an elementwise op reaches
     op_overhead: float = 0.0  # seconds per op launched (forward; backward pays it again), beyond its roofline time
+    optimizer_step_bytes: float = 28.0  # memory traffic of one AdamW step per parameter element it steps, run at
+    # memory_efficiency of hbm_bandwidth: a fused AdamW (Megatron's, torchtitan's "fused") reads the parameter, its
+    # gradient and two moments and writes the three back, 7 x 4 bytes in fp32, and as much for a 16-bit parameter
+    # with an fp32 master copy (2 + 12 read, 12 + 2 written); cpu-gloo: measured (benchmarks/calibrate_cpu.py)
     # How the runtime being priced behaves (autopar's own: no overlap, ZeRO-3 gathers one parameter at a time;
     # a preset for FSDP2 / DeepSpeed runs sets these to describe theirs):
     overlap: float = 0.0  # fraction of the shorter of compute and data-parallel communication (gradient buckets,
@@ -136,6 +142,7 @@ class Hardware:
             "attention_efficiency": self.attention_efficiency,
             "attention_skips_masked": self.attention_skips_masked,
             "op_overhead": self.op_overhead,
+            "optimizer_step_bytes": self.optimizer_step_bytes,
             "overlap": self.overlap,
             "zero3_per_block": self.zero3_per_block,
             "grad_reduce_bytes": self.grad_reduce_bytes,
@@ -162,6 +169,7 @@ class Hardware:
             attention_efficiency=d.get("attention_efficiency", 0.7),
             attention_skips_masked=bool(d.get("attention_skips_masked", True)),
             op_overhead=d.get("op_overhead", 0.0),
+            optimizer_step_bytes=float(d.get("optimizer_step_bytes", 28.0)),
             overlap=float(d.get("overlap", 0.0)),
             zero3_per_block=d.get("zero3_per_block", False),
             grad_reduce_bytes=int(d.get("grad_reduce_bytes", 0)),
@@ -231,6 +239,7 @@ PRESETS: dict[str, Hardware] = {
         attention_efficiency=1.0,
         memory_efficiency=1.0,
         op_overhead=11e-6,
+        optimizer_step_bytes=10.0,  # torch's AdamW, in place: ~10 bytes' time per element at the elementwise rate
     ),
 }
 

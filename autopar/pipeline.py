@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, send_time, wire_bytes
+from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, optimizer_step_time, send_time, wire_bytes
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
@@ -189,6 +189,9 @@ class UnitCosts:
     # per unit, its largest gradient bucket of ZeRO-0 parameters (one block's, per set of sync axes): the runtime
     # all-reduces a bucket as one flat copy after the last backward, when the activations are gone (``runtime``)
     flat: list[float] = dataclasses.field(default_factory=list)
+    # parameter -> seconds of the optimizer's step of what a rank stores of it (its local elements, a ZeRO-1 shard of
+    # them: ``cost.optimizer_step_time``), run once a step after the gradient sync
+    step: dict[str, float] = dataclasses.field(default_factory=dict)
     # per unit, its largest gradient: a microbatch after the first computes each gradient whole before adding it to
     # the one accumulated so far, so one of them is alive beside the unit's backward (``back``)
     accum: list[float] = dataclasses.field(default_factory=list)
@@ -239,7 +242,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         bwd[unit(v)] += sum(c.seconds for c in priced if c.phase != "forward")
     for v, kb in kept_values(problem, strategy, cost).values():  # redistributed values backward keeps
         act[unit(v)] += kb
-    params, zero, grad_wire = {}, {}, {}
+    params, zero, grad_wire, step = {}, {}, {}, {}
     buckets: dict[tuple, float] = {}  # (unit, sync axes) -> local bytes of its ZeRO-0 gradients
     groups = zero_groups(tg, problem.order)
     for n in problem.order:
@@ -253,10 +256,13 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         held = nc.state + nc.grad
         opt = choice.zero.get(groups[n][0], ZeroOption(0)) if n in groups else ZeroOption(0)
         opt = effective(opt, spec, inner)
+        stored = math.prod(spec.local_shape(meta.shape, inner.sizes))
         if opt.stage == 1:
             held = pipeline_held(opt, spec, meta, inner)
             zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes))
+            stored /= shard_factor(opt, inner)
         params[n] = (uu, held, float(local), axes, math.prod(meta.shape))
+        step[n] = optimizer_step_time(stored, inner.hardware)
         grad_wire[n] = local * inner.hardware.reduce_factor(meta.dtype)
         if axes and n not in zero:
             buckets[min(uu), tuple(axes)] = buckets.get((min(uu), tuple(axes)), 0.0) + local
@@ -298,7 +304,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for uu, _held, local, _axes, _n in params.values():
         for u in uu:
             accum[u] = max(accum[u], local)
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, accum)
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -332,6 +338,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
     zero_bytes: list[dict[tuple, list[float]]] = [dict() for _ in range(p)]  # (option, rest axes) -> [bytes, wire]
     ranks_of: dict[str, set[int]] = {}
+    stepped = [0.0] * p  # the optimizer's step of the rank's parameters, after its gradient sync
     for s, (i, j) in enumerate(zip(starts, ends)):
         r = s % p
         f, b = sum(uc.fwd[i:j]), sum(uc.bwd[i:j])
@@ -340,7 +347,9 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         for name, (uu, sg, local, axes, _n) in uc.params.items():
             if any(i <= u < j for u in uu):
                 state += sg
-                ranks_of.setdefault(name, set()).add(r)
+                if r not in ranks_of.setdefault(name, set()):
+                    stepped[r] += uc.step.get(name, 0.0)
+                ranks_of[name].add(r)
                 if name in uc.zero:
                     acc = zero_bytes[r].setdefault(uc.zero[name], [0.0, 0.0])
                     acc[0] += local
@@ -358,7 +367,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         rank_flat[r] = max(rank_flat[r], max(uc.flat[i:j], default=0.0))
     # activations peak in the schedule, a bucket's flat copy once they are gone (``cost.peak_memory``)
     memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r], rank_flat[r]) for r in range(p))
-    sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) for r in range(p)]
+    sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) + stepped[r] for r in range(p)]
     for name, rs in ranks_of.items():
         if len(rs) > 1:
             for r in rs:

@@ -147,7 +147,7 @@ class PipelinePlan:
     stage_of: dict  # node name of the planned (microbatch) graph -> stage, for nodes that depend on the inputs
     step_time: float  # seconds of the schedule, first forward to last backward (simulated)
     bubble: float  # fraction of rank-time idle in the schedule
-    sync_time: float  # seconds of the gradient all-reduces after the schedule (the slowest rank)
+    sync_time: float  # seconds after the schedule: the gradient sync and the optimizer step (the slowest rank)
     rank_memory: tuple[float, ...]  # peak bytes per pp rank
     in_flight: tuple[int, ...]  # per pp rank, stage-microbatches whose activations are kept at once
     batch: int  # rows of the global batch; each microbatch has batch // microbatches
@@ -262,7 +262,7 @@ class Plan:
             pp = self.pipeline
             return (
                 f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (pipeline {pp.label}: schedule {pp.step_time * 1e3:.3f}, "
-                f"bubble {100 * pp.bubble:.1f}%, gradient sync {pp.sync_time * 1e3:.3f})  |  MFU {100 * c.mfu:.1f}%  |  "
+                f"bubble {100 * pp.bubble:.1f}%, gradient sync + optimizer step {pp.sync_time * 1e3:.3f})  |  MFU {100 * c.mfu:.1f}%  |  "
                 f"peak memory/device {_fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}  |  inputs {self.input_spec}"
                 f"  |  solver {self.solver_status}"
             )
@@ -305,7 +305,7 @@ class Plan:
         per = f" ({rows_per // replicas} per data-parallel replica)" if replicas > 1 else ""
         head = (f"pipeline on {pp.axis}={max(s.rank for s in pp.stages) + 1}: {pp.schedule}, {pp.microbatches} microbatches of {rows_per} rows{per}, "
                 f"{len(pp.stages)} stages{'' if pp.virtual == 1 else f' ({pp.virtual} per rank)'}; bubble {100 * pp.bubble:.1f}%, "
-                f"schedule {pp.step_time * 1e3:.3f} ms + gradient sync {pp.sync_time * 1e3:.3f} ms")
+                f"schedule {pp.step_time * 1e3:.3f} ms + gradient sync + optimizer step {pp.sync_time * 1e3:.3f} ms")
         t = _tabulate.tabulate(rows, headers=["stage", "rank", "units", "fwd ms/mb", "bwd ms/mb", "sends/mb", "state", "act/mb", "rank peak"], tablefmt="simple")
         tl = pp.timeline()
         legend = ("'>': a forward, '<': a backward" if pp.microbatches > 26 else "capital letter: forward of a microbatch, lower case: its backward")

@@ -176,7 +176,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     state = grad = 0.0
     act = sum(kb for _, kb in kept_values(problem, strategy, cost).values())  # redistributed values backward keeps
     transient = t_act = 0.0  # one-at-a-time buffers of the gradient peak, and of the activation peak
-    copy_time = 0.0  # the runtime's copies around gradient and parameter communication
+    busy_time = 0.0  # memory-bound work on the compute stream: the runtime's copies around gradient and parameter
+    # communication, and the optimizer's step (``ZeroCost.memory_bound``)
     group_memory: dict[str, list] = {}  # group -> [bytes held, gradient bytes, parameters]
     by_zero: dict[tuple, list[str]] = {}
     buckets: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}  # -> [(param, bytes to all-reduce)]
@@ -194,7 +195,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         opt = effective(opt, spec, mesh)
         zero_of[name] = opt
         zc = param_cost(opt, spec, meta, mesh, uses=zero3_uses(tg, name))
-        copy_time += zc.copy
+        busy_time += zc.memory_bound
         gm = group_memory.setdefault(g, [0.0, 0.0, 0])
         gm[0] += zc.state
         gm[1] += zc.grad
@@ -299,7 +300,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         n = nodes_fx[name]
         nodes[name] = NodePlan(name, tg.path(name), _op_name(tg, n), problem.meta[name].shape, strategy[name], nc.time, nc.memory, rep, alts)
     # totals
-    compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order) - owned + copy_time
+    compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order) - owned + busy_time
     comm = sum(c.seconds for c in collectives)
     # data-parallel communication (gradient buckets, ZeRO) runs beside the critical path when the runtime overlaps it
     dp_comm = sum(c.seconds for c in collectives if c.data_parallel)

@@ -59,14 +59,15 @@ nodes v, strategies s:
   objective's D pays copies(g) x ``bucket_latency(S, o)`` per bucket (once for ZeRO-1's; a ZeRO-3 shard's sum
   over the other axes is an all-reduce bucket too). ZeRO-3's gathers and reduce-scatters are ``group_latency`` per
   group copy on z. A group's stage z takes the options ``Problem.zero_stages`` allows (a pipeline: 0 and 1) and
-  its pins; all of its data-parallel terms (bandwidth, latencies, the runtime's copies) are multiplied by
+  its pins; all of its data-parallel terms (bandwidth, latencies, the runtime's copies, the optimizer's step of
+  what a rank stores: ``ZeroCost.memory_bound``) are multiplied by
   ``Problem.sync_weight[g]`` (a pipeline's stage problem prices one microbatch: 1 / (m + p - 1), p times that for
   the embedding's and head's group, which one rank syncs whole).
 - Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
   block's backward runs its activations are back: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``.
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
   (time includes followers, their forced redistributions, folded parameters, and the runtime's gradient and
-  parameter copies, which run on the compute stream; times in milliseconds, memory in MB) + D, the data-parallel
+  parameter copies and the optimizer's step, which run on the compute stream; times in milliseconds, memory in MB) + D, the data-parallel
   communication (gradient buckets' bandwidth, ZeRO's extra bytes and latencies) + a tie-breaker of 1e-9 s per MB:
   of two plans equally fast, the one with less memory. When the hardware's runtime overlaps a share f of
   data-parallel communication with compute, the step is max(C, D) + (1 - f) min(C, D) = max(C + (1 - f) D,
@@ -758,7 +759,7 @@ def solve(
             m_act[r][s] += nc.act
     # ZeRO: per parameter group a stage (z), and how it changes each decision's parameters (w = x * z)
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
-    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, copies]
+    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, memory-bound seconds]
     # one-at-a-time buffers, as their largest instance: a gradient bucket (stage 0: flat copy + cut gradients, 2x;
     # stage 2: 1x), one ZeRO-3 parameter gathered again with its full gradient (2x)
     tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2 bucket bytes], one copy
@@ -773,10 +774,10 @@ def solve(
             for k, opt in enumerate(zopts):
                 c = _zcost(opt, spec, meta, mesh, copies, gparams, uses) if k else base
                 per.append((effective(opt, spec, mesh).stage,
-                            (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.copy - base.copy),
+                            (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.memory_bound - base.memory_bound),
                             grad_bucket(opt, spec, meta, mesh)))
             b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
-            zfacts[key] = (base.copy, base.comm, b, bool(grad_sync_axes(spec, mesh)), per)
+            zfacts[key] = (base.memory_bound, base.comm, b, bool(grad_sync_axes(spec, mesh)), per)
         return zfacts[key]
 
     zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
@@ -787,8 +788,8 @@ def solve(
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
             gs = P_.grad_spec(n, lambda v: P_.strategy(v, s))  # its Spec, whole where its gradient is (``grad_spec``)
-            base_copy, base_comm, b, synced, per = zero_facts(gs, P_.meta[n], copies, gparams, zuses[n])
-            t_lin[r][s] += base_copy * sync_w(g)  # the runtime's copies run on the compute stream: the critical path
+            base_busy, base_comm, b, synced, per = zero_facts(gs, P_.meta[n], copies, gparams, zuses[n])
+            t_lin[r][s] += base_busy * sync_w(g)  # copies and the optimizer's step run on the compute stream: the critical path
             t_ovl[r][s] += base_comm * sync_w(g)  # its stage-0 gradient sync, overlappable (others: their deltas in zdelta)
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])

@@ -3,8 +3,9 @@
 In: a parameter's Spec as compute uses it (replicated on the data axes), its metadata, the mesh.
 Out: ``zero_options(mesh)`` (stage 0 = plain data parallel, then stages 1-3 over every non-empty set of data
 and context-parallel axes, ``zero_axes``; sharding over some data axes and replicating over the others is HSDP),
-and ``param_cost(option, ...)``: the per-device bytes (held all step, gradients) and the gradient-synchronisation
-seconds (bandwidth part) of one parameter under an option; ``bucket_latency`` a gradient bucket's launch latency
+and ``param_cost(option, ...)``: the per-device bytes (held all step, gradients), the gradient-synchronisation
+seconds (bandwidth part) and the memory-bound seconds (the runtime's copies, the optimizer's step: a rank steps
+the e elements it stores under stage 0, its e/n shard under stages 1-3) of one parameter under an option; ``bucket_latency`` a gradient bucket's launch latency
 and ``group_latency`` a ZeRO-3 group's; the solver chooses per group.
 
 How each stage runs (passes/zero.py, autopar/collectives.py) and what it holds, per parameter of e elements of
@@ -39,7 +40,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from autopar.cost import collective_time, grad_sync_axes, itemsize, optimizer_bytes, wire_bytes
+from autopar.cost import collective_time, grad_sync_axes, itemsize, optimizer_bytes, optimizer_step_time, wire_bytes
 from autopar.mesh import Mesh
 from autopar.spec import Partial, Replicate, Spec
 from autopar.strategies import TensorMeta
@@ -108,7 +109,8 @@ class ZeroCost:
     grad: float  # bytes alive as backward ends (gradients, and the buffer they are reduce-scattered from)
     transient: float  # bytes alive for a moment (a bucket of full gradients, a parameter gathered again)
     comm: float  # seconds of gradient / parameter communication, bandwidth part
-    copy: float = 0.0  # seconds of the runtime's copies around it, at memory bandwidth
+    memory_bound: float = 0.0  # seconds of memory-bound work on the compute stream: the runtime's copies around
+    # its communication, and the optimizer's step of the elements the rank stores (a ZeRO shard, or all of them)
 
 
 def zero3_traffic(uses: tuple[str, ...]) -> tuple[int, int]:
@@ -142,20 +144,21 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     copies_bytes = {0: 2 * b, 1: 3 * b, 2: 3 * b, 3: 2 * b}[opt.stage] if synced or opt.stage else 0.0
     if opt.stage == 0:
         wire = b * mesh.hardware.reduce_factor(meta.dtype)
-        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm)
+        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", wire, a) for a in synced),
+                        copies_bytes / hbm + optimizer_step_time(e, mesh.hardware))
     n = shard_factor(opt, mesh)
     rest = tuple(a for a in synced if a not in opt.shard_axes)
     rf = mesh.hardware.reduce_factor(meta.dtype)  # gradients may be reduced in a wider dtype than the parameter's
     on_shard = sum(bw("all_reduce", rf * b / n, a) for a in rest)
     gathers, scatters = zero3_traffic(uses) if opt.stage == 3 else (1, 1)
     comm = sum(gathers * bw("all_gather", b, a) + scatters * bw("reduce_scatter", rf * b, a) for a in opt.shard_axes) + on_shard
-    copy = copies_bytes / hbm
+    busy = copies_bytes / hbm + optimizer_step_time(e / n, mesh.hardware)  # a rank steps its shard alone
     if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard at the end (the flat copy is
         # freed before the shard is copied out: ``collectives.scatter_flat``)
-        return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm, copy)
+        return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm, busy)
     if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
-        return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, copy)
-    return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, copy)
+        return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, busy)
+    return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, busy)
 
 
 def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:

@@ -7,6 +7,10 @@ once (torchrun, 127.0.0.1), and every time is the slowest rank's (a training ste
 
 - fp32 and bf16 matmul FLOP/s (1024^3) and elementwise bytes/s (``x * 2.0`` on 32 MiB), per rank, every rank
   running the same loop (4 ranks on 2 cores get about half a core each); one process alone for reference.
+- the optimizer step: ``torch.optim.AdamW`` as the tests and benchmarks build it (torch's default implementation)
+  stepping 16 fp32 parameters of 512 Ki elements, every rank at once; seconds per element, and the bytes per
+  element that is at the elementwise rate above (the preset's ``optimizer_step_bytes``: AdamW's passes run in
+  place, with fewer fresh allocations than ``x * 2.0``, so it is not the ~80 bytes its passes move).
 - per-op overhead: a chain of tiny ops (linear, gelu, add, mul, layer_norm, softmax on a (4, 16) tensor, whose
   roofline time is ~0), forward and backward under autograd, called through ``torch.ops.aten`` as autopar's
   graph modules call them; seconds per op, the mean of forward and backward (the cost model charges it in each).
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -120,6 +125,15 @@ def _loop(fn, reps: int, after=None) -> float:
     return _slowest((time.perf_counter() - t) / reps)
 
 
+def adamw_step(k: int = 16, n: int = 512 * 1024) -> float:
+    """Seconds per parameter element of one AdamW step, on the slowest rank, every rank stepping at once."""
+    params = [torch.nn.Parameter(torch.randn(n)) for _ in range(k)]
+    for q in params:
+        q.grad = torch.randn(n)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    return _loop(opt.step, 5) / (k * n)
+
+
 def op_overhead(n_ops: int = 300) -> tuple[float, float]:
     """Seconds per tiny op, forward and backward (autograd), on the slowest rank, every rank running the chain."""
     import torch.distributed as dist
@@ -202,6 +216,7 @@ def worker() -> None:
                            ("flops_bf16", 2 * 1024**3 / _loop(lambda: a16 @ b16, 20)),
                            ("bandwidth", 2 * x.numel() * 4 / _loop(lambda: x * 2.0, 10))):
             res[key] = max(res.get(key, 0.0), value)
+        res["adamw"] = min(res.get("adamw", math.inf), adamw_step())
         fwd, bwd = op_overhead()
         res["op_fwd"], res["op_bwd"] = min(res.get("op_fwd", fwd), fwd), min(res.get("op_bwd", bwd), bwd)
 
@@ -297,6 +312,9 @@ def main() -> None:
         [f"bf16 matmul FLOP/s per rank, {n} ranks at once", f"{res['flops_bf16']:.3g}", f"{hw.flops(torch.bfloat16) * hw.matmul_efficiency:.3g}"],
         ["elementwise bytes/s, one process alone", f"{bw1:.3g}", ""],
         [f"elementwise bytes/s per rank, {n} ranks at once", f"{res['bandwidth']:.3g}", f"{hw.hbm_bandwidth * hw.memory_efficiency:.3g}"],
+        [f"AdamW step, s per parameter element, {n} ranks at once", f"{res['adamw']:.3g}",
+         f"{hw.optimizer_step_bytes / (hw.hbm_bandwidth * hw.memory_efficiency):.3g}"],
+        ["  as bytes per element at the elementwise rate per rank", f"{res['adamw'] * res['bandwidth']:.3g}", f"{hw.optimizer_step_bytes:.3g}"],
         [f"per-op overhead, forward / backward (s), {n} ranks at once", f"{res['op_fwd']:.3g} / {res['op_bwd']:.3g}", ""],
         ["per-op overhead, mean of the two (s)", f"{op:.3g}", f"{hw.op_overhead:.3g}"],
         [f"all-reduce of 1 element (gloo's special path), {n} ranks (s)", f"{res['all_reduce_1']:.3g}", ""],
@@ -333,7 +351,8 @@ def main() -> None:
         print(f"other work on this machine during the measurements: {100 * other:.0f}% of its CPU time"
               + (" (numbers slower and noisier than on a quiet machine: measure again)" if other > 0.1 else ""))
     print(f"\nas preset values (one rank of {n} on this machine): peak_flops=((\"bfloat16\", {res['flops_bf16']:.3g}), "
-          f"(\"float32\", {res['flops']:.3g})), hbm_bandwidth={res['bandwidth']:.3g}, op_overhead={op:.3g}, "
+          f"(\"float32\", {res['flops']:.3g})), hbm_bandwidth={res['bandwidth']:.3g}, "
+          f"optimizer_step_bytes={res['adamw'] * res['bandwidth']:.3g}, op_overhead={op:.3g}, "
           f"Link(bandwidth={bw:.3g}, latency={latency:.3g}, launch={launch:.3g})")
 
 

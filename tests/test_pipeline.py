@@ -430,10 +430,38 @@ def test_a_pipelines_gradient_sync_is_priced_in_the_runtimes_reduce_dtype():
     x = torch.empty(8, 512, dtype=torch.long, device="meta")
     sync = {}
     for zero in (0, 1):
-        for rb in (0, 4):
-            hw = dataclasses.replace(get_hardware("a100-80gb"), grad_reduce_bytes=rb)
+        for rb in (0, 4):  # the optimizer's step after the sync left out: the sync alone
+            hw = dataclasses.replace(get_hardware("a100-80gb"), grad_reduce_bytes=rb, optimizer_step_bytes=0.0)
             plan = autopar.plan(model, autopar.Mesh({"dp": 4, "pp": 2}, hardware=hw), (x, x),
                                 constraints=[PipelinePin("1f1b", 2, cuts="equal"), autopar.ZeroPin("*", zero)])
             sync[zero, rb] = plan.pipeline.sync_time
     assert sync[0, 4] / sync[0, 0] == pytest.approx(2.0, rel=0.05), sync
     assert sync[1, 4] / sync[1, 0] == pytest.approx(1.5, rel=0.05), sync
+
+
+def test_each_pipeline_rank_steps_the_optimizer_on_what_it_stores_after_the_sync():
+    """After the schedule a rank syncs its stages' gradients, then runs AdamW on its parameters: all of them under
+    ZeRO-0, its 1/dp shard under ZeRO-1 (Megatron's distributed optimizer). The step is memory-bound
+    (``Hardware.optimizer_step_bytes`` per element); the slowest rank's sync + step ends the step."""
+    from autopar.cost import optimizer_step_time
+    from autopar.hardware import get_hardware
+
+    cfg = LlamaConfig(vocab_size=32000, max_seq_len=512, n_layer=4, n_head=16, n_kv_head=8, dim=2048, ffn_dim=5632)
+    with torch.device("meta"):
+        model = Llama(cfg).to(torch.bfloat16)
+    x = torch.empty(8, 512, dtype=torch.long, device="meta")
+    # the even cut's second rank: blocks 2-3, the final norm and the head (the first: the embedding and blocks
+    # 0-1, a little less)
+    last = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("tok_embeddings", "layers.0.", "layers.1.")))
+    hw = get_hardware("a100-80gb")
+    sync = {}
+    for axes, zero in (({"pp": 2}, 0), ({"dp": 2, "pp": 2}, 0), ({"dp": 2, "pp": 2}, 1)):
+        for step_bytes in (0.0, hw.optimizer_step_bytes):
+            mesh = autopar.Mesh(axes, hardware=dataclasses.replace(hw, optimizer_step_bytes=step_bytes))
+            plan = autopar.plan(model, mesh, (x, x), constraints=[PipelinePin("1f1b", 2, cuts="equal"), autopar.ZeroPin("*", zero)])
+            sync[len(axes), zero, step_bytes] = plan.pipeline.sync_time
+    step = lambda n: optimizer_step_time(n, hw)  # noqa: E731
+    assert sync[1, 0, 0.0] == 0.0  # nothing to sum without data parallelism
+    assert sync[1, 0, hw.optimizer_step_bytes] == pytest.approx(step(last), rel=1e-9)
+    assert sync[2, 0, hw.optimizer_step_bytes] - sync[2, 0, 0.0] == pytest.approx(step(last), rel=0.02)
+    assert sync[2, 1, hw.optimizer_step_bytes] - sync[2, 1, 0.0] == pytest.approx(step(last / 2), rel=0.02)

@@ -71,9 +71,16 @@ def send_time(nbytes: float, link: Link) -> float:
     return 0.0 if nbytes == 0 else link.launch + link.latency + nbytes / link.bandwidth
 
 
+def run_kind(kind: str, link: Link) -> str:
+    """The collective the link's library runs for ``kind``: a reduce-scatter is an all-reduce on a link whose
+    library simulates it so (``Link.reduce_scatter_as_all_reduce``: gloo); otherwise ``kind`` itself."""
+    return "all_reduce" if kind == "reduce_scatter" and link.reduce_scatter_as_all_reduce else kind
+
+
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     if n == 1:
         return 0.0
+    kind = run_kind(kind, link)
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     return link.launch + steps * link.latency + wire_bytes(kind, nbytes, n) / link.bandwidth
 

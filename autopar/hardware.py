@@ -36,8 +36,9 @@ the machine was), every time the slowest rank's:
 - gloo over 127.0.0.1: all-reduce, all-gather and reduce-scatter of 4 KiB - 16 MiB on 4 ranks and on pairs, fitted
   to ``launch + steps * latency + wire / bandwidth``: ~0.4 ms launch, ~0.65 ms per ring step, ~1.1 GB/s; the launch
   also holds ~2.8 ms of late arrival (after compute rather than a barrier, the last of 4 ranks on 2 cores reaches
-  a collective ~1-4 ms after the first). One link model averages gloo's kinds: its reduce-scatter takes ~2x this
-  fit at 4-16 MiB, its all-gather a little less than it, its 1-element all-reduce (a special path) ~10x less.
+  a collective ~1-4 ms after the first). torch's gloo runs a reduce-scatter as an all-reduce of the whole buffer
+  (``Link.reduce_scatter_as_all_reduce``; measured on 4 ranks at 16 MiB: reduce-scatter 29 ms, all-reduce 22 ms,
+  all-gather 16 ms), and it is priced and fitted so; its 1-element all-reduce (a special path) takes ~10x less.
 - no overlap: autopar's runtime does not run communication beside compute.
 """
 
@@ -58,6 +59,8 @@ class Link:
     bandwidth: float  # bytes/s per device, one direction, as achieved by collectives (efficiency included)
     latency: float  # seconds per ring step
     launch: float  # seconds of fixed overhead per collective call
+    reduce_scatter_as_all_reduce: bool = False  # the library runs a reduce-scatter as an all-reduce of the whole
+    # buffer, each rank keeping its chunk (torch's gloo backend: pytorch/pytorch#118911), twice a ring's bytes
 
 
 @dataclass(frozen=True)
@@ -232,8 +235,8 @@ PRESETS: dict[str, Hardware] = {
         hbm_bandwidth=2.4 * _GB,
         memory=24 * _GB,
         devices_per_node=64,
-        intra_node=Link(bandwidth=1.1 * _GB, latency=650e-6, launch=3.2e-3),
-        inter_node=Link(bandwidth=1.1 * _GB, latency=650e-6, launch=3.2e-3),
+        intra_node=Link(bandwidth=1.1 * _GB, latency=650e-6, launch=3.2e-3, reduce_scatter_as_all_reduce=True),
+        inter_node=Link(bandwidth=1.1 * _GB, latency=650e-6, launch=3.2e-3, reduce_scatter_as_all_reduce=True),
         input_bandwidth=2.4 * _GB,
         matmul_efficiency=1.0,
         attention_efficiency=1.0,

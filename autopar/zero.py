@@ -40,7 +40,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from autopar.cost import collective_time, grad_sync_axes, itemsize, optimizer_bytes, optimizer_step_time, wire_bytes
+from autopar.cost import collective_time, grad_sync_axes, itemsize, optimizer_bytes, optimizer_step_time, run_kind, wire_bytes
 from autopar.mesh import Mesh
 from autopar.spec import Partial, Replicate, Spec
 from autopar.strategies import TensorMeta
@@ -135,7 +135,7 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     synced = grad_sync_axes(spec, mesh)
 
     def bw(kind: str, nbytes: float, a: int) -> float:
-        return wire_bytes(kind, nbytes, mesh.sizes[a]) / mesh.link(a).bandwidth
+        return wire_bytes(run_kind(kind, mesh.link(a)), nbytes, mesh.sizes[a]) / mesh.link(a).bandwidth
 
     # the runtime's own copies, at memory bandwidth: a bucket is flattened and its gradients cut out again (stage
     # 0); gathered buckets are cut into parameters, and reduce-scattered ones flattened (stages 1-2); a ZeRO-3

@@ -263,9 +263,10 @@ def fit_link(res: dict, sizes: list[int]) -> tuple[float, float, float]:
     for n in sizes:
         for kind in KINDS:
             for nbytes in SIZES:
-                steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+                run = "all_reduce" if kind == "reduce_scatter" else kind  # gloo's reduce-scatter is an all-reduce
+                steps = 2 * (n - 1) if run == "all_reduce" else n - 1
                 t = res[f"{kind}_{n}_{nbytes}"]
-                rows.append([1.0 / t, steps / t, wire_bytes(kind, nbytes, n) / t])
+                rows.append([1.0 / t, steps / t, wire_bytes(run, nbytes, n) / t])
     a, y = np.array(rows), np.ones(len(rows))
     keep = [0, 1, 2]  # non-negative least squares: drop a negative coefficient and refit (3 unknowns: enough)
     while True:
@@ -333,7 +334,7 @@ def main() -> None:
         rows.append(["  late arrival: minus after a barrier, mean of the kinds (s)", f"{late:.3g}", ""])
     late = sum(lates) / len(lates)
     launch = max(launch_fit + late, 0.0)
-    fitted = Link(bandwidth=bw, latency=latency, launch=launch_fit)
+    fitted = Link(bandwidth=bw, latency=latency, launch=launch_fit, reduce_scatter_as_all_reduce=True)
     for size in sizes:
         for kind in KINDS:
             for nbytes in SIZES:
@@ -353,7 +354,7 @@ def main() -> None:
     print(f"\nas preset values (one rank of {n} on this machine): peak_flops=((\"bfloat16\", {res['flops_bf16']:.3g}), "
           f"(\"float32\", {res['flops']:.3g})), hbm_bandwidth={res['bandwidth']:.3g}, "
           f"optimizer_step_bytes={res['adamw'] * res['bandwidth']:.3g}, op_overhead={op:.3g}, "
-          f"Link(bandwidth={bw:.3g}, latency={latency:.3g}, launch={launch:.3g})")
+          f"Link(bandwidth={bw:.3g}, latency={latency:.3g}, launch={launch:.3g}, reduce_scatter_as_all_reduce=True)")
 
 
 if __name__ == "__main__":

@@ -318,6 +318,7 @@ class Evaluated:
     rank_memory: tuple[float, ...]
     in_flight: tuple[int, ...]
     zero_share: tuple[float, ...] = ()  # each rank's share of the ZeRO-1 bytes (the plan's one bucket spans them)
+    optimizer: float = 0.0  # the busiest rank's optimizer step, seconds (in ``sync``)
 
     @property
     def total(self) -> float:
@@ -376,7 +377,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     zero_total = sum(b for z in zero_bytes for b, _w in z.values())
     zero_share = tuple(sum(b for b, _w in z.values()) / zero_total if zero_total else 0.0 for z in zero_bytes)
     tl = sched.simulate(schedule, p, m, v, [st.forward for st in stages], [st.backward for st in stages], p2p)
-    return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights), zero_share)
+    return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights), zero_share, max(stepped))
 
 
 def rank_sync(plain: dict[int, float], zeroed: dict[tuple, "list[float]"], inner: Mesh) -> float:
@@ -889,7 +890,7 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
     busy = sum(s.forward + s.backward for s in ev.stages) * m / p
     held = [sum(s.state for s in ev.stages if s.rank == r) for r in range(p)]
     breakdown = {"state": max(held), "activations in flight": max(ev.rank_memory[r] - held[r] for r in range(p))}
-    cost = PlanCost(step, mfu, max(ev.rank_memory), comm_bytes, busy, step - busy, flops, breakdown)
+    cost = PlanCost(step, mfu, max(ev.rank_memory), comm_bytes, busy, step - busy, flops, breakdown, ev.optimizer)
     return Plan(
         mesh=mesh, graph_hash=tg.hash, nodes=nodes, input_spec=lift_spec(inner_plan.input_spec, inner, axis),
         output_specs=[lift_spec(s, inner, axis) for s in inner_plan.output_specs], blocks=inner_plan.blocks,

@@ -114,6 +114,8 @@ class PlanCost:
     comm_time: float
     model_flops: float  # per training step, whole model
     memory_breakdown: dict = field(default_factory=dict)  # state / gradients / activations / transient bytes
+    optimizer_time: float = 0.0  # seconds of the AdamW step, the busiest rank's: part of compute_time (of a
+    # pipeline's sync_time); a rank steps the elements it stores, a ZeRO shard under stages 1-3
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,8 @@ class Plan:
                 f"  |  solver {self.solver_status}"
             )
         return (
-            f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (compute {c.compute_time * 1e3:.3f}, comm {c.comm_time * 1e3:.3f})"
+            f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (compute {c.compute_time * 1e3:.3f} with the optimizer step "
+            f"{c.optimizer_time * 1e3:.3f}, comm {c.comm_time * 1e3:.3f})"
             f"  |  MFU {100 * c.mfu:.1f}%  |  peak memory/device {_fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}"
             f"  |  inputs {self.input_spec}{'' if self.recompute == 'none' else '  |  recompute ' + self.recompute}  |  solver {self.solver_status}"
         )
@@ -432,6 +435,7 @@ class Plan:
                 "comm_time": self.cost.comm_time,
                 "model_flops": self.cost.model_flops,
                 "memory_breakdown": self.cost.memory_breakdown,
+                "optimizer_time": self.cost.optimizer_time,
             },
             "nodes": [
                 {
@@ -482,7 +486,7 @@ class Plan:
             zero_stages=d.get("zero_stages", {}),
             group_memory=d.get("group_memory", {}),
             cost=PlanCost(c["step_time"], c["mfu"], c["memory_per_device"], dict(c["comm_bytes"]), c["compute_time"], c["comm_time"],
-                          c["model_flops"], dict(c.get("memory_breakdown", {}))),
+                          c["model_flops"], dict(c.get("memory_breakdown", {})), float(c.get("optimizer_time", 0.0))),
             solver_status=d.get("solver_status", "optimal"),
             label=d.get("label", "auto"),
             recompute=d.get("recompute", "none"),

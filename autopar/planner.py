@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from autopar.cost import ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, VIEW_OPS, CostModel, Priced, collective_time, itemsize, op_flops, peak_memory, price_steps, wire_bytes
+from autopar.cost import ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, VIEW_OPS, CostModel, Priced, collective_time, itemsize, op_flops, optimizer_step_time, peak_memory, price_steps, wire_bytes
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
@@ -178,6 +178,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     transient = t_act = 0.0  # one-at-a-time buffers of the gradient peak, and of the activation peak
     busy_time = 0.0  # memory-bound work on the compute stream: the runtime's copies around gradient and parameter
     # communication, and the optimizer's step (``ZeroCost.memory_bound``)
+    optimizer_time = 0.0  # the step alone, as the plan reports it
     group_memory: dict[str, list] = {}  # group -> [bytes held, gradient bytes, parameters]
     by_zero: dict[tuple, list[str]] = {}
     buckets: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}  # -> [(param, bytes to all-reduce)]
@@ -196,6 +197,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         zero_of[name] = opt
         zc = param_cost(opt, spec, meta, mesh, uses=zero3_uses(tg, name))
         busy_time += zc.memory_bound
+        stored = math.prod(spec.local_shape(meta.shape, mesh.sizes)) / (shard_factor(opt, mesh) if opt.stage else 1)
+        optimizer_time += optimizer_step_time(stored, mesh.hardware)
         gm = group_memory.setdefault(g, [0.0, 0.0, 0])
         gm[0] += zc.state
         gm[1] += zc.grad
@@ -336,7 +339,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         blocks=[(b.fqn, b.tied_to) for b in tg.blocks],
         collective_list=collectives,
         grad_buckets=grad_buckets,
-        cost=PlanCost(step, mfu, memory, comm_bytes, compute, comm, flops, breakdown),
+        cost=PlanCost(step, mfu, memory, comm_bytes, compute, comm, flops, breakdown, optimizer_time),
         zero_buckets=zero_buckets,
         whole_grads=whole_grads,
         zero_stages={g: opt.to_json(mesh) for g, opt in choice.zero.items()},

@@ -209,6 +209,9 @@ def test_the_cheapest_stage_that_fits_is_chosen_as_the_budget_shrinks():
     elements = state / 14
     saved = optimizer_step_time(elements * 7 / 8, mesh.hardware) - elements * 2 / (mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency)
     assert pinned[0].step_time - pinned[1].step_time == pytest.approx(saved, rel=0.1)
+    # and the plan says how long its step takes: all elements under ZeRO-0, an eighth under ZeRO-1
+    assert pinned[0].optimizer_time == pytest.approx(optimizer_step_time(elements, mesh.hardware), rel=0.05)
+    assert pinned[1].optimizer_time == pytest.approx(pinned[0].optimizer_time / 8, rel=1e-6)
     fastest = lambda budget: min((k for k in range(4) if pinned[k].memory_per_device <= budget),  # noqa: E731
                                  key=lambda k: pinned[k].step_time)
     assert {s for s, _ in _regime_plan(mesh, 8).zero_stages.values()} == {1}  # ample memory: the fastest, ZeRO-1

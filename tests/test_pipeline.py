@@ -340,9 +340,9 @@ def test_megatron_3d_with_context_parallelism_trains_like_one_device(axes):
 
 
 def test_zero1_lets_a_pipeline_fit_where_zero0_does_not():
-    """The stages' ILP takes ZeRO-1 for the groups that need it when the budget is tight: each rank then holds its
-    parameters' optimizer state sharded over dp (``zero.pipeline_held``), and its step pays a reduce-scatter and a
-    gather instead of the all-reduce (``zero.pipeline_sync_priced``)."""
+    """The stages' ILP takes ZeRO-1 for the groups that need it when the budget is tight, or where it is faster: each
+    rank then holds its parameters' optimizer state sharded over dp (``zero.pipeline_held``) and steps that shard
+    alone, and its sync pays a reduce-scatter and a gather instead of the all-reduce (``zero.pipeline_sync_priced``)."""
     cfg = GPTConfig(n_layer=8, n_head=16, n_embd=2048, vocab_size=32000, block_size=1024)
     with torch.device("meta"):
         model = GPT(cfg).to(torch.bfloat16)
@@ -352,8 +352,14 @@ def test_zero1_lets_a_pipeline_fit_where_zero0_does_not():
     plans = {z: autopar.plan(model, mesh, (x, x), constraints=[pin, autopar.ZeroPin("*", z)]) for z in (0, 1)}
     peak = {z: max(p.pipeline.rank_memory) for z, p in plans.items()}
     assert peak[1] < 0.7 * peak[0]
+    # roomy, the ILP takes the faster: ZeRO-1 here, each rank running AdamW on its quarter of the parameters (the
+    # reduce-scatter and gather move the all-reduce's bytes); with the step left out, ZeRO-1 only adds launches
+    assert plans[1].cost.step_time < plans[0].cost.step_time
     free = autopar.plan(model, mesh, (x, x), constraints=[pin])
-    assert {z[0] for z in free.zero_stages.values()} == {0}  # roomy: nothing to save, no extra launches
+    assert {z[0] for z in free.zero_stages.values()} == {1}
+    assert free.cost.step_time == pytest.approx(plans[1].cost.step_time, rel=1e-6)
+    stepless = autopar.Mesh({"dp": 4, "pp": 2}, hardware=dataclasses.replace(mesh.hardware, optimizer_step_bytes=0.0))
+    assert {z[0] for z in autopar.plan(model, stepless, (x, x), constraints=[pin]).zero_stages.values()} == {0}
     budget = (peak[0] + peak[1]) / 2
     tight = autopar.plan(model, mesh, (x, x), constraints=[pin], memory_budget=budget)
     assert max(tight.pipeline.rank_memory) <= budget and any(z[0] == 1 for z in tight.zero_stages.values())

@@ -30,8 +30,8 @@ Two steps, because an ILP per candidate would take minutes at 1000+ devices:
    times; a pipeline by the stage cuts of ``autopar.pipeline`` (balanced under memory) and the schedule's analytic
    step, plus each rank's gradient sync as ``pipeline.evaluate`` prices it (its stages' bytes in one collective per
    axis, in the runtime's reduce dtype; ZeRO-1's reduce-scatter and gather; a tied parameter summed over pp,
-   ``pipeline.rank_sync``) and its optimizer step (``_step_sums``); without one, the step is compute plus data-parallel communication (overlapped where
-   the hardware's runtime overlaps it). With cp, both take tp's profile at a cp-th of the rows -- a rank's share of
+   ``pipeline.rank_sync``) and its optimizer step (``_step_sums``); without one, the step is compute plus
+   data-parallel communication (overlapped where the hardware's runtime overlaps it). With cp, both take tp's profile at a cp-th of the rows -- a rank's share of
    the tokens and, balanced, of the causal attention -- plus each block's gathers of the keys and values and the
    query swaps (``_context_parallel``; a pipeline's per microbatch, in the blocks' stage times); ZeRO's
    bytes and launches come from ``autopar.zero`` (``param_cost``, ``bucket_latency``

@@ -46,14 +46,14 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, optimizer_step_time, send_time, wire_bytes
+from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, send_time, wire_bytes
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
 from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, solve, zero_groups
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
-from autopar.zero import ZeroOption, effective, pipeline_held, pipeline_sync_priced, shard_factor
+from autopar.zero import ZeroOption, effective, optimizer_time, pipeline_held, pipeline_sync_priced, shard_factor
 
 MAX_MICROBATCH_CANDIDATES = 6
 SQUEEZE_ATTEMPTS = 3  # solves of the stages' ILP, its memory bound tightened each time no stage cut fits the ranks
@@ -190,7 +190,7 @@ class UnitCosts:
     # all-reduces a bucket as one flat copy after the last backward, when the activations are gone (``runtime``)
     flat: list[float] = dataclasses.field(default_factory=list)
     # parameter -> seconds of the optimizer's step of what a rank stores of it (its local elements, a ZeRO-1 shard of
-    # them: ``cost.optimizer_step_time``), run once a step after the gradient sync
+    # them: ``zero.optimizer_time``), run once a step after the gradient sync
     step: dict[str, float] = dataclasses.field(default_factory=dict)
     # per unit, its largest gradient: a microbatch after the first computes each gradient whole before adding it to
     # the one accumulated so far, so one of them is alive beside the unit's backward (``back``)
@@ -256,13 +256,11 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         held = nc.state + nc.grad
         opt = choice.zero.get(groups[n][0], ZeroOption(0)) if n in groups else ZeroOption(0)
         opt = effective(opt, spec, inner)
-        stored = math.prod(spec.local_shape(meta.shape, inner.sizes))
         if opt.stage == 1:
             held = pipeline_held(opt, spec, meta, inner)
             zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes))
-            stored /= shard_factor(opt, inner)
         params[n] = (uu, held, float(local), axes, math.prod(meta.shape))
-        step[n] = optimizer_step_time(stored, inner.hardware)
+        step[n] = optimizer_time(opt, spec, meta, inner)
         grad_wire[n] = local * inner.hardware.reduce_factor(meta.dtype)
         if axes and n not in zero:
             buckets[min(uu), tuple(axes)] = buckets.get((min(uu), tuple(axes)), 0.0) + local

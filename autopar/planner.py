@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from autopar.cost import ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, VIEW_OPS, CostModel, Priced, collective_time, itemsize, op_flops, optimizer_step_time, peak_memory, price_steps, wire_bytes
+from autopar.cost import ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, VIEW_OPS, CostModel, Priced, collective_time, itemsize, op_flops, peak_memory, price_steps, wire_bytes
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
@@ -197,8 +197,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         zero_of[name] = opt
         zc = param_cost(opt, spec, meta, mesh, uses=zero3_uses(tg, name))
         busy_time += zc.memory_bound
-        stored = math.prod(spec.local_shape(meta.shape, mesh.sizes)) / (shard_factor(opt, mesh) if opt.stage else 1)
-        optimizer_time += optimizer_step_time(stored, mesh.hardware)
+        optimizer_time += zc.optimizer
         gm = group_memory.setdefault(g, [0.0, 0.0, 0])
         gm[0] += zc.state
         gm[1] += zc.grad

@@ -4,9 +4,10 @@ In: a parameter's Spec as compute uses it (replicated on the data axes), its met
 Out: ``zero_options(mesh)`` (stage 0 = plain data parallel, then stages 1-3 over every non-empty set of data
 and context-parallel axes, ``zero_axes``; sharding over some data axes and replicating over the others is HSDP),
 and ``param_cost(option, ...)``: the per-device bytes (held all step, gradients), the gradient-synchronisation
-seconds (bandwidth part) and the memory-bound seconds (the runtime's copies, the optimizer's step: a rank steps
-the e elements it stores under stage 0, its e/n shard under stages 1-3) of one parameter under an option; ``bucket_latency`` a gradient bucket's launch latency
-and ``group_latency`` a ZeRO-3 group's; the solver chooses per group.
+seconds (bandwidth part) and the memory-bound seconds (the runtime's copies, and ``optimizer_time``: a rank steps
+the e elements it stores under stage 0, its e/n shard under stages 1-3) of one parameter under an option;
+``bucket_latency`` a gradient bucket's launch latency and ``group_latency`` a ZeRO-3 group's; the solver chooses
+per group.
 
 How each stage runs (passes/zero.py, autopar/collectives.py) and what it holds, per parameter of e elements of
 itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO paper's Psi = e):
@@ -90,6 +91,13 @@ def shard_factor(opt: ZeroOption, mesh: Mesh) -> int:
     return math.prod(mesh.sizes[a] for a in opt.shard_axes)
 
 
+def optimizer_time(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:
+    """Seconds of the optimizer's step of one parameter on a rank under ``opt`` as it runs (``effective``): every
+    element of its local tensor under stage 0, its 1/n shard under stages 1-3 (``cost.optimizer_step_time``)."""
+    opt = effective(opt, spec, mesh)
+    return optimizer_step_time(math.prod(spec.local_shape(meta.shape, mesh.sizes)) / shard_factor(opt, mesh), mesh.hardware)
+
+
 @functools.lru_cache(maxsize=None)
 def effective(opt: ZeroOption, spec: Spec, mesh: Mesh) -> ZeroOption:
     """The option a parameter of ``spec`` runs when its group takes ``opt``: sharded over those of the shard axes
@@ -110,7 +118,8 @@ class ZeroCost:
     transient: float  # bytes alive for a moment (a bucket of full gradients, a parameter gathered again)
     comm: float  # seconds of gradient / parameter communication, bandwidth part
     memory_bound: float = 0.0  # seconds of memory-bound work on the compute stream: the runtime's copies around
-    # its communication, and the optimizer's step of the elements the rank stores (a ZeRO shard, or all of them)
+    # its communication, and the optimizer's step (``optimizer``)
+    optimizer: float = 0.0  # seconds of the optimizer's step of what the rank stores of it (``optimizer_time``)
 
 
 def zero3_traffic(uses: tuple[str, ...]) -> tuple[int, int]:
@@ -142,23 +151,23 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     # parameter is written whole by each gather
     hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
     copies_bytes = {0: 2 * b, 1: 3 * b, 2: 3 * b, 3: 2 * b}[opt.stage] if synced or opt.stage else 0.0
+    step = optimizer_time(opt, spec, meta, mesh)
     if opt.stage == 0:
         wire = b * mesh.hardware.reduce_factor(meta.dtype)
-        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", wire, a) for a in synced),
-                        copies_bytes / hbm + optimizer_step_time(e, mesh.hardware))
+        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm + step, step)
     n = shard_factor(opt, mesh)
     rest = tuple(a for a in synced if a not in opt.shard_axes)
     rf = mesh.hardware.reduce_factor(meta.dtype)  # gradients may be reduced in a wider dtype than the parameter's
     on_shard = sum(bw("all_reduce", rf * b / n, a) for a in rest)
     gathers, scatters = zero3_traffic(uses) if opt.stage == 3 else (1, 1)
     comm = sum(gathers * bw("all_gather", b, a) + scatters * bw("reduce_scatter", rf * b, a) for a in opt.shard_axes) + on_shard
-    busy = copies_bytes / hbm + optimizer_step_time(e / n, mesh.hardware)  # a rank steps its shard alone
+    busy = copies_bytes / hbm + step
     if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard at the end (the flat copy is
         # freed before the shard is copied out: ``collectives.scatter_flat``)
-        return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm, busy)
+        return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm, busy, step)
     if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
-        return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, busy)
-    return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, busy)
+        return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, busy, step)
+    return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, busy, step)
 
 
 def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:

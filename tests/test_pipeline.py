@@ -460,15 +460,17 @@ def test_each_pipeline_rank_steps_the_optimizer_on_what_it_stores_after_the_sync
     # 0-1, a little less)
     last = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("tok_embeddings", "layers.0.", "layers.1.")))
     hw = get_hardware("a100-80gb")
-    sync = {}
+    sync, optimizer = {}, {}
     for axes, zero in (({"pp": 2}, 0), ({"dp": 2, "pp": 2}, 0), ({"dp": 2, "pp": 2}, 1)):
         for step_bytes in (0.0, hw.optimizer_step_bytes):
             mesh = autopar.Mesh(axes, hardware=dataclasses.replace(hw, optimizer_step_bytes=step_bytes))
             plan = autopar.plan(model, mesh, (x, x), constraints=[PipelinePin("1f1b", 2, cuts="equal"), autopar.ZeroPin("*", zero)])
             sync[len(axes), zero, step_bytes] = plan.pipeline.sync_time
+            optimizer[len(axes), zero, step_bytes] = plan.cost.optimizer_time
             assert plan.cost.optimizer_time <= plan.pipeline.sync_time + 1e-12  # the busiest rank's step, in its sync
     step = lambda n: optimizer_step_time(n, hw)  # noqa: E731
     assert sync[1, 0, 0.0] == 0.0  # nothing to sum without data parallelism
     assert sync[1, 0, hw.optimizer_step_bytes] == pytest.approx(step(last), rel=1e-9)
+    assert optimizer[1, 0, hw.optimizer_step_bytes] == pytest.approx(step(last), rel=1e-9)  # and the plan says so
     assert sync[2, 0, hw.optimizer_step_bytes] - sync[2, 0, 0.0] == pytest.approx(step(last), rel=0.02)
     assert sync[2, 1, hw.optimizer_step_bytes] - sync[2, 1, 0.0] == pytest.approx(step(last / 2), rel=0.02)

@@ -360,6 +360,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     act = sum(uc.act)
     state = grad = transient = comm = 0.0
     n_block_params = sum(1 for u, *_ in prof.params.values() if u == 1)
+    bucket3 = {True: 0.0, False: 0.0}  # ZeRO-3: one block copy's transient, the rest's
     traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
     buckets: dict[bool, set] = {True: set(), False: set()}  # one block's gradient buckets, the rest's (as the solver's)
     for name, (u, spec, meta, uses) in prof.params.items():
@@ -374,11 +375,14 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
             spec = Spec((spec.placements[0], Replicate()) + tuple(spec.placements[1:]))
         for i, k in enumerate(zero3_traffic(uses)):
             traffic[u == 1][i] += k
-        zc = param_cost(opt, spec, meta, mesh, copies, max(n_block_params, 1), uses)
+        zc = param_cost(opt, spec, meta, mesh, copies, uses)
         state += copies * zc.state
         grad += copies * zc.grad
         act += copies * zc.act if opt.stage in (1, 2) else 0.0
-        transient = max(transient, zc.transient * copies * (n_block_params if opt.stage == 3 else 1))
+        if opt.stage == 3:  # one bucket at a time: a block copy's, or the rest's (summed over their parameters)
+            bucket3[u == 1] += zc.transient * copies
+        else:
+            transient = max(transient, zc.transient * copies)
         comm += copies * zc.comm
         compute += copies * zc.memory_bound  # copies and the optimizer step run on the compute stream, as the real plan prices them
         gb = grad_bucket(opt, spec, meta, mesh)
@@ -400,6 +404,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         compute += L * seconds
         act += L * kept
         regen = max(regen, held)
+    transient = max(transient, *bucket3.values())
     f = mesh.hardware.overlap
     step = max(compute, comm) + (1 - f) * min(compute, comm)
     memory = peak_memory(state, grad, act, transient, max(transient, regen))

@@ -461,25 +461,90 @@ class _ZeroGather(torch.autograd.Function):
         return (None, None, None) + tuple(scatter_flat(full, levels, reduce))
 
 
-class _Zero3Linear(torch.autograd.Function):
-    """``linear(x, gather(w_shard), b)`` that keeps only the shard: the weight is gathered again in backward."""
+class Zero3Block:
+    """One ZeRO-3 bucket's gathered linear weights for one step (FSDP2's unsharded block): gathered for forward by
+    ``zero3_gather`` (in a recomputed block, by its first linear), dropped after the bucket's last linear in forward
+    (``zero3_block_linear``'s ``last``), gathered again -- one collective for the bucket -- when backward (or the
+    block's recomputation) first needs a weight, and dropped once the bucket's gradients are reduce-scattered. ``linear``: the indices of the bucket's parameters used as a linear's
+    weight. Each forward makes a new one: nothing is kept from step to step."""
+
+    def __init__(self, shards: tuple, shapes: tuple, levels: tuple, linear: tuple[int, ...]):
+        self.shards, self.shapes, self.levels, self.linear = shards, shapes, levels, linear
+        self.weights: dict[int, torch.Tensor] | None = None
+        self.grads: dict[int, torch.Tensor] = {}  # index -> its linears' weight gradients, summed
+
+    def hold(self, weights: dict[int, torch.Tensor]) -> None:
+        self.weights = weights
+
+    def weight(self, i: int, phase: str) -> torch.Tensor:
+        if self.weights is None:
+            fulls = gather_flat([self.shards[j] for j in self.linear], self.levels, phase)
+            self.weights = {j: unpadded(f, self.shapes[j]) for j, f in zip(self.linear, fulls)}
+        return self.weights[i]
+
+    def release(self) -> None:
+        self.weights = None
+
+    def add_grad(self, i: int, g: torch.Tensor) -> None:
+        self.grads[i] = self.grads[i] + g if i in self.grads else g
+
+
+class _Zero3Gather(torch.autograd.Function):
+    """A ZeRO-3 bucket's shards -> a token the bucket's linears take (their weights live in the ``Zero3Block``,
+    which autograd does not see, so nothing keeps them) and the whole parameters its other uses read (autograd
+    may keep those, as their ops need them). Backward runs once the token's and those parameters' gradients are all
+    in -- after every linear of the bucket -- and reduce-scatters the bucket's gradients together."""
 
     @staticmethod
-    def forward(ctx, x, w_shard, b, shape, levels):
-        ctx.args = (shape, levels, b is not None)
-        w = unpadded(gather_flat([w_shard], levels, "forward")[0], shape)
-        ctx.save_for_backward(x, w_shard)
-        return torch.nn.functional.linear(x, w, b)
+    def forward(ctx, block, others, reduce, with_linear, *shards):
+        ctx.block, ctx.others, ctx.reduce = block, others, reduce
+        ctx.set_materialize_grads(False)
+        which = range(len(shards)) if with_linear else others
+        fulls = dict(zip(which, (unpadded(f, block.shapes[j]) for f, j in
+                                 zip(gather_flat([shards[j] for j in which], block.levels, "forward") if which else [], which))))
+        if with_linear:
+            block.hold({j: fulls[j] for j in block.linear})
+        token = shards[0].new_zeros(0)
+        return (token,) + tuple(fulls[j] for j in others)
+
+    @staticmethod
+    def backward(ctx, _token, *grads):
+        block = ctx.block
+        block.release()  # every linear of the bucket is done: its regathered weights go before the scatter
+        full = [block.grads.pop(j, None) for j in range(len(block.shapes))]
+        for j, g in zip(ctx.others, grads):
+            if g is not None:
+                full[j] = g if full[j] is None else full[j] + g
+        like = next(g for g in full if g is not None)
+        full = [g.reshape(-1) if g is not None else like.new_zeros(math.prod(s)) for g, s in zip(full, block.shapes)]
+        return (None, None, None, None) + tuple(scatter_flat(full, block.levels, ctx.reduce))
+
+
+class _Zero3BlockLinear(torch.autograd.Function):
+    """``linear(x, w, b)`` with ``w`` the bucket's gathered weight ``i``, not saved: backward reads it from the
+    bucket, which gathers the bucket's weights again for the first of its linears there. In a recomputed block
+    (``keep``) the weight is saved: the checkpoint drops it after forward, and the block's recomputation -- whose
+    first linear gathers the bucket again -- saves it for backward, so backward gathers nothing more."""
+
+    @staticmethod
+    def forward(ctx, x, token, b, block, i, keep, last):
+        w = block.weight(i, "forward")
+        ctx.block, ctx.i, ctx.keep, ctx.has_b = block, i, keep, b is not None
+        ctx.save_for_backward(*((x, w) if keep else (x,)))
+        out = torch.nn.functional.linear(x, w, b)
+        if last:
+            block.release()
+        return out
 
     @staticmethod
     def backward(ctx, g):
-        shape, levels, has_b = ctx.args
-        x, w_shard = ctx.saved_tensors
-        w = unpadded(gather_flat([w_shard], levels, "backward")[0], shape)
+        x, *kept = ctx.saved_tensors
+        w = kept[0] if ctx.keep else ctx.block.weight(ctx.i, "backward")
         gx = g @ w
-        gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        gb = g.reshape(-1, g.shape[-1]).sum(0) if has_b else None
-        return gx, scatter_flat([gw.reshape(-1)], levels, ())[0], gb, None, None
+        g2 = g.reshape(-1, g.shape[-1])
+        ctx.block.add_grad(ctx.i, g2.t() @ x.reshape(-1, x.shape[-1]))
+        gb = g2.sum(0) if ctx.has_b else None
+        return gx, g.new_zeros(0), gb, None, None, None, None
 
 
 def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple):
@@ -488,5 +553,16 @@ def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple):
     return _ZeroGather.apply(shapes, levels, reduce, *shards)
 
 
-def zero3_linear(x, w_shard, b, shape: tuple, levels: tuple):
-    return _Zero3Linear.apply(x, w_shard, b, shape, levels)
+def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, others: tuple, reduce: tuple = (),
+                 with_linear: bool = True):
+    """A ZeRO-3 bucket: one all-gather of its shards (per level). Returns (its ``Zero3Block``, the token its
+    linears take, the whole parameters at ``others``); backward reduce-scatters the bucket's gradients once.
+    ``with_linear=False`` gathers the ``others`` alone: the bucket's first linear gathers the linears' weights, as
+    a recomputed block needs (its recomputation must launch what its forward launched, and gathers them again)."""
+    block = Zero3Block(tuple(shards), tuple(shapes), levels, tuple(linear))
+    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, with_linear, *shards))
+
+
+def zero3_block_linear(x, token, b, block: Zero3Block, i: int, shape: tuple, keep: bool, last: bool):
+    """``linear(x, weight i of block, b)`` (``_Zero3BlockLinear``); ``shape``: the weight's, for ``check_local``."""
+    return _Zero3BlockLinear.apply(x, token, b, block, i, keep, last)

@@ -13,13 +13,13 @@ of NVLink's and 90% of InfiniBand's line rate. The H100/H200 presets (700 W SXM)
 are checked, not fitted (plan_quality's check rows): NVIDIA's DGX-H100 Llama3-8B FSDP run in FP8 is predicted
 within 2%. torchtitan's published H100 runs were on 500 W parts with HBM2e: ``h100-500w`` describes them, with one
 constant fitted (the tensor-core clocks the power limit leaves) on one of their runs and checked on the others.
-The runtime fields (``overlap``, ``zero3_per_block``, ``grad_reduce_bytes``, ``attention_skips_masked``,
-``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``, ``fused_elementwise``) describe autopar's
-runtime by default (no overlap, one ZeRO-3 parameter at a time, gradients reduced in the parameter's dtype, SDPA's
-fused kernels, selective recomputation keeping every matmul's output, the model's dtype, tensor-parallel
-collectives between the linears, not under them, one kernel per op); the benchmark sets them to describe
-Megatron-LM, Megatron-Core, DeepSpeed and FSDP2 (with and without torch.compile) when
-it prices their published runs. Hardware that sets those autopar's runtime does not realise
+The runtime fields (``overlap``, ``grad_reduce_bytes``, ``attention_skips_masked``, ``selective_recomputes_every``,
+``float8_linears``, ``tp_overlap``, ``fused_elementwise``) describe autopar's runtime by default (no overlap,
+gradients reduced in the parameter's dtype, SDPA's fused kernels, selective recomputation keeping every matmul's
+output, the model's dtype, tensor-parallel collectives between the linears, not under them, one kernel per op;
+ZeRO-3 gathered a block at a time, as FSDP2 does, is no field: every runtime priced does it); the benchmark sets
+them to describe Megatron-LM, Megatron-Core, DeepSpeed and FSDP2 (with and without torch.compile) when it prices
+their published runs. Hardware that sets those autopar's runtime does not realise
 (``Hardware.foreign_runtime``) plans but does not run: ``parallelize`` refuses it and names the fields.
 
 ``cpu-gloo`` is one rank of 4 gloo processes (one thread each) sharing the 2-core development machine, the way the
@@ -86,12 +86,11 @@ class Hardware:
     # memory_efficiency of hbm_bandwidth: a fused AdamW (Megatron's, torchtitan's "fused") reads the parameter, its
     # gradient and two moments and writes the three back, 7 x 4 bytes in fp32, and as much for a 16-bit parameter
     # with an fp32 master copy (2 + 12 read, 12 + 2 written); cpu-gloo: measured (benchmarks/calibrate_cpu.py)
-    # How the runtime being priced behaves (autopar's own: no overlap, ZeRO-3 gathers one parameter at a time;
-    # a preset for FSDP2 / DeepSpeed runs sets these to describe theirs):
+    # How the runtime being priced behaves (autopar's own: no overlap; a preset for FSDP2 / DeepSpeed runs sets
+    # these to describe theirs). Like FSDP2, autopar's runtime gathers and reduce-scatters ZeRO-3 parameters a
+    # block at a time (``collectives.zero3_gather``), so that is no field:
     overlap: float = 0.0  # fraction of the shorter of compute and data-parallel communication (gradient buckets,
     # ZeRO) hidden under the other: step = max(C, D) + (1 - overlap) min(C, D)
-    zero3_per_block: bool = False  # ZeRO-3 gathers and reduce-scatters a block's parameters as one bucket (FSDP2's
-    # unit), not one parameter at a time
     grad_reduce_bytes: int = 0  # bytes per element gradients are reduced in (Megatron-LM's fp32 main grads, FSDP2's
     # reduce_dtype=float32 in torchtitan: 4); 0: the parameter's own dtype
     selective_recomputes_every: int = 0  # selective recomputation also recomputes every k-th matmul of a block
@@ -147,7 +146,6 @@ class Hardware:
             "op_overhead": self.op_overhead,
             "optimizer_step_bytes": self.optimizer_step_bytes,
             "overlap": self.overlap,
-            "zero3_per_block": self.zero3_per_block,
             "grad_reduce_bytes": self.grad_reduce_bytes,
             "selective_recomputes_every": self.selective_recomputes_every,
             "float8_linears": self.float8_linears,
@@ -174,7 +172,6 @@ class Hardware:
             op_overhead=d.get("op_overhead", 0.0),
             optimizer_step_bytes=float(d.get("optimizer_step_bytes", 28.0)),
             overlap=float(d.get("overlap", 0.0)),
-            zero3_per_block=d.get("zero3_per_block", False),
             grad_reduce_bytes=int(d.get("grad_reduce_bytes", 0)),
             selective_recomputes_every=int(d.get("selective_recomputes_every", 0)),
             float8_linears=bool(d.get("float8_linears", False)),
@@ -184,10 +181,10 @@ class Hardware:
 
 
 _GB = 1e9
-# runtime fields autopar's own runtime does not realise (it overlaps nothing, gathers a ZeRO-3 parameter at a time,
-# reduces gradients in their dtype, runs linears in the model's dtype, one kernel per op): set, they price another
-# runtime, and parallelize refuses such hardware rather than run a plan whose every number describes something else
-FOREIGN_RUNTIME = ("overlap", "zero3_per_block", "grad_reduce_bytes", "float8_linears", "tp_overlap", "fused_elementwise")
+# runtime fields autopar's own runtime does not realise (it overlaps nothing, reduces gradients in their dtype,
+# runs linears in the model's dtype, one kernel per op): set, they price another runtime, and parallelize refuses
+# such hardware rather than run a plan whose every number describes something else
+FOREIGN_RUNTIME = ("overlap", "grad_reduce_bytes", "float8_linears", "tp_overlap", "fused_elementwise")
 _AUTOPAR_RUNTIME = {f.name: f.default for f in dataclasses.fields(Hardware) if f.name in FOREIGN_RUNTIME}
 
 H100_500W_CLOCKS = 0.71  # share of the 700 W H100's tensor-core peak a 500 W limit leaves ("h100-500w" below)

@@ -81,8 +81,9 @@ class GradBucket:
 @dataclass(frozen=True)
 class ZeroBucket:
     """Parameters stored as shards (ZeRO-1/2: gathered together at the start of the step and their gradients
-    reduce-scattered together; ZeRO-3: one parameter, gathered at each use), with the axes their shards are all-reduced
-    over after the reduce-scatter."""
+    reduce-scattered together; ZeRO-3: a block's, or the rest, gathered together where the first is used, the
+    linears' weights again for backward, their gradients reduce-scattered together), with the axes their shards are
+    all-reduced over after the reduce-scatter."""
 
     name: str
     stage: int

@@ -214,9 +214,6 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             by_zero.setdefault((opt.stage, opt.shard_axes, gb[1], block if opt.stage == 2 else ""), []).append(name)
         elif gb is not None:
             buckets.setdefault((block, gb[1]), []).append((name, int(local // n * mesh.hardware.reduce_factor(meta.dtype))))
-        if opt.stage == 3:
-            transient = max(transient, 2 * local)
-            t_act = max(t_act, 2 * local)
     grad_buckets = []
     for (block, axes), members in buckets.items():
         bname = f"grads[{block or 'rest'}]({','.join(mesh.names[a] for a in axes)})"
@@ -236,31 +233,38 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if stage == 2:  # a bucket's full gradients: beside the other buckets' gathered parameters as backward
             transient = max(transient, full)  # starts, and beside the gradients as it ends
             t_act = max(t_act, full)
-    per_block: dict[tuple, list] = {}  # (block, shard axes) -> [bytes gathered forward, again in backward, names]
+    # ZeRO-3: the runtime gathers a block's parameters (or the rest) as one bucket (``passes/zero.py``): for forward,
+    # the linears' weights again for backward (``zero.zero3_traffic``), all gradients reduce-scattered together. A
+    # recomputed block's linears gather their weights themselves (forward, and again as the block is recomputed),
+    # apart from the parameters used otherwise
+    per_block: dict[tuple, list] = {}  # (block, shard axes) -> [names, bytes used otherwise, by linears, linear users]
     for name, opt in zero_of.items():
         if opt.stage != 3:
             continue
         spec, meta = strategy[name].output, problem.meta[name]
         full = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
-        uses = zero3_uses(tg, name)
-        if mesh.hardware.zero3_per_block:  # the runtime priced gathers a block's parameters as one bucket
-            fqn = tg.fqns[name]
-            block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "rest")
-            acc = per_block.setdefault((block, opt.shard_axes), [0.0, 0.0, []])
-            acc[0] += full * len(uses)
-            acc[1] += full * uses.count("linear")
-            acc[2].append(name)
-            continue
-        zname = f"zero3[{tg.fqns[name]}]({','.join(mesh.names[a] for a in opt.shard_axes)})"
-        zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in opt.shard_axes), (), (name,)))
-        for use in uses:
-            again = gather_priced(full, opt.shard_axes, mesh, "backward") if use == "linear" else []
-            add(gather_priced(full, opt.shard_axes, mesh, "forward") + again + scatter_priced(full, opt.shard_axes, (), mesh, meta.dtype), zname)
-    for (block, shard_axes), (fwd_b, bwd_b, names) in per_block.items():
+        fqn = tg.fqns[name]
+        block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "rest")
+        acc = per_block.setdefault((block, opt.shard_axes), [[], 0.0, 0.0, []])
+        node = nodes_fx[name]
+        linears = [u.name for u in node.users if u.target == torch.ops.aten.linear.default and len(u.args) > 1 and u.args[1] is node and u.args[0] is not node]
+        acc[0].append((name, full))
+        acc[1] += full * (len(linears) < len(node.users))
+        acc[2] += full * bool(linears)
+        acc[3] += linears
+    for (block, shard_axes), (members, other_b, linear_b, users) in per_block.items():
         zname = f"zero3[{block}]({','.join(mesh.names[a] for a in shard_axes)})"
-        zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in shard_axes), (), tuple(names)))
-        again = gather_priced(bwd_b, shard_axes, mesh, "backward") if bwd_b else []
-        add(gather_priced(fwd_b, shard_axes, mesh, "forward") + again + scatter_priced(fwd_b, shard_axes, (), mesh, problem.meta[names[0]].dtype), zname)
+        zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in shard_axes), (), tuple(n for n, _ in members)))
+        all_b = sum(b for _, b in members)
+        again = [u in cost.recompute for u in users]
+        inside, mixed = bool(users) and all(again), any(again) and not all(again)
+        fwd = [other_b, linear_b] if inside else [all_b]
+        priced = [p for b in fwd if b for p in gather_priced(b, shard_axes, mesh, "forward")]
+        if linear_b and not mixed:
+            priced += gather_priced(linear_b, shard_axes, mesh, "backward")
+        add(priced + scatter_priced(all_b, shard_axes, (), mesh, problem.meta[members[0][0]].dtype), zname)
+        transient = max(transient, 2 * all_b)  # the bucket gathered again with its gradients (``zero.param_cost``)
+        t_act = max(t_act, 2 * all_b)
     plan_in = [strategy[n].output for n in problem.order if tg.kinds.get(n) == INPUT]
     input_spec = plan_in[0] if plan_in else Spec.replicated(mesh.ndim)
     split = {a for a, p in enumerate(input_spec.placements) if isinstance(p, Shard)}

@@ -645,8 +645,8 @@ def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int, 
 
 
 @functools.lru_cache(maxsize=65536)
-def _zcost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int, gparams: int, uses: tuple[str, ...]) -> ZeroCost:
-    return param_cost(opt, spec, meta, mesh, copies, gparams, uses)  # a pure function of hashable data: memoised
+def _zcost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int, uses: tuple[str, ...]) -> ZeroCost:
+    return param_cost(opt, spec, meta, mesh, copies, uses)  # a pure function of hashable data: memoised
 
 
 def _zero_allowed(zgroups, zopts: list[ZeroOption], mesh: Mesh, pins) -> dict[str, set[int]]:
@@ -761,18 +761,17 @@ def solve(
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
     zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, memory-bound seconds]
     # one-at-a-time buffers, as their largest instance: a gradient bucket (stage 0: flat copy + cut gradients, 2x;
-    # stage 2: 1x), one ZeRO-3 parameter gathered again with its full gradient (2x)
-    tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2 bucket bytes], one copy
-    tparam: list[tuple[str, int, str, int, float]] = []  # (decision, strategy, group, option, bytes) of ZeRO-3 params
+    # stage 2: 1x), a ZeRO-3 bucket gathered again with its full gradients (2x)
+    tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2/3 bucket bytes], one copy
     zfacts: dict[tuple, tuple] = {}  # one parameter's ZeRO facts at one Spec: the same for every tied copy
 
     def zero_facts(spec: Spec, meta: TensorMeta, copies: int, gparams: int, uses: tuple[str, ...]) -> tuple:
         key = (spec, meta.shape, meta.dtype, copies, gparams, uses)
         if key not in zfacts:
-            base = _zcost(zopts[0], spec, meta, mesh, copies, gparams, uses)
+            base = _zcost(zopts[0], spec, meta, mesh, copies, uses)
             per = []
             for k, opt in enumerate(zopts):
-                c = _zcost(opt, spec, meta, mesh, copies, gparams, uses) if k else base
+                c = _zcost(opt, spec, meta, mesh, copies, uses) if k else base
                 per.append((effective(opt, spec, mesh).stage,
                             (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.memory_bound - base.memory_bound),
                             grad_bucket(opt, spec, meta, mesh)))
@@ -798,10 +797,8 @@ def solve(
                     bucket_sets.setdefault((r, s, g, k), set()).add(gb)
                 if stage == 0 and synced:
                     buck[k][0] += 2 * b / copies
-                elif stage == 2:
-                    buck[k][1] += b / copies
-                elif stage == 3 and rep(n) == n:
-                    tparam.append((r, s, g, k, 2 * b))
+                elif stage in (2, 3):
+                    buck[k][1] += (b if stage == 2 else 2 * b) / copies
                 if k == 0:
                     continue
                 d = row[k]
@@ -1022,7 +1019,7 @@ def solve(
         add_row(0.0, 0.0, [t for form in ws for t in form] + [(-1.0, zvar[g][k])])
     # transients: gradient buckets live in backward, as the gradients grow (the second peak); a ZeRO-2 bucket's
     # whole gradients also meet the activations (the last block's, before the other blocks' gathered parameters
-    # are freed), and so does a ZeRO-3 parameter gathered again in backward (both peaks)
+    # are freed), and so does a ZeRO-3 bucket gathered again in backward (both peaks)
     top_g = model.var(0.0, inf)  # transient_g
     top_a = model.var(0.0, inf)  # transient_a
     for g in zvar:
@@ -1034,11 +1031,6 @@ def solve(
                 add_row(0.0, inf, [(1.0, top_g)] + form)
                 if kind == 1:
                     add_row(0.0, inf, [(1.0, top_a)] + form)
-    for r, s, g, k, b in tparam:
-        if (r, s, g, k) in ind:
-            form = [(-b * MB * cf, v) for cf, v in ind[(r, s, g, k)]]
-            add_row(0.0, inf, [(1.0, top_g)] + form)
-            add_row(0.0, inf, [(1.0, top_a)] + form)
     # recomputation: while one block's backward runs, what its forward kept not is alive again (blocks are tied:
     # the first stands for all)
     if any(any(row) for row in regen.values()):

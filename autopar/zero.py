@@ -18,12 +18,14 @@ itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO pap
 | 1     | e p/n + e o/n      | e p (gathered)       | 2 e p + e p/n (full gradients,   | all-gather (forward) + reduce-scatter |
 |       |                    |                      | their flat copy, the shard)      |                                       |
 | 2     | e p/n + e o/n      | e p (gathered)       | e p/n (+ one bucket)             | all-gather + reduce-scatter per bucket |
-| 3     | e (p + o)/n        | (one param at a time)| e p/n (+ one param, twice)       | all-gather forward and again in       |
-|       |                    |                      |                                  | backward + reduce-scatter: 1.5x bytes |
+| 3     | e (p + o)/n        | (one bucket at a     | e p/n (+ one bucket, twice)      | all-gather forward and again in       |
+|       |                    | time)                |                                  | backward + reduce-scatter: 1.5x bytes |
 
-Stage 3's traffic is per use of the parameter (``zero3_traffic``): a linear's weight is gathered again in
-backward, not kept; a parameter used otherwise (a norm's weight, a bias, an embedding) is gathered once and kept
-for its backward; a tied weight pays once per use.
+Stage 3 runs per bucket (``collectives.zero3_gather``; a repeated block's parameters, or the rest, as FSDP2 wraps
+them): one all-gather of the bucket for forward, one more of its linears' weights for backward (a linear keeps no
+weight: ``zero3_traffic``), and one reduce-scatter of all its gradients once its uses' backward is done. A
+parameter used otherwise (a norm's weight, a bias, an embedding) is gathered once and kept for its backward; a tied
+weight is gathered and reduce-scattered once, whatever its uses.
 Stage 1 reduce-scatters all its gradients at the end of backward (full gradients are held until then); stage 2
 reduce-scatters each group's gradients as soon as they are ready. A storage shard is a flat chunk of the
 parameter's local tensor (FSDP1 style), zero-padded to a multiple of n, so any parameter can be sharded.
@@ -123,18 +125,19 @@ class ZeroCost:
 
 
 def zero3_traffic(uses: tuple[str, ...]) -> tuple[int, int]:
-    """(all-gathers, reduce-scatters) per step of a ZeRO-3 parameter used as ``uses`` says (``zero3_uses``): each
-    use gathers it and reduce-scatters that use's gradient; a linear's weight is gathered once more in backward."""
-    return len(uses) + uses.count("linear"), len(uses)
+    """(all-gathers, reduce-scatters) per step of a ZeRO-3 parameter used as ``uses`` says (``zero3_uses``), as its
+    bucket runs it: gathered once for forward, once more for backward if a linear takes it as its weight (the
+    linear keeps no weight), and its gradient -- all its uses' -- reduce-scattered once."""
+    return 1 + ("linear" in uses), 1
 
 
-def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int = 1, group_params: int = 1,
+def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int = 1,
                uses: tuple[str, ...] = ("linear",)) -> ZeroCost:
     """One trainable parameter's memory and communication under ``opt`` (as it runs it: ``effective``).
 
-    ``copies`` and ``group_params`` spread a group's one-at-a-time transients over the parameters that share them
-    (a bucket of full gradients per group copy in stage 2; one gathered parameter at a time in stage 3). ``uses``
-    (``zero3_uses``): how many times stage 3 gathers and reduce-scatters it, as the real plan emits them.
+    ``copies`` spreads a group's one-at-a-time transients over the copies that share them (per group copy a bucket
+    of full gradients in stage 2, a gathered bucket in stage 3): summed over a group's parameters, ``transient`` is
+    one copy's. ``uses`` (``zero3_uses``): whether stage 3 gathers it again for backward (``zero3_traffic``).
     """
     opt = effective(opt, spec, mesh)
     p = itemsize(meta.dtype)
@@ -167,7 +170,9 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
         return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm, busy, step)
     if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
         return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, busy, step)
-    return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / (copies * group_params), comm, busy, step)
+    # one bucket (a group copy) at a time: its gathered weights and their gradients, or those and the flat buffer
+    # they are reduce-scattered from once the weights are dropped
+    return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / copies, comm, busy, step)
 
 
 def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:
@@ -240,8 +245,8 @@ def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, traffic: "tupl
         return collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a))
 
     gathers, scatters = traffic or (2 * group_params, group_params)
-    if mesh.hardware.zero3_per_block:  # one bucket per group copy: gathered for forward, again for its linears
-        gathers, scatters = min(gathers, 1) + (gathers > scatters), min(scatters, 1)
+    # one bucket per group copy (``collectives.zero3_gather``): gathered for forward, again for its linears
+    gathers, scatters = min(gathers, 1) + (gathers > scatters), min(scatters, 1)
     return sum(gathers * lat("all_gather", a) + scatters * lat("reduce_scatter", a) for a in opt.shard_axes)
 
 

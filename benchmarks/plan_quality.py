@@ -77,9 +77,9 @@ A100_PEAK = 312e12
 # (its defaults, which the published runs used) reduces FSDP2's bf16 gradients in fp32, and its op-level selective
 # AC saves every other matmul's output, recomputing the rest (torchtitan/.../activation_checkpoint.py).
 RUNTIMES = {"megatron-lm": dict(overlap=0.0, grad_reduce_bytes=4, attention_efficiency=0.5, attention_skips_masked=False),
-            "deepspeed-zero3": dict(overlap=0.5, zero3_per_block=True, attention_efficiency=0.5, attention_skips_masked=False,
+            "deepspeed-zero3": dict(overlap=0.5, attention_efficiency=0.5, attention_skips_masked=False,
                                     ring_step_latency=30e-6),
-            "fsdp2": dict(overlap=1.0, zero3_per_block=True, grad_reduce_bytes=4, selective_recomputes_every=2)}
+            "fsdp2": dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2)}
 RUNTIMES["fsdp2+float8"] = dict(RUNTIMES["fsdp2"], float8_linears=True)
 # torchtitan with torch.compile (block by block): Inductor fuses each block's chains of memory-bound ops
 RUNTIMES["fsdp2+compile"] = dict(RUNTIMES["fsdp2"], fused_elementwise=True)

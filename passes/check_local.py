@@ -72,8 +72,10 @@ def local_values(gm: fx.GraphModule, plan, mesh) -> dict[str, object]:
             out = tuple(args[0])
         elif t is collectives.zero_gather:
             out = tuple(_meta_like(shape, x.dtype) for x, shape in zip(args[0], args[1]))
-        elif t is collectives.zero3_linear:
-            out = torch.ops.aten.linear.default(args[0], _meta_like(args[3], args[1].dtype), args[2])
+        elif t is collectives.zero3_gather:
+            out = (None, _meta_like((0,), args[0][0].dtype)) + tuple(_meta_like(args[1][j], args[0][j].dtype) for j in args[4])
+        elif t is collectives.zero3_block_linear:
+            out = torch.ops.aten.linear.default(args[0], _meta_like(args[5], args[0].dtype), args[2])
         elif t is operator.getitem:
             out = args[0][args[1]]
         else:

@@ -5,10 +5,11 @@ ZeRO gathers inserted, shapes local; with a pipeline the stages cut, so this run
 Ensures: with ``none`` nothing changes. Otherwise, in each (stage) program, the ops of each block -- from its first
 planned op to its last, with the collectives and gathers the earlier passes put between them -- move into a
 submodule ``recompute_<k>`` (``autopar.recompute.Recomputed``) called with the values the block reads from outside
-and returning those read after it. Values that depend on parameters alone (ZeRO-1/2 gathers, gradient-sync
-anchors, parameter views) move before the block instead: they live all step anyway, and recomputing a ZeRO-1/2
-gather would launch it again; ZeRO-3 gathers stay inside (recomputed, they are the gather backward needs). So the
-block keeps its inputs, as the cost model's ``kept`` does, and ``selective`` / ``full`` keep inside it what
+and returning those read after it. Values that depend on parameters alone (ZeRO gathers, gradient-sync
+anchors, parameter views) move before the block instead: they live all step anyway, and recomputing a ZeRO gather
+would launch it again. A ZeRO-3 bucket's linear weights are not such values: its linears read them from the bucket
+(``collectives.Zero3Block``), which gathers them again as the block's recomputation runs its first linear -- the
+gather ZeRO-3 pays for backward. So the block keeps its inputs, as the cost model's ``kept`` does, and ``selective`` / ``full`` keep inside it what
 ``autopar.cost.recomputes`` says.
 """
 
@@ -53,15 +54,15 @@ def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], zero_groups:
             static.add(n)
     for k, (fqn, ops) in enumerate(by_block.items()):
         span = nodes[position[ops[0]] : position[ops[-1]] + 1]
-        hoisted = [n for n in span if n in static and not _regathered(n)]
+        hoisted = [n for n in span if n in static]
         inside_set = set(span) - set(hoisted)
-        # the nodes the passes put just before the block's first op for it alone (the redistributions of its inputs,
-        # its ZeRO-3 gathers) belong to it: full recomputation runs them again, and what the block keeps is the
+        # the nodes the passes put just before the block's first op for it alone (the redistributions of its inputs)
+        # belong to it: full recomputation runs them again, and what the block keeps is the
         # planned producer's value
         i = position[ops[0]] - 1
         while i >= 0 and nodes[i].op == "call_function" and nodes[i].name not in plan.nodes:
             n = nodes[i]
-            if n.users and all(u in inside_set for u in n.users) and (n not in static or _regathered(n)):
+            if n.users and all(u in inside_set for u in n.users) and n not in static:
                 inside_set.add(n)
             i -= 1
         inside = [n for n in nodes if n in inside_set]  # program order
@@ -94,10 +95,3 @@ def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], zero_groups:
             g.erase_node(n)
         nodes = list(g.nodes)
         position = {n: i for i, n in enumerate(nodes)}
-
-
-def _regathered(n: fx.Node) -> bool:
-    """A ZeRO-3 gather for the block's linears (``passes/zero.py`` marks them), or a read of one."""
-    while n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-    return n.meta.get("zero_recomputed", False)

@@ -4,11 +4,12 @@ Requires: ``plan.zero_buckets``; redistributions already inserted (a parameter's
 Ensures: the placeholder of every ZeRO parameter holds this rank's flat shard. ZeRO-1/2 buckets: one
 ``zero_gather`` at the start of the program rebuilds the bucket's whole local parameters; its backward
 reduce-scatters their gradients once all are ready (and all-reduces the shards over the bucket's other
-replicated axes). ZeRO-3: a linear that takes the parameter as its weight becomes ``zero3_linear`` (gathers for
-the op, again in backward, keeps only the shard); any other use reads one shared ``zero_gather`` of it. The linears
-of a block the plan recomputes read a ``zero_gather`` of their own, marked ``meta["zero_recomputed"]``: the block's
-backward runs its forward again, that gather included, which is ZeRO-3's gather for backward (a fused linear would
-gather a third time).
+replicated axes). ZeRO-3 buckets (a repeated block's parameters, or the rest: FSDP2's units): one ``zero3_gather``
+where the bucket's first parameter is used; a linear that takes one of them as its weight becomes
+``zero3_block_linear``, which reads the weight from the bucket's ``collectives.Zero3Block`` (the last one in forward
+drops the bucket's weights; backward, or the block's recomputation, gathers them again, once for the bucket); any
+other use reads the whole parameter the gather returns. The bucket's gradients are reduce-scattered together once
+all its uses' backward is done.
 With a pipeline (``plan.pipeline``; ZeRO-1 only) nothing: the graph runs once per microbatch, and the runtime
 gathers the parameters once before the schedule and reduce-scatters their gradients once after it.
 """
@@ -59,33 +60,31 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             for p, r in zip(params, reads):
                 p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not z)
             continue
-        # ZeRO-3: each parameter gathered for its uses (a bucket priced per block still runs per parameter here)
-        for p, shape in zip(params, shapes):
-            fused, again = set(), []
-            for u in list(p.users):
-                if u.target != aten.linear.default or len(u.args) < 2 or u.args[1] is not p or u.args[0] is p:
-                    continue
-                if u.name in recomputed:
-                    again.append(u)
-                    continue
-                b = u.args[2] if len(u.args) > 2 else None
-                with g.inserting_before(u):
-                    new = g.call_function(collectives.zero3_linear, (u.args[0], p, b, shape, levels))
-                new.meta.update(u.meta)
-                u.replace_all_uses_with(new)
-                g.erase_node(u)
-                fused.add(new)
-            others = [u for u in p.users if u not in fused and u not in again]
-            for uses, recomputes in ((again, True), (others, False)):
-                if not uses:
-                    continue
-                first = min(uses, key=lambda n: position.get(n, len(position)))
-                with g.inserting_before(first):
-                    z = g.call_function(collectives.zero_gather, ((p,), (shape,), levels, ()))
-                    z.meta["zero_recomputed"] = recomputes  # gathered again when its block is recomputed
-                    read = g.call_function(operator.getitem, (z, 0))
-                for u in uses:
-                    u.replace_input_with(p, read)
+        # ZeRO-3: the bucket gathered once where its first parameter is used; its linears read their weights from
+        # the bucket (gathered again for backward, never kept), its other uses read what the gather returns
+        is_weight = {p: [u for u in p.users if u.target == aten.linear.default and len(u.args) > 1 and u.args[1] is p
+                         and u.args[0] is not p] for p in params}
+        linear = tuple(j for j, p in enumerate(params) if is_weight[p])
+        others = tuple(j for j, p in enumerate(params) if any(u not in is_weight[p] for u in p.users))
+        first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
+        uses = sorted(((u, j) for j in linear for u in is_weight[params[j]]), key=lambda t: position[t[0]])
+        # a recomputed block's linears gather their weights themselves, in its forward and its recomputation alike
+        # (selective recomputation replays exactly the ops the forward ran); a bucket used both inside and outside
+        # recomputed blocks keeps its weights gathered from forward to backward
+        again = [u.name in recomputed for u, _ in uses]
+        inside, mixed = bool(uses) and all(again), any(again) and not all(again)
+        with g.inserting_before(first_use):
+            z = g.call_function(collectives.zero3_gather, (tuple(params), shapes, levels, linear, others, reduce, not inside))
+            block, token = (g.call_function(operator.getitem, (z, k)) for k in (0, 1))
+            reads = {j: g.call_function(operator.getitem, (z, 2 + k)) for k, j in enumerate(others)}
+        for k, (u, j) in enumerate(uses):  # the same node (its name is the plan's), another target
+            b = u.args[2] if len(u.args) > 2 else None
+            u.target = collectives.zero3_block_linear
+            u.args = (u.args[0], token, b, block, j, shapes[j], inside, k == len(uses) - 1 and not mixed)
+        for j in others:
+            for u in list(params[j].users):
+                if u is not z:
+                    u.replace_input_with(params[j], reads[j])
     g.lint()
     gm.recompile()
     return gm

@@ -39,7 +39,7 @@ def fsdp2_h100(float8: bool = True, **fields):
 
     from autopar.hardware import get_hardware
 
-    runtime = dict(overlap=1.0, zero3_per_block=True, grad_reduce_bytes=4, selective_recomputes_every=2, float8_linears=float8,
+    runtime = dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2, float8_linears=float8,
                    fused_elementwise=True)
     return dataclasses.replace(get_hardware("h100-500w"), **{**runtime, **fields})
 

@@ -190,7 +190,7 @@ def test_a_tp_axis_that_splits_no_weight_must_win_by_a_margin():
     from autopar.hardware import get_hardware
 
     # torchtitan's GPUs and runtime (FSDP2 overlapping its traffic, float8 linears, compiled), as plan_quality.py has them
-    titan = dataclasses.replace(get_hardware("h100-500w"), overlap=1.0, zero3_per_block=True, grad_reduce_bytes=4,
+    titan = dataclasses.replace(get_hardware("h100-500w"), overlap=1.0, grad_reduce_bytes=4,
                                 selective_recomputes_every=2, float8_linears=True, fused_elementwise=True)
     model, make = models.build("llama3-8b", dtype=torch.bfloat16, context=262144)
     plan = plan_cluster(model, make(1, 262144), Cluster(1, 8, titan))
@@ -324,7 +324,7 @@ def test_gpt3_175b_on_1536_a100s_at_scale():
     assert plan.cost.step_time <= published.cost.step_time
     # ZeRO-3 alone on the same 1536 GPUs (SC'21 Table 2: 44 TFLOP/s = 10.6% MFU) under DeepSpeed 2021's runtime as
     # benchmarks/plan_quality.py describes it: within 10%, and far slower than TP 8 x PP 12 (published 3.2x)
-    ds = dataclasses.replace(get_hardware("a100-80gb"), name="a100/deepspeed-zero3", overlap=0.5, zero3_per_block=True,
+    ds = dataclasses.replace(get_hardware("a100-80gb"), name="a100/deepspeed-zero3", overlap=0.5,
                              attention_efficiency=0.5, inter_node=dataclasses.replace(hw.inter_node, latency=30e-6))
     zero3 = autopar.handwritten(model, Cluster(192, 8, ds).mesh(1536, 1, 1), inputs, "fsdp", recompute="full")
     assert zero3.cost.mfu == pytest.approx(0.106, rel=0.10)
@@ -376,7 +376,9 @@ def test_the_screen_prices_a_tp_axis_that_carries_the_batch():
     assert set(got) == {(tp, zero) for tp in (2, 4, 8) for zero in (0, 1, 3)}
     for (tp, zero), s in got.items():
         real = autopar.plan(model, cl.mesh(16 // tp, 1, tp), inputs, recompute="none", constraints=[autopar.ZeroPin("*", zero)])
-        assert s.step == pytest.approx(real.cost.step_time, rel=0.03), (tp, zero, s.step, real.cost.step_time)
+        # under ZeRO-3 the real plan may keep some weights whole on tp (at tp 2, attention's), which the proxy's
+        # Megatron TP does not show: the screen is then up to 5% pessimistic (54.7 vs 52.3 ms at tp 2)
+        assert s.step == pytest.approx(real.cost.step_time, rel=0.05 if zero == 3 else 0.03), (tp, zero, s.step, real.cost.step_time)
         if zero < 3:
             assert s.memory == pytest.approx(real.cost.memory_per_device, rel=0.03), (tp, zero, s.memory, real.cost.memory_per_device)
 

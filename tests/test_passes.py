@@ -37,13 +37,13 @@ def test_collectives_launched_are_exactly_the_priced_ones(name, sp):
     assert launched == priced
     assert sum(launched.values()) > 4
     # and the forward collectives are nodes of the rewritten graph: one per redistribution step, and one per level
-    # of each ZeRO gather (a zero_gather / zero3_linear node lists its levels)
+    # of each ZeRO gather (a zero_gather / zero3_gather node lists its levels)
     fwd = 0
     for n in pm.graph_module.graph.nodes:
         if n.op == "call_function" and n.target in collectives.COLLECTIVE_OPS:
             fwd += 1
-        elif n.op == "call_function" and n.target in (collectives.zero_gather, collectives.zero3_linear):
-            fwd += len(n.args[2] if n.target is collectives.zero_gather else n.args[4])
+        elif n.op == "call_function" and n.target in (collectives.zero_gather, collectives.zero3_gather):
+            fwd += len(n.args[2])
     assert fwd == sum(v for (k, a, b, ph), v in priced.items() if ph == "forward")
 
 

@@ -104,12 +104,13 @@ def test_shards_of_any_size_are_padded(stage):
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
 
 
-def test_zero3_is_priced_per_use_as_the_runtime_gathers_it():
-    """The solver and the cluster screen price a ZeRO-3 parameter by ``param_cost`` with its uses: one gather and
-    one reduce-scatter per use, a linear's weight gathered once more in backward. On the tiny GPT (LayerNorms and
-    biases used once outside a linear, the tied embedding used twice) that is the bandwidth of what the runtime
-    launched, to the byte (priced as two gathers and one reduce-scatter for every parameter, it was 3% under: the
-    tied embedding's second use missed, a backward gather charged to every bias and norm)."""
+def test_zero3_is_priced_per_bucket_as_the_runtime_gathers_it():
+    """The solver and the cluster screen price a ZeRO-3 parameter by ``param_cost`` with its uses: gathered once for
+    forward, once more for backward if a linear takes it as its weight, its gradient reduce-scattered once. The
+    runtime does that a bucket at a time (each block, the rest: FSDP2's units). On the tiny GPT (LayerNorms and
+    biases used outside a linear, the tied embedding used twice) that is the bandwidth of what the runtime
+    launched, to the byte, in three collectives per bucket (it launched 67 for the 29 parameters when it gathered
+    one parameter at a time)."""
     from autopar.spec import Spec
     from autopar.strategies import TensorMeta
     from autopar.trace import PARAM, trace
@@ -129,8 +130,28 @@ def test_zero3_is_priced_per_use_as_the_runtime_gathers_it():
     assert collections.Counter((c.kind, c.bytes) for c in log) >= collections.Counter((c.kind, c.bytes) for c in zero)
     launched = sum(wire_bytes(c.kind, c.bytes, 4) / bw for c in zero)
     assert priced == pytest.approx(launched, rel=1e-9)
-    assert collections.Counter(c.kind for c in zero) == {"all_gather": sum(len(u) + u.count("linear") for u in uses.values()),
-                                                        "reduce_scatter": sum(len(u) for u in uses.values())}
+    buckets = [b for b in plan.zero_buckets if b.stage == 3]
+    assert sorted(b.name for b in buckets) == ["zero3[h.0](dp)", "zero3[h.1](dp)", "zero3[rest](dp)"]
+    assert sorted(p for b in buckets for p in b.params) == sorted(params)
+    assert collections.Counter(c.kind for c in zero) == {"all_gather": 2 * len(buckets), "reduce_scatter": len(buckets)}
+
+
+def test_zero3_keeps_no_gathered_weight_from_forward_to_backward():
+    """FSDP2's reshard after forward: a ZeRO-3 bucket's linears save their input, not their gathered weight, which
+    backward gathers again. Under ZeRO-2 the gathered weights are what autograd keeps."""
+    model, inputs = _model("gpt"), _inputs()
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    shapes |= {s[::-1] for s in shapes}
+    mesh = autopar.Mesh({"dp": 4}, hardware="h100-80gb")
+    saved = {}
+    for stage in (2, 3):
+        with fake_world(mesh.size), _compat.local_tensor_mode(mesh.size):
+            pm = autopar.parallelize(model, mesh, inputs, constraints=[autopar.ZeroPin("*", stage)])
+            kept = saved.setdefault(stage, set())
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.add(tuple(t.shape)), t)[1], lambda t: t):
+                loss = pm(*pm.local_inputs(*inputs))
+            loss.backward()
+    assert saved[2] & shapes and not saved[3] & shapes, saved
 
 
 class Linears(nn.Module):

@@ -78,18 +78,30 @@ class GradBucket:
     params: tuple[str, ...]  # placeholder node names
 
 
+ZERO3_WEIGHTS = ("regather", "recompute", "keep")
+
+
 @dataclass(frozen=True)
 class ZeroBucket:
     """Parameters stored as shards (ZeRO-1/2: gathered together at the start of the step and their gradients
     reduce-scattered together; ZeRO-3: a block's, or the rest, gathered together where the first is used, the
     linears' weights again for backward, their gradients reduce-scattered together), with the axes their shards are
-    all-reduced over after the reduce-scatter."""
+    all-reduced over after the reduce-scatter. ``weights`` (ZeRO-3) says where its linears' weights come from:
+    "regather" (the bucket's forward gather; the last linear drops them and backward gathers them again),
+    "recompute" (its linears are all in recomputed blocks: they gather the weights themselves, in forward and again
+    as the block is recomputed, which is backward's gather) or "keep" (some in recomputed blocks, some not: the
+    forward gather's weights are kept until backward)."""
 
     name: str
     stage: int
     shard_axes: tuple[str, ...]
     reduce_axes: tuple[str, ...]
     params: tuple[str, ...]
+    weights: str = "regather"
+
+    def __post_init__(self):
+        if self.weights not in ZERO3_WEIGHTS:
+            raise AutoparError(f"ZeRO bucket {self.name!r}: weights {self.weights!r} is not one of {', '.join(ZERO3_WEIGHTS)}")
 
 
 @dataclass(frozen=True)
@@ -360,6 +372,8 @@ class Plan:
             if block in copies or block == "rest":
                 label = f"{b.name} x{copies[block]}" if copies.get(block, 1) > 1 else b.name
                 what = "grad sync" if isinstance(b, GradBucket) else f"ZeRO-{b.stage}"
+                if isinstance(b, ZeroBucket) and b.stage == 3 and b.weights != "regather":
+                    what += f" ({b.weights})"
                 rows.append([label, what, f"{len(b.params)} params", "", "", colstr(by_node.get(b.name, []))])
         t = _tabulate.tabulate(rows, headers=["node", "op", "strategy / spec", "ms", "memory", "collectives (f/b)"], tablefmt="simple")
         if self.pipeline is not None:
@@ -448,7 +462,7 @@ class Plan:
             ],
             "collectives": [[c.kind, c.axis, c.bytes, c.phase, c.where, c.seconds] for c in self.collective_list],
             "grad_buckets": [[b.name, list(b.axes), list(b.params)] for b in self.grad_buckets],
-            "zero_buckets": [[b.name, b.stage, list(b.shard_axes), list(b.reduce_axes), list(b.params)] for b in self.zero_buckets],
+            "zero_buckets": [[b.name, b.stage, list(b.shard_axes), list(b.reduce_axes), list(b.params), b.weights] for b in self.zero_buckets],
             "whole_grads": {k: list(v) for k, v in self.whole_grads.items()},
             "zero_stages": self.zero_stages,
             "group_memory": self.group_memory,
@@ -482,7 +496,7 @@ class Plan:
             blocks=[(b, t) for b, t in d["blocks"]],
             collective_list=[Collective(*row) for row in d["collectives"]],
             grad_buckets=[GradBucket(b[0], tuple(b[1]), tuple(b[2])) for b in d.get("grad_buckets", [])],
-            zero_buckets=[ZeroBucket(b[0], b[1], tuple(b[2]), tuple(b[3]), tuple(b[4])) for b in d.get("zero_buckets", [])],
+            zero_buckets=[ZeroBucket(b[0], b[1], tuple(b[2]), tuple(b[3]), tuple(b[4]), *b[5:6]) for b in d.get("zero_buckets", [])],
             whole_grads={k: tuple(v) for k, v in d.get("whole_grads", {}).items()},
             zero_stages=d.get("zero_stages", {}),
             group_memory=d.get("group_memory", {}),

@@ -20,7 +20,8 @@ from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroB
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
 from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, solve, zero_groups
-from autopar.zero import ZeroOption, effective, gather_priced, grad_bucket, param_cost, scatter_priced, shard_factor, zero3_uses
+from autopar.zero import (ZeroOption, effective, gather_priced, grad_bucket, linear_weight_users, param_cost, scatter_priced,
+                          shard_factor, zero3_uses)
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info, tensor_inputs
 from autopar.trace import INPUT, PARAM, TracedGraph
@@ -247,20 +248,20 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "rest")
         acc = per_block.setdefault((block, opt.shard_axes), [[], 0.0, 0.0, []])
         node = nodes_fx[name]
-        linears = [u.name for u in node.users if u.target == torch.ops.aten.linear.default and len(u.args) > 1 and u.args[1] is node and u.args[0] is not node]
+        linears = [u.name for u in linear_weight_users(node)]
         acc[0].append((name, full))
         acc[1] += full * (len(linears) < len(node.users))
         acc[2] += full * bool(linears)
         acc[3] += linears
     for (block, shard_axes), (members, other_b, linear_b, users) in per_block.items():
         zname = f"zero3[{block}]({','.join(mesh.names[a] for a in shard_axes)})"
-        zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in shard_axes), (), tuple(n for n, _ in members)))
-        all_b = sum(b for _, b in members)
         again = [u in cost.recompute for u in users]
-        inside, mixed = bool(users) and all(again), any(again) and not all(again)
-        fwd = [other_b, linear_b] if inside else [all_b]
+        weights = "recompute" if users and all(again) else "keep" if any(again) else "regather"
+        zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in shard_axes), (), tuple(n for n, _ in members), weights))
+        all_b = sum(b for _, b in members)
+        fwd = [other_b, linear_b] if weights == "recompute" else [all_b]
         priced = [p for b in fwd if b for p in gather_priced(b, shard_axes, mesh, "forward")]
-        if linear_b and not mixed:
+        if linear_b and weights != "keep":
             priced += gather_priced(linear_b, shard_axes, mesh, "backward")
         add(priced + scatter_priced(all_b, shard_axes, (), mesh, problem.meta[members[0][0]].dtype), zname)
         transient = max(transient, 2 * all_b)  # the bucket gathered again with its gradients (``zero.param_cost``)

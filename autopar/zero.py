@@ -294,22 +294,26 @@ def _scatter_wire(wire: float, shard_axes: tuple[int, ...], rest: tuple[int, ...
     return out
 
 
-def zero3_uses(tg, name: str) -> tuple[str, ...]:
-    """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's weight: gathered for the op and again
-    in backward, never kept) or "other" (gathered once; autograd may keep it). Read off the graph once per traced
-    graph (``tg.memo``): the solver asks for every parameter of every ILP it builds."""
+def linear_weight_users(node) -> list:
+    """The users of the fx node ``node`` (a parameter) that are linears taking it as their weight, and not also as
+    their input: ZeRO-3 gathers such a weight for forward and again for backward and never keeps it. The one test
+    the pricing (``zero3_uses``), the planner's buckets and the pass (``passes/zero.py``) all apply."""
     import torch
 
+    linear = torch.ops.aten.linear.default
+    return [u for u in node.users if u.target == linear and len(u.args) > 1 and u.args[1] is node and u.args[0] is not node]
+
+
+def zero3_uses(tg, name: str) -> tuple[str, ...]:
+    """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's weight, ``linear_weight_users``:
+    gathered for the op and again in backward, never kept) or "other" (gathered once; autograd may keep it). Read off
+    the graph once per traced graph (``tg.memo``): the solver asks for every parameter of every ILP it builds."""
     table = tg.memo.get("zero3_uses")
     if table is None:
         table = {}
         for node in tg.gm.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            out = []
-            for u in node.users:
-                is_weight = u.target == torch.ops.aten.linear.default and len(u.args) > 1 and u.args[1] is node
-                out.append("linear" if is_weight and u.args[0] is not node else "other")
-            table[node.name] = tuple(out)
+            if node.op == "placeholder":
+                weights = linear_weight_users(node)
+                table[node.name] = tuple("linear" if u in weights else "other" for u in node.users)
         tg.memo["zero3_uses"] = table
     return table[name]

@@ -7,9 +7,9 @@ reduce-scatters their gradients once all are ready (and all-reduces the shards o
 replicated axes). ZeRO-3 buckets (a repeated block's parameters, or the rest: FSDP2's units): one ``zero3_gather``
 where the bucket's first parameter is used; a linear that takes one of them as its weight becomes
 ``zero3_block_linear``, which reads the weight from the bucket's ``collectives.Zero3Block`` (the last one in forward
-drops the bucket's weights; backward, or the block's recomputation, gathers them again, once for the bucket); any
-other use reads the whole parameter the gather returns. The bucket's gradients are reduce-scattered together once
-all its uses' backward is done.
+drops the bucket's weights; backward, or the block's recomputation, gathers them again, once for the bucket, as
+``ZeroBucket.weights`` says); any other use reads the whole parameter the gather returns. The bucket's gradients
+are reduce-scattered together once all its uses' backward is done.
 With a pipeline (``plan.pipeline``; ZeRO-1 only) nothing: the graph runs once per microbatch, and the runtime
 gathers the parameters once before the schedule and reduce-scatters their gradients once after it.
 """
@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
 from autopar import collectives
-from passes._util import block_members, runtime_axes
+from autopar.zero import linear_weight_users
+from passes._util import runtime_axes
 
-aten = torch.ops.aten
 
 
 def levels_and_reduce(bucket, mesh, axes) -> tuple[tuple, tuple]:
@@ -45,7 +44,6 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     axes = runtime_axes(mesh)
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
     position = {n: i for i, n in enumerate(g.nodes)}
-    recomputed = set(block_members(plan)) if plan.recompute != "none" else set()
     for bucket in plan.zero_buckets:
         levels, reduce = levels_and_reduce(bucket, mesh, axes)
         params = [placeholders[p] for p in bucket.params]
@@ -62,17 +60,15 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             continue
         # ZeRO-3: the bucket gathered once where its first parameter is used; its linears read their weights from
         # the bucket (gathered again for backward, never kept), its other uses read what the gather returns
-        is_weight = {p: [u for u in p.users if u.target == aten.linear.default and len(u.args) > 1 and u.args[1] is p
-                         and u.args[0] is not p] for p in params}
+        is_weight = {p: linear_weight_users(p) for p in params}
         linear = tuple(j for j, p in enumerate(params) if is_weight[p])
         others = tuple(j for j, p in enumerate(params) if any(u not in is_weight[p] for u in p.users))
         first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
         uses = sorted(((u, j) for j in linear for u in is_weight[params[j]]), key=lambda t: position[t[0]])
-        # a recomputed block's linears gather their weights themselves, in its forward and its recomputation alike
-        # (selective recomputation replays exactly the ops the forward ran); a bucket used both inside and outside
-        # recomputed blocks keeps its weights gathered from forward to backward
-        again = [u.name in recomputed for u, _ in uses]
-        inside, mixed = bool(uses) and all(again), any(again) and not all(again)
+        # the planner's choice (``ZeroBucket.weights``): a recomputed block's linears gather their weights themselves,
+        # in its forward and its recomputation alike (selective recomputation replays exactly the ops the forward
+        # ran); a bucket used both inside and outside recomputed blocks keeps its weights from forward to backward
+        inside, mixed = bucket.weights == "recompute", bucket.weights == "keep"
         with g.inserting_before(first_use):
             z = g.call_function(collectives.zero3_gather, (tuple(params), shapes, levels, linear, others, reduce, not inside))
             block, token = (g.call_function(operator.getitem, (z, k)) for k in (0, 1))

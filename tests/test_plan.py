@@ -42,6 +42,10 @@ def test_json_errors_are_clear(plans):
     d["version"] = 99
     with pytest.raises(autopar.PlanMismatchError, match="version 99"):
         autopar.Plan.from_json(json.dumps(d))
+    d = json.loads(auto.to_json())
+    d["zero_buckets"] = [["zero3[h.0](dp)", 3, ["dp"], [], [], "sometimes"]]
+    with pytest.raises(autopar.AutoparError, match=r"zero3\[h.0\]\(dp\).*'sometimes' is not one of regather, recompute, keep"):
+        autopar.Plan.from_json(json.dumps(d))
 
 
 def test_cost_fields(plans):

@@ -463,10 +463,11 @@ class _ZeroGather(torch.autograd.Function):
 
 class Zero3Block:
     """One ZeRO-3 bucket's gathered linear weights for one step (FSDP2's unsharded block): gathered for forward by
-    ``zero3_gather`` (in a recomputed block, by its first linear), dropped after the bucket's last linear in forward
-    (``zero3_block_linear``'s ``last``), gathered again -- one collective for the bucket -- when backward (or the
-    block's recomputation) first needs a weight, and dropped once the bucket's gradients are reduce-scattered. ``linear``: the indices of the bucket's parameters used as a linear's
-    weight. Each forward makes a new one: nothing is kept from step to step."""
+    ``zero3_gather``, dropped after the bucket's last linear in forward (``zero3_block_linear``'s ``last``),
+    gathered again -- one collective for the bucket -- when backward first needs a weight (a recomputed block's
+    ``before_backward``, as its backward starts: its recomputation then finds them, as FSDP2's pre-backward unshard
+    does), and dropped once the bucket's gradients are reduce-scattered. ``linear``: the indices of the bucket's
+    parameters used as a linear's weight. Each forward makes a new one: nothing is kept from step to step."""
 
     def __init__(self, shards: tuple, shapes: tuple, levels: tuple, linear: tuple[int, ...]):
         self.shards, self.shapes, self.levels, self.linear = shards, shapes, levels, linear
@@ -485,6 +486,11 @@ class Zero3Block:
     def release(self) -> None:
         self.weights = None
 
+    def gather(self, phase: str) -> None:
+        """The linears' weights, gathered unless held (``weight``'s first call)."""
+        if self.linear:
+            self.weight(self.linear[0], phase)
+
     def add_grad(self, i: int, g: torch.Tensor) -> None:
         self.grads[i] = self.grads[i] + g if i in self.grads else g
 
@@ -496,14 +502,11 @@ class _Zero3Gather(torch.autograd.Function):
     in -- after every linear of the bucket -- and reduce-scatters the bucket's gradients together."""
 
     @staticmethod
-    def forward(ctx, block, others, reduce, with_linear, *shards):
+    def forward(ctx, block, others, reduce, *shards):
         ctx.block, ctx.others, ctx.reduce = block, others, reduce
         ctx.set_materialize_grads(False)
-        which = range(len(shards)) if with_linear else others
-        fulls = dict(zip(which, (unpadded(f, block.shapes[j]) for f, j in
-                                 zip(gather_flat([shards[j] for j in which], block.levels, "forward") if which else [], which))))
-        if with_linear:
-            block.hold({j: fulls[j] for j in block.linear})
+        fulls = [unpadded(f, shape) for f, shape in zip(gather_flat(list(shards), block.levels, "forward"), block.shapes)]
+        block.hold({j: fulls[j] for j in block.linear})
         token = shards[0].new_zeros(0)
         return (token,) + tuple(fulls[j] for j in others)
 
@@ -517,14 +520,33 @@ class _Zero3Gather(torch.autograd.Function):
                 full[j] = g if full[j] is None else full[j] + g
         like = next(g for g in full if g is not None)
         full = [g.reshape(-1) if g is not None else like.new_zeros(math.prod(s)) for g, s in zip(full, block.shapes)]
-        return (None, None, None, None) + tuple(scatter_flat(full, block.levels, ctx.reduce))
+        return (None, None, None) + tuple(scatter_flat(full, block.levels, ctx.reduce))
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity on a recomputed block's outputs; backward, which runs before any op of the block's (and so before
+    its recomputation), gathers the ZeRO-3 buckets' linear weights the block reads. The gather stays out of the
+    recomputation: selective recomputation replays the block's ops by their order in forward, where no gather
+    ran."""
+
+    @staticmethod
+    def forward(ctx, blocks, *outs):
+        ctx.blocks = blocks
+        ctx.set_materialize_grads(False)
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for block in ctx.blocks:
+            block.gather("backward")
+        return (None,) + grads
 
 
 class _Zero3BlockLinear(torch.autograd.Function):
     """``linear(x, w, b)`` with ``w`` the bucket's gathered weight ``i``, not saved: backward reads it from the
     bucket, which gathers the bucket's weights again for the first of its linears there. In a recomputed block
-    (``keep``) the weight is saved: the checkpoint drops it after forward, and the block's recomputation -- whose
-    first linear gathers the bucket again -- saves it for backward, so backward gathers nothing more."""
+    (``keep``) the weight is saved: the checkpoint drops it after forward, and the block's recomputation -- which
+    finds the bucket gathered again (``before_backward``) -- saves it for backward."""
 
     @staticmethod
     def forward(ctx, x, token, b, block, i, keep, last):
@@ -553,14 +575,21 @@ def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple):
     return _ZeroGather.apply(shapes, levels, reduce, *shards)
 
 
-def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, others: tuple, reduce: tuple = (),
-                 with_linear: bool = True):
+def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, others: tuple, reduce: tuple = ()):
     """A ZeRO-3 bucket: one all-gather of its shards (per level). Returns (its ``Zero3Block``, the token its
-    linears take, the whole parameters at ``others``); backward reduce-scatters the bucket's gradients once.
-    ``with_linear=False`` gathers the ``others`` alone: the bucket's first linear gathers the linears' weights, as
-    a recomputed block needs (its recomputation must launch what its forward launched, and gathers them again)."""
+    linears take, the whole parameters at ``others``); backward reduce-scatters the bucket's gradients once."""
     block = Zero3Block(tuple(shards), tuple(shapes), levels, tuple(linear))
-    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, with_linear, *shards))
+    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, *shards))
+
+
+def before_backward(blocks: tuple, outs: tuple) -> tuple:
+    """``outs`` (a recomputed block's outputs), whose backward first gathers ``blocks``' linear weights
+    (``_BeforeBackward``); tensors that need no gradient pass as they are."""
+    grad = [k for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not blocks or not grad:
+        return outs
+    wrapped = dict(zip(grad, _BeforeBackward.apply(tuple(blocks), *(outs[k] for k in grad))))
+    return tuple(wrapped.get(k, o) for k, o in enumerate(outs))
 
 
 def zero3_block_linear(x, token, b, block: Zero3Block, i: int, shape: tuple, keep: bool, last: bool):

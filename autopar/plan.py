@@ -88,8 +88,8 @@ class ZeroBucket:
     linears' weights again for backward, their gradients reduce-scattered together), with the axes their shards are
     all-reduced over after the reduce-scatter. ``weights`` (ZeRO-3) says where its linears' weights come from:
     "regather" (the bucket's forward gather; the last linear drops them and backward gathers them again),
-    "recompute" (its linears are all in recomputed blocks: they gather the weights themselves, in forward and again
-    as the block is recomputed, which is backward's gather) or "keep" (some in recomputed blocks, some not: the
+    "recompute" (its linears are all in recomputed blocks: the weights are gathered again as the block's backward
+    starts, and its recomputation saves them for backward) or "keep" (some in recomputed blocks, some not: the
     forward gather's weights are kept until backward)."""
 
     name: str

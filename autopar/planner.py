@@ -235,10 +235,10 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             transient = max(transient, full)  # starts, and beside the gradients as it ends
             t_act = max(t_act, full)
     # ZeRO-3: the runtime gathers a block's parameters (or the rest) as one bucket (``passes/zero.py``): for forward,
-    # the linears' weights again for backward (``zero.zero3_traffic``), all gradients reduce-scattered together. A
-    # recomputed block's linears gather their weights themselves (forward, and again as the block is recomputed),
-    # apart from the parameters used otherwise
-    per_block: dict[tuple, list] = {}  # (block, shard axes) -> [names, bytes used otherwise, by linears, linear users]
+    # the linears' weights again for backward (``zero.zero3_traffic``; a recomputed block's as its backward starts,
+    # for its recomputation to read and keep), all gradients reduce-scattered together. A bucket with linears both in
+    # and out of recomputed blocks keeps its weights from forward to backward instead ("keep")
+    per_block: dict[tuple, list] = {}  # (block, shard axes) -> [(name, bytes), bytes used by linears, linear users]
     for name, opt in zero_of.items():
         if opt.stage != 3:
             continue
@@ -246,21 +246,18 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         full = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
         fqn = tg.fqns[name]
         block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "rest")
-        acc = per_block.setdefault((block, opt.shard_axes), [[], 0.0, 0.0, []])
-        node = nodes_fx[name]
-        linears = [u.name for u in linear_weight_users(node)]
+        acc = per_block.setdefault((block, opt.shard_axes), [[], 0.0, []])
+        linears = [u.name for u in linear_weight_users(nodes_fx[name])]
         acc[0].append((name, full))
-        acc[1] += full * (len(linears) < len(node.users))
-        acc[2] += full * bool(linears)
-        acc[3] += linears
-    for (block, shard_axes), (members, other_b, linear_b, users) in per_block.items():
+        acc[1] += full * bool(linears)
+        acc[2] += linears
+    for (block, shard_axes), (members, linear_b, users) in per_block.items():
         zname = f"zero3[{block}]({','.join(mesh.names[a] for a in shard_axes)})"
         again = [u in cost.recompute for u in users]
         weights = "recompute" if users and all(again) else "keep" if any(again) else "regather"
         zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in shard_axes), (), tuple(n for n, _ in members), weights))
         all_b = sum(b for _, b in members)
-        fwd = [other_b, linear_b] if weights == "recompute" else [all_b]
-        priced = [p for b in fwd if b for p in gather_priced(b, shard_axes, mesh, "forward")]
+        priced = list(gather_priced(all_b, shard_axes, mesh, "forward"))
         if linear_b and weights != "keep":
             priced += gather_priced(linear_b, shard_axes, mesh, "backward")
         add(priced + scatter_priced(all_b, shard_axes, (), mesh, problem.meta[members[0][0]].dtype), zname)

@@ -1,18 +1,19 @@
 """Activation recomputation at run time: the module one recomputed block of the rewritten program runs in.
 
 In: a block's ops as a GraphModule (cut out of this rank's program by ``passes/recompute.py``), the plan's mode
-(``selective`` / ``full``) and the process groups whose collectives are ZeRO-3 parameter gathers.
+(``selective`` / ``full``).
 Out: the block's outputs; between forward and backward the block keeps only its inputs (and, selective, what the
-policy saves), and backward runs its forward again first (``torch.utils.checkpoint``, non-reentrant).
+policy saves), and backward runs its forward again first (``torch.utils.checkpoint``, non-reentrant). The ZeRO-3
+buckets the block's linears read (``collectives.Zero3Block`` inputs) are gathered again as its backward starts,
+before that second run (``collectives.before_backward``, FSDP2's pre-backward unshard): it is the gather ZeRO-3 pays
+for backward, and no gather runs inside the block, in forward or again.
 
 What each mode keeps is what the cost model counts (``autopar.cost.recomputes``):
 - ``full``: nothing inside the block; every op runs again, collectives included (the plan lists those with phase
   "recompute");
-- ``selective``: the outputs of matmuls, attention and the block's own collectives (torch's selective checkpoint
+- ``selective``: the outputs of matmuls, attention and the block's collectives (torch's selective checkpoint
   policy; on hardware describing ``selective_recomputes_every = k``, every k-th matmul runs again too, as in
-  torchtitan's op-level policy); the memory-bound ops between them run again, no collective does -- except ZeRO-3
-  parameter gathers, which run again like in ``full`` (keeping them would keep every gathered weight; their bytes
-  are the gather ZeRO-3 pays in backward anyway).
+  torchtitan's op-level policy); the memory-bound ops between them run again, no collective does.
 """
 
 from __future__ import annotations
@@ -43,44 +44,30 @@ MATMUL_KERNELS = frozenset(getattr(aten, n).default for n in ("mm", "addmm", "bm
 class Recomputed(torch.nn.Module):
     """One block of the program, run under activation checkpointing (see the module docstring)."""
 
-    def __init__(self, body: fx.GraphModule, mode: str, zero_groups: dict[str, str] | None = None, every: int = 0):
-        """``zero_groups``: mesh axis -> this rank's process-group name, for the axes ZeRO-3 shards over;
-        ``every``: under ``selective``, recompute every ``every``-th matmul too (``Hardware.selective_recomputes_every``,
-        torchtitan's op-level policy: 2); 0 keeps them all."""
+    def __init__(self, body: fx.GraphModule, mode: str, every: int = 0):
+        """``every``: under ``selective``, recompute every ``every``-th matmul too
+        (``Hardware.selective_recomputes_every``, torchtitan's op-level policy: 2); 0 keeps them all."""
         super().__init__()
         if mode not in ("selective", "full"):
             raise ValueError(f"recomputation mode {mode!r}")
         self.body = body
         self.mode = mode
         self.every = int(every)
-        self.zero_axes = frozenset(zero_groups or {})
-        self.zero_groups = frozenset((zero_groups or {}).values())
 
     def _policy(self, count: list, ctx, op, *args, **kwargs):
         if op in MATMUL_KERNELS and self.every and not ctx.is_recompute:
             count[0] += 1  # the cost model counts the block's matmuls in the same (program) order
             if count[0] % self.every == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
-        if op in SAVED_OPS:
-            return CheckpointPolicy.MUST_SAVE
-        at = _compat.collective_group(op)
-        if at is not None and len(args) > at and args[at] not in self.zero_groups:
+        if op in SAVED_OPS or _compat.collective_group(op) is not None:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def _relabel(self, launched: list) -> list:
-        """What the second run of the block really launched: the ZeRO-3 gathers (the gather backward needs);
-        under ``full`` every other forward collective as "recompute"; under ``selective`` none of them (the policy
-        saved their outputs, so the second run reads those instead of launching)."""
-        out = []
-        for x in launched:
-            if x.phase != "forward":
-                out.append(x)
-            elif x.kind == "all_gather" and x.axis in self.zero_axes:
-                out.append(dataclasses.replace(x, phase="backward"))
-            elif self.mode == "full":
-                out.append(dataclasses.replace(x, phase="recompute"))
-        return out
+        """What the second run of the block really launched: under ``full`` every forward collective again, as
+        "recompute"; under ``selective`` none (the policy saved their outputs, so the second run reads those)."""
+        return [x if x.phase != "forward" else dataclasses.replace(x, phase="recompute") for x in launched
+                if x.phase != "forward" or self.mode == "full"]
 
     def forward(self, *args):
         if not torch.is_grad_enabled():
@@ -104,6 +91,10 @@ class Recomputed(torch.nn.Module):
         # Megatron-LM's full recomputation, the runs it was calibrated on, does
         with set_checkpoint_early_stop(False):
             if self.mode == "full":
-                return checkpoint(run, *args, use_reentrant=False)
-            context = functools.partial(create_selective_checkpoint_contexts, functools.partial(self._policy, [0]))
-            return checkpoint(run, *args, use_reentrant=False, context_fn=context)
+                outs = checkpoint(run, *args, use_reentrant=False)
+            else:
+                context = functools.partial(create_selective_checkpoint_contexts, functools.partial(self._policy, [0]))
+                outs = checkpoint(run, *args, use_reentrant=False, context_fn=context)
+        # the ZeRO-3 buckets the block's linears read are gathered again as its backward starts, before the
+        # recomputation (FSDP2's pre-backward unshard): the recomputation then runs the ops the forward ran
+        return collectives.before_backward(tuple(a for a in args if isinstance(a, collectives.Zero3Block)), outs)

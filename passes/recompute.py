@@ -8,9 +8,9 @@ submodule ``recompute_<k>`` (``autopar.recompute.Recomputed``) called with the v
 and returning those read after it. Values that depend on parameters alone (ZeRO gathers, gradient-sync
 anchors, parameter views) move before the block instead: they live all step anyway, and recomputing a ZeRO gather
 would launch it again. A ZeRO-3 bucket's linear weights are not such values: its linears read them from the bucket
-(``collectives.Zero3Block``), which gathers them again as the block's recomputation runs its first linear -- the
-gather ZeRO-3 pays for backward. So the block keeps its inputs, as the cost model's ``kept`` does, and ``selective`` / ``full`` keep inside it what
-``autopar.cost.recomputes`` says.
+(``collectives.Zero3Block``), which the block's ``Recomputed`` gathers again as its backward starts -- the gather
+ZeRO-3 pays for backward. So the block keeps its inputs, as the cost model's ``kept`` does, and ``selective`` /
+``full`` keep inside it what ``autopar.cost.recomputes`` says.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import operator
 import torch.fx as fx
 
 from autopar.recompute import Recomputed
-from passes._util import block_members, programs, runtime_axes
+from passes._util import block_members, programs
 
 STATE = ("param", "buffer", "constant")
 
@@ -29,17 +29,14 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     if plan.recompute == "none" or not plan.blocks:
         return gm
     members = block_members(plan)
-    names, _sizes, _strides, groups = runtime_axes(mesh)
-    zero_axes = frozenset(a for b in plan.zero_buckets if b.stage == 3 for a in b.shard_axes)
-    zero_groups = {a: groups[names.index(a)] for a in sorted(zero_axes)}
     for program in programs(gm, plan):
-        _wrap_blocks(program, plan, members, zero_groups, plan.mesh.hardware.selective_recomputes_every)
+        _wrap_blocks(program, plan, members, plan.mesh.hardware.selective_recomputes_every)
         program.graph.lint()
         program.recompile()
     return gm
 
 
-def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], zero_groups: dict[str, str], every: int) -> None:
+def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], every: int) -> None:
     g = gm.graph
     nodes = list(g.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -84,7 +81,7 @@ def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], zero_groups:
             env[n] = body.node_copy(n, lambda a: env[a])
         body.output(tuple(env[o] for o in outputs))
         name = f"recompute_{k}"
-        gm.add_submodule(name, Recomputed(fx.GraphModule(gm, body, class_name=f"Block_{fqn.replace('.', '_')}"), plan.recompute, zero_groups, every))
+        gm.add_submodule(name, Recomputed(fx.GraphModule(gm, body, class_name=f"Block_{fqn.replace('.', '_')}"), plan.recompute, every))
         with g.inserting_before(anchor):
             call = g.call_module(name, tuple(inputs))
             reads = [g.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]

@@ -7,9 +7,9 @@ reduce-scatters their gradients once all are ready (and all-reduces the shards o
 replicated axes). ZeRO-3 buckets (a repeated block's parameters, or the rest: FSDP2's units): one ``zero3_gather``
 where the bucket's first parameter is used; a linear that takes one of them as its weight becomes
 ``zero3_block_linear``, which reads the weight from the bucket's ``collectives.Zero3Block`` (the last one in forward
-drops the bucket's weights; backward, or the block's recomputation, gathers them again, once for the bucket, as
-``ZeroBucket.weights`` says); any other use reads the whole parameter the gather returns. The bucket's gradients
-are reduce-scattered together once all its uses' backward is done.
+drops the bucket's weights; backward, or a recomputed block as its backward starts, gathers them again, once for
+the bucket, as ``ZeroBucket.weights`` says); any other use reads the whole parameter the gather returns. The
+bucket's gradients are reduce-scattered together once all its uses' backward is done.
 With a pipeline (``plan.pipeline``; ZeRO-1 only) nothing: the graph runs once per microbatch, and the runtime
 gathers the parameters once before the schedule and reduce-scatters their gradients once after it.
 """
@@ -65,12 +65,12 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         others = tuple(j for j, p in enumerate(params) if any(u not in is_weight[p] for u in p.users))
         first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
         uses = sorted(((u, j) for j in linear for u in is_weight[params[j]]), key=lambda t: position[t[0]])
-        # the planner's choice (``ZeroBucket.weights``): a recomputed block's linears gather their weights themselves,
-        # in its forward and its recomputation alike (selective recomputation replays exactly the ops the forward
-        # ran); a bucket used both inside and outside recomputed blocks keeps its weights from forward to backward
+        # the planner's choice (``ZeroBucket.weights``): a recomputed block's linears save the weights its
+        # recomputation reads (gathered again as the block's backward starts: ``autopar.recompute``); a bucket used
+        # both inside and outside recomputed blocks keeps its weights from forward to backward
         inside, mixed = bucket.weights == "recompute", bucket.weights == "keep"
         with g.inserting_before(first_use):
-            z = g.call_function(collectives.zero3_gather, (tuple(params), shapes, levels, linear, others, reduce, not inside))
+            z = g.call_function(collectives.zero3_gather, (tuple(params), shapes, levels, linear, others, reduce))
             block, token = (g.call_function(operator.getitem, (z, k)) for k in (0, 1))
             reads = {j: g.call_function(operator.getitem, (z, 2 + k)) for k, j in enumerate(others)}
         for k, (u, j) in enumerate(uses):  # the same node (its name is the plan's), another target

@@ -159,7 +159,7 @@ def test_every_kth_matmul_is_recomputed_where_the_cost_model_prices_it():
 
     grads = {}
     for every in (0, 2, 1):
-        (out,) = Recomputed(body, "selective", None, every)(*args)
+        (out,) = Recomputed(body, "selective", every)(*args)
         with Count() as c:
             out.sum().backward()
         grads[every] = [a.grad.clone() for a in args]

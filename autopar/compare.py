@@ -132,7 +132,7 @@ def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, 
 
 
 def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int, lr: float) -> dict:
-    """Train ``row``'s plan for warmup + steps AdamW steps on the same batch as a single-device copy."""
+    """Train ``row``'s plan for max(warmup, 1) + steps AdamW steps on the same batch as a single-device copy."""
     import torch.distributed as dist
 
     from autopar import _compat
@@ -154,24 +154,33 @@ def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int
         grads_of = lambda: {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()  # noqa: E731
                             for k, p in pm.named_parameters() if p.grad is not None}
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
-    times, loss_diff, grad_diff = [], 0.0, 0.0
+    loss_diff, grad_diff = 0.0, 0.0
+
+    def train_step() -> None:
+        pm(*local).backward()
+        opt.step()
+        opt.zero_grad()
+
+    # the warm-up steps run watched: the collectives launched (the last step's) and the peak memory (every step's,
+    # the first with the optimizer's state coming in). The watchers are dispatch modes that run Python for every
+    # op, so the timed steps run after them, unwatched: timed inside, a step measured up to 3x slower than it runs
+    watched = max(warmup, 1)
     tracker = _compat.mem_tracker()
     tracker.track_external(pm, opt)
     with _compat.count_collectives() as counted, tracker:
-        for i in range(warmup + steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = pm(*local)
-            loss.backward()
-            opt.step()
-            dist.barrier()
-            times.append(time.perf_counter() - t0)
-            if i < warmup:
-                counted.clear()
-            opt.zero_grad()
+        for _ in range(watched):
+            counted.clear()
+            train_step()
             tracker.reset_mod_stats()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
     # correctness, outside the timed loop: one more step next to the single-device copy
-    for _ in range(warmup + steps):
+    for _ in range(watched + steps):
         ref_opt.zero_grad()
         ref_loss = reference(*inputs)
         ref_loss.backward()
@@ -190,11 +199,10 @@ def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int
         if k in full:
             grad_diff = max(grad_diff, float((full[k] - p.grad).abs().max()))
     peak = _compat.mem_tracker_peak(tracker)["total"]
-    n = max(steps, 1)
     return {
-        "step_time": statistics.median(times[warmup:]),
-        "collectives": len(counted) // n,
-        "bytes": sum(b for _, b in counted) / n,
+        "step_time": statistics.median(times),
+        "collectives": len(counted),
+        "bytes": sum(b for _, b in counted),
         "peak_memory": peak,
         "loss_diff": loss_diff,
         "grad_diff": grad_diff,

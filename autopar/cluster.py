@@ -359,7 +359,6 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     compute = sum(uc.fwd) + sum(uc.bwd)
     act = sum(uc.act)
     state = grad = transient = comm = 0.0
-    n_block_params = sum(1 for u, *_ in prof.params.values() if u == 1)
     bucket3 = {True: 0.0, False: 0.0}  # ZeRO-3: one block copy's transient, the rest's
     traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
     buckets: dict[bool, set] = {True: set(), False: set()}  # one block's gradient buckets, the rest's (as the solver's)
@@ -391,14 +390,12 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
     # the launches and ring latencies, as the real plan prices them: each gradient bucket once (a block's per copy;
     # ZeRO-1's once for the whole model), ZeRO-3's per parameter group (each block, the rest)
-    n_rest = len(prof.params) - n_block_params
     whole = {b for b in buckets[True] | buckets[False] if b[0].stage == 1}  # ZeRO-1: one per set, whole model
     comm += sum(bucket_latency(mesh, axes, eff) for eff, axes in whole)
     for block, n in ((True, L), (False, 1)):
         comm += n * sum(bucket_latency(mesh, axes, eff) for eff, axes in buckets[block] if eff.stage != 1)
     if opt.stage == 3:
-        comm += L * group_latency(opt, mesh, max(n_block_params, 1), tuple(traffic[True]))
-        comm += group_latency(opt, mesh, max(n_rest, 1), tuple(traffic[False])) if n_rest else 0.0
+        comm += L * group_latency(opt, mesh, tuple(traffic[True])) + group_latency(opt, mesh, tuple(traffic[False]))
     if c.cp > 1:
         seconds, kept, held = _context_parallel(prof, c, mesh, rows * c.cp)
         compute += L * seconds

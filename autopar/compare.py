@@ -154,7 +154,6 @@ def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int
         grads_of = lambda: {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()  # noqa: E731
                             for k, p in pm.named_parameters() if p.grad is not None}
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
-    loss_diff, grad_diff = 0.0, 0.0
 
     def train_step() -> None:
         pm(*local).backward()
@@ -195,6 +194,7 @@ def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int
     mean = mean.item() / dist.get_world_size()
     loss_diff = abs(mean - ref_loss.item())
     full = grads_of()
+    grad_diff = 0.0
     for k, p in reference.named_parameters():
         if k in full:
             grad_diff = max(grad_diff, float((full[k] - p.grad).abs().max()))

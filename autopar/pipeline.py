@@ -723,7 +723,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         }
         # each parameter group's data-parallel terms, once a step against the microbatches: a block's sync is shared
         # by the p ranks, the embedding's or head's lands on one rank whole
-        problem.sync_weight = {g: w * (p if g == "rest" else 1) for g, _c, _n in zero_groups(tg, problem.order).values()}
+        problem.sync_weight = {g: w * (p if g == "rest" else 1) for g, _c in zero_groups(tg, problem.order).values()}
         # a group runs ZeRO-0 or ZeRO-1 (``_inner_pins``); the ILP takes ZeRO-1 where memory needs it: its bytes
         # (shard, gathered parameter, gradient) add up to ``zero.pipeline_held`` with the gradients moved into state
         problem.zero_stages = (0, 1)

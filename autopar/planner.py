@@ -188,7 +188,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     for name in problem.order:
         if name not in zgroups:
             continue
-        g, copies, gparams = zgroups[name]
+        g = zgroups[name][0]
         spec, meta = problem.grad_spec(name, strategy.__getitem__), problem.meta[name]  # whole where its gradient is
         stored = strategy[name].output
         if spec != stored:

@@ -625,23 +625,21 @@ class ZeroPin:
     shard: tuple[str, ...] | None = None
 
 
-def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int, int]]:
-    """Trainable parameter -> (group, copies of the group, parameters per copy). A group is a repeated block
-    (named by its representative copy, so tied copies share one choice) or "rest" (embeddings, head, norms)."""
+def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int]]:
+    """Trainable parameter -> (group, copies of the group). A group is a repeated block (named by its
+    representative copy, so tied copies share one choice) or "rest" (embeddings, head, norms)."""
     rep_of = {b.fqn: (b.tied_to or b.fqn) for b in tg.blocks}
     copies: dict[str, int] = {}
     for b in tg.blocks:
         copies[rep_of[b.fqn]] = copies.get(rep_of[b.fqn], 0) + 1
-    out: dict[str, tuple[str, int, int]] = {}
-    members: dict[str, int] = {}
+    out: dict[str, tuple[str, int]] = {}
     for n in order:
         if tg.kinds.get(n) == "param" and n in tg.trainable:
             fqn = tg.fqns[n]
             block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), None)
             g = rep_of[block] if block else "rest"
-            out[n] = (g, copies.get(g, 1), 0)
-            members[g] = members.get(g, 0) + 1
-    return {n: (g, c, members[g] // c) for n, (g, c, _) in out.items()}
+            out[n] = (g, copies.get(g, 1))
+    return out
 
 
 @functools.lru_cache(maxsize=65536)
@@ -651,7 +649,7 @@ def _zcost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: in
 
 def _zero_allowed(zgroups, zopts: list[ZeroOption], mesh: Mesh, pins) -> dict[str, set[int]]:
     allowed: dict[str, set[int]] = {}
-    groups = list(dict.fromkeys(g for g, _, _ in zgroups.values()))
+    groups = list(dict.fromkeys(g for g, _ in zgroups.values()))
     for pin in pins:
         if not isinstance(pin, ZeroPin):
             continue
@@ -765,8 +763,8 @@ def solve(
     tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2/3 bucket bytes], one copy
     zfacts: dict[tuple, tuple] = {}  # one parameter's ZeRO facts at one Spec: the same for every tied copy
 
-    def zero_facts(spec: Spec, meta: TensorMeta, copies: int, gparams: int, uses: tuple[str, ...]) -> tuple:
-        key = (spec, meta.shape, meta.dtype, copies, gparams, uses)
+    def zero_facts(spec: Spec, meta: TensorMeta, copies: int, uses: tuple[str, ...]) -> tuple:
+        key = (spec, meta.shape, meta.dtype, copies, uses)
         if key not in zfacts:
             base = _zcost(zopts[0], spec, meta, mesh, copies, uses)
             per = []
@@ -783,11 +781,11 @@ def solve(
     sync_w = lambda g: P_.sync_weight.get(g, 1.0)  # noqa: E731
     # (decision, strategy, group, option) -> the gradient buckets its parameters land in (``grad_bucket``)
     bucket_sets: dict[tuple[str, int, str, int], set] = {}
-    for n, (g, copies, gparams) in zgroups.items():
+    for n, (g, copies) in zgroups.items():
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
             gs = P_.grad_spec(n, lambda v: P_.strategy(v, s))  # its Spec, whole where its gradient is (``grad_spec``)
-            base_busy, base_comm, b, synced, per = zero_facts(gs, P_.meta[n], copies, gparams, zuses[n])
+            base_busy, base_comm, b, synced, per = zero_facts(gs, P_.meta[n], copies, zuses[n])
             t_lin[r][s] += base_busy * sync_w(g)  # copies and the optimizer's step run on the compute stream: the critical path
             t_ovl[r][s] += base_comm * sync_w(g)  # its stage-0 gradient sync, overlappable (others: their deltas in zdelta)
             row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
@@ -936,22 +934,22 @@ def solve(
     # ZeRO variables: one stage per group, w linearises (decision strategy) x (group stage) exactly
     zvar: dict[str, list] = {}
     pinned = _zero_allowed(zgroups, zopts, mesh, pins)
-    group_meta = {}
+    group_copies: dict[str, int] = {}
     traffic: dict[str, list[int]] = {}  # group -> its parameters' ZeRO-3 (all-gathers, reduce-scatters), all copies
-    for n, (g, copies, gparams) in zgroups.items():
-        group_meta[g] = (copies, gparams)
+    for n, (g, copies) in zgroups.items():
+        group_copies[g] = copies
         acc = traffic.setdefault(g, [0, 0])
         for i, k in enumerate(zero3_traffic(zuses[n])):
             acc[i] += k
     runs = {k for k, o in enumerate(zopts) if o.stage in P_.zero_stages}
-    for g, (copies, gparams) in group_meta.items():
+    for g, copies in group_copies.items():
         ok = pinned.get(g, runs) & runs
         zvar[g] = [model.binary(relax) if (ok is None or k in ok) else None for k in range(len(zopts))]
         add_row(1.0, 1.0, [(1.0, v) for v in zvar[g] if v is not None])
         per_copy = (traffic[g][0] // copies, traffic[g][1] // copies)
         for k, zv in enumerate(zvar[g]):
             # stages 0-2's latencies are their buckets' (below): they depend on the strategies, not on the stage alone
-            dlat = copies * group_latency(zopts[k], mesh, gparams, per_copy) * sync_w(g) if zopts[k].stage == 3 else 0.0
+            dlat = copies * group_latency(zopts[k], mesh, per_copy) * sync_w(g) if zopts[k].stage == 3 else 0.0
             if zv is not None and dlat and objective != "memory":
                 oterms.append((dlat * US, zv))
     ind: dict[tuple[str, int, str, int], list] = {}  # (decision, strategy, group, option) -> x * z, a linear form
@@ -1005,7 +1003,7 @@ def solve(
         key = (opt, scope, axes)
         if key not in bucket:
             bucket[key] = model.var(0.0, 1.0)
-            lat = (group_meta[scope][0] if scope else 1) * bucket_latency(mesh, axes, opt) * bweight[key]
+            lat = (group_copies[scope] if scope else 1) * bucket_latency(mesh, axes, opt) * bweight[key]
             if objective != "memory":
                 oterms.append((lat * US, bucket[key]))
         add_row(0.0, inf, [(1.0, bucket[key])] + [(-c, v) for c, v in form])

@@ -233,10 +233,10 @@ def bucket_latency(mesh: Mesh, axes, opt: "ZeroOption | None" = None) -> float:
     return lat
 
 
-def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, traffic: "tuple[int, int] | None" = None) -> float:
+def group_latency(opt: ZeroOption, mesh: Mesh, traffic: tuple[int, int]) -> float:
     """Launch and latency seconds of one ZeRO-3 group copy's gathers and reduce-scatters over the shard axes per step
     (their bytes are in ``param_cost``). ``traffic``: the copy's (all-gathers, reduce-scatters), the sum of its
-    parameters' ``zero3_traffic`` (by default each parameter a linear's weight used once). Stages 0-2 pay per
+    parameters' ``zero3_traffic``. Stages 0-2 pay per
     gradient bucket (``bucket_latency``), and so do ZeRO-3 shards still summed over other axes (HSDP's replicas,
     tp): one all-reduce bucket per block copy and set of axes."""
     assert opt.stage == 3, "stages 0-2 pay their launches per gradient bucket: bucket_latency"
@@ -244,7 +244,7 @@ def group_latency(opt: ZeroOption, mesh: Mesh, group_params: int, traffic: "tupl
     def lat(kind: str, a: int) -> float:
         return collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a))
 
-    gathers, scatters = traffic or (2 * group_params, group_params)
+    gathers, scatters = traffic
     # one bucket per group copy (``collectives.zero3_gather``): gathered for forward, again for its linears
     gathers, scatters = min(gathers, 1) + (gathers > scatters), min(scatters, 1)
     return sum(gathers * lat("all_gather", a) + scatters * lat("reduce_scatter", a) for a in opt.shard_axes)

@@ -401,7 +401,7 @@ def test_a_groups_sync_weight_scales_its_gradient_communication(zero):
     pins = [autopar.ZeroPin("*", zero)]
     objective = {}
     for w in (1.0, 0.25, 0.0):
-        problem.sync_weight = {g: w for g, _c, _n in zero_groups(tg, problem.order).values()}
+        problem.sync_weight = {g: w for g, _c in zero_groups(tg, problem.order).values()}
         choice = solve(tg, mesh, cost, problem, None, pins)
         objective[w] = choice.objective
         assert all(str(s.output) == "R" for n, s in choice.strategy.items() if tg.kinds.get(n) == "param")

@@ -220,23 +220,28 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from autopar.errors import AutoparError
 
+    for flag in ("batch", "seq"):  # a zero-row or zero-token example would fail deep in tracing, or plan nothing
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise SystemExit(f"autopar: --{flag} wants a positive number of {'sequences (the global batch)' if flag == 'batch' else 'tokens per sequence'}; got {value}")
+
     if args.cmd == "plan" and (args.mesh is None) == (args.cluster is None):
         raise SystemExit("autopar plan: give --mesh (plan on that mesh) or --cluster (search the mesh too), one of them")
     if args.cmd == "plan" and args.cluster and args.batch is None:
         args.batch = math.prod(_parse_cluster(args.cluster))  # one sequence per device
-    if getattr(args, "batch", 0) is None:  # one sequence per data-parallel rank by default; 8 per pipeline stage with pp
-        axes = _parse_mesh(args.mesh)
-        pp = axes.get("pp", 1)  # a pipeline needs microbatches to fill its stages
-        from autopar.mesh import Mesh
-
-        mesh = Mesh(axes)
-        data = math.prod(mesh.sizes[a] for a in mesh.batch_axes())
-        args.batch = max(1, data) * (8 * pp if pp > 1 else 1)
     # a --seq longer than a registry model's context extends it (long-context planning); the default is capped
     args.context = getattr(args, "seq", None)
     if args.cmd in ("plan", "compare") and args.seq is None:
         args.seq = DEFAULT_SEQ
     try:
+        if getattr(args, "batch", 0) is None:  # one sequence per data-parallel rank by default; 8 per pipeline stage with pp
+            axes = _parse_mesh(args.mesh)
+            pp = axes.get("pp", 1)  # a pipeline needs microbatches to fill its stages
+            from autopar.mesh import Mesh
+
+            mesh = Mesh(axes)  # a bad axis size is a clear MeshError (below), not a traceback
+            data = math.prod(mesh.sizes[a] for a in mesh.batch_axes())
+            args.batch = max(1, data) * (8 * pp if pp > 1 else 1)
         if args.cmd == "plan":
             return cmd_plan(args)
         if args.cmd == "compare":

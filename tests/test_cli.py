@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import autopar
 from autopar.cli import main
 
@@ -21,6 +23,16 @@ def test_plan_command_prints_a_table_and_writes_json(tmp_path, capsys):
     assert "mesh dp=2 x tp=2 on cpu-gloo" in text and "<- chosen" in text and "planned in" in text
     plan = autopar.Plan.from_json(out.read_text())
     assert json.loads(out.read_text())["format"] == "autopar.plan" and plan.mesh.size == 4
+
+
+def test_bad_command_line_input_is_a_clear_message_not_a_traceback(capsys):
+    # an axis of size 0 when the default batch is worked out from the mesh; a zero batch or sequence
+    assert main(["plan", "gpt-tiny", "--mesh", "dp=2,tp=0"]) == 2
+    assert "MeshError: mesh axis 'tp' has size 0" in capsys.readouterr().err
+    for flag, value, what in (("--batch", "0", "sequences"), ("--seq", "-3", "tokens per sequence")):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "gpt-tiny", "--mesh", "dp=2", flag, value])
+        assert f"autopar: {flag} wants a positive number of {what}" in str(e.value) and f"got {value}" in str(e.value)
 
 
 def test_plan_command_on_a_real_size_model_is_fast(capsys):

@@ -49,6 +49,14 @@ def _as_mesh(mesh) -> Mesh:
     raise MeshError(f"expected an autopar.Mesh or a torch DeviceMesh, got {type(mesh).__name__}")
 
 
+def _check_budget(memory_budget) -> None:
+    """A memory budget is bytes per device: a positive number, or None for the device's memory."""
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                      or not memory_budget > 0):
+        raise AutoparError(f"memory_budget={memory_budget!r}: give the bytes each device may hold (a positive number, "
+                           "e.g. 40 * 2**30), or None for the device's memory")
+
+
 def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, constraints=(), recompute: str = "none",
          global_batch: int | None = None, seq: int | None = None, cp_in_stages: bool = False) -> Plan:
     """Plan only: no process group, no real weights needed (a meta-device model plans the same), any mesh size.
@@ -63,6 +71,7 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
     ``example_inputs`` may then be a function ``(global_batch, seq) -> inputs``."""
     from autopar.cluster import Cluster, plan_cluster
 
+    _check_budget(memory_budget)
     if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
         if global_batch is None:
             raise AutoparError("example_inputs is a function: give global_batch= (and seq=) to build the batch")
@@ -108,6 +117,7 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
     ``recompute`` (none / selective / full), when planning here: the repeated blocks' activations are recomputed
     in backward (a given ``plan`` carries its own)."""
     mesh = _as_mesh(mesh)
+    _check_budget(memory_budget)
     foreign = mesh.hardware.foreign_runtime()
     if foreign:
         what = ", ".join(f"{k}={v}" for k, v in foreign.items())

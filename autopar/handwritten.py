@@ -233,12 +233,13 @@ def handwritten(
 
     ``traced``: the model's TracedGraph when the caller has one already (tracing a large model takes seconds);
     ``traces``: with a pipeline, a cache of microbatch traces (rows -> TracedGraph) shared by several plans."""
-    from autopar.api import _as_mesh
+    from autopar.api import _as_mesh, _check_budget
     from autopar.planner import make_plan
     from autopar import _compat
     from autopar.trace import trace
 
     mesh = _as_mesh(mesh)
+    _check_budget(memory_budget)
     strategy = strategy.lower()
     if strategy not in STRATEGIES:
         raise AutoparError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")

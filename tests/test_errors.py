@@ -100,6 +100,15 @@ def test_a_budget_no_plan_fits_names_the_smallest_budget():
     assert plan.cost.memory_per_device <= e.value.smallest_budget
 
 
+def test_a_budget_that_is_no_number_of_bytes_is_refused_before_planning():
+    model = _gpt()
+    for bad in (0, -1.0, "40GB", True):
+        for call in (lambda: autopar.plan(model, autopar.Mesh({"tp": 2}), _ids(), memory_budget=bad),
+                     lambda: autopar.handwritten(model, autopar.Mesh({"tp": 2}), _ids(), "megatron", memory_budget=bad)):
+            with pytest.raises(autopar.AutoparError, match=r"memory_budget=.*positive number"):
+                call()
+
+
 def test_parallelize_leaves_the_users_model_as_it_was_even_after_training():
     model = _gpt()
     before = _state(model)

@@ -534,46 +534,79 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
     still fits. Balancing the slowest stage is the whole story for one stage per rank; with several per rank it is
     their sum per rank that the steady state runs. From cuts that overflow a rank, moves that shrink the overflow
     come first, whatever they do to the step (the balancer sizes stages, not the ranks that hold several of them:
-    the head's stage can take one block too many)."""
+    the head's stage can take one block too many).
+
+    A move changes two stages: the step and the ranks' bytes are updated from the current cut's per-stage values
+    (the same sums, in the same order, as ``analytic_step`` and ``_one_rank`` take: the same numbers), not priced
+    again from scratch -- the mesh search refines every interleaved candidate it screens."""
     U = len(units.labels)
     pt = _prefix([f + b for f, b in zip(uc.fwd, uc.bwd)])
     st = unit_state(uc, U)
-    sums = _sums(uc, st)
+    ps, pa, backs, flat = _sums(uc, st)
+    S = len(starts)
 
-    def objective(cuts: tuple[int, ...]) -> float:
-        ends = list(cuts[1:]) + [U]
-        return analytic_step([pt[j] - pt[i] for i, j in zip(cuts, ends)], p, m, v)
+    def stage(cuts, k: int) -> tuple[float, tuple[float, float, float, float]]:
+        """Stage k's seconds and its (state, activations / v, backward transient, bucket) bytes."""
+        i, j = cuts[k], cuts[k + 1] if k + 1 < S else U
+        return pt[j] - pt[i], (ps[j] - ps[i], (pa[j] - pa[i]) / v, backs(i, j) if backs is not None else 0.0,
+                               flat(i, j) if flat is not None else 0.0)
 
-    def over(cuts: tuple[int, ...], k: int) -> tuple[float, list[float]]:
-        """The overflow of ``cuts``, which differ from ``cur`` in cut k alone: only its two stages' ranks change."""
-        mem = list(cur_mem)
-        for r in {(k - 1) % p, k % p}:
-            mem[r] = _one_rank(sums, cuts, r, U, p, v, flights[r])
-        return max(max(mem) - budget, 0.0), mem
+    def rank_bytes(mems: list, r: int) -> float:  # ``_one_rank`` from the stages' values
+        state = act = back = bucket = 0.0
+        for k in range(r, S, p):
+            a, b, c, d = mems[k]
+            state += a
+            act += b
+            back = max(back, c)
+            bucket = max(bucket, d)
+        return state + max(flights[r] * act + back, bucket)
 
-    cur, best = tuple(starts), objective(tuple(starts))
-    cur_mem = _rank_memory(uc, st, cur, U, p, v, flights, sums)
+    def step(ts: list[float], per_rank: list[float]) -> float:  # ``analytic_step``
+        return (m - 1) * max(ts) + sum(ts) if v == 1 else m * max(per_rank) + (p - 1) * max(ts)
+
+    cur = tuple(starts)
+    ts, mems = map(list, zip(*(stage(cur, k) for k in range(S))))
+    per_rank = [sum(ts[r::p]) for r in range(p)] if v > 1 else []
+    cur_mem = [rank_bytes(mems, r) for r in range(p)]
+    best = step(ts, per_rank)
     excess = max(max(cur_mem) - budget, 0.0)
     for _ in range(4 * U):
         improved = False
-        for k in range(1, len(cur)):
+        for k in range(1, S):
             for d in (-1, 1):
                 c = list(cur)
                 c[k] += d
                 lo = c[k - 1] + 1
-                hi = (c[k + 1] - 1) if k + 1 < len(c) else U - 1
+                hi = (c[k + 1] - 1) if k + 1 < S else U - 1
                 if not lo <= c[k] <= hi:
                     continue
                 cand = tuple(c)
-                val = objective(cand)
+                (t0, m0), (t1, m1) = stage(cand, k - 1), stage(cand, k)
+                ts2 = list(ts)
+                ts2[k - 1], ts2[k] = t0, t1
+                pr2 = list(per_rank)
+                for r in {(k - 1) % p, k % p} if v > 1 else ():
+                    pr2[r] = sum(ts2[r::p])
+                val = step(ts2, pr2)
+                if excess <= 0 and not val < best * (1 - 1e-12):
+                    continue
+                # the overflow of ``cand``: only its two changed stages' ranks change
+                mems2 = list(mems)
+                mems2[k - 1], mems2[k] = m0, m1
+                mem = list(cur_mem)
+                for r in {(k - 1) % p, k % p}:
+                    mem[r] = rank_bytes(mems2, r)
+                e = max(max(mem) - budget, 0.0)
                 if excess > 0:  # repair first: (overflow, step) lexicographically
-                    e, mem = over(cand, k)
                     if e < excess * (1 - 1e-12) or (e == excess and val < best * (1 - 1e-12)):
-                        cur, best, excess, improved, cur_mem = cand, val, e, True, mem
-                elif val < best * (1 - 1e-12):
-                    e, mem = over(cand, k)
-                    if e == 0.0:
-                        cur, best, improved, cur_mem = cand, val, True, mem
+                        cur, best, excess, improved = cand, val, e, True
+                    else:
+                        continue
+                elif e == 0.0:
+                    cur, best, improved = cand, val, True
+                else:
+                    continue
+                ts, per_rank, mems, cur_mem = ts2, pr2, mems2, mem
         if not improved:
             break
     return cur

@@ -425,6 +425,7 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
     st = unit_state(uc, U)
     back = uc.back()
     flat = uc.flat or [0.0] * U
+    act = uc.act
 
     def pack(limit: float) -> tuple[int, ...] | None:
         starts, i = [], 0
@@ -433,9 +434,13 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
             cap = budget / v
             j, tt, mm_state, mm_act, mm_back, mm_flat = i, 0.0, 0.0, 0.0, 0.0, 0.0
             last = U - (S - k - 1)  # leave a unit for every later stage
-            while j < last:
-                nt, ns, na, nr, nf = tt + t[j], mm_state + st[j], mm_act + uc.act[j], max(mm_back, back[j]), max(mm_flat, flat[j])
-                held = ns + max(flights[r] * na / v + nr, nf)
+            fl = flights[r]
+            while j < last:  # (conditionals, not max(): this loop runs for every bisection step of every candidate)
+                nt, ns, na = tt + t[j], mm_state + st[j], mm_act + act[j]
+                nr = back[j] if back[j] > mm_back else mm_back
+                nf = flat[j] if flat[j] > mm_flat else mm_flat
+                held = fl * na / v + nr
+                held = ns + (nf if nf > held else held)
                 if j > i and (nt > limit or held > cap):
                     break
                 if j == i and held > cap:
@@ -557,9 +562,12 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
             a, b, c, d = mems[k]
             state += a
             act += b
-            back = max(back, c)
-            bucket = max(bucket, d)
-        return state + max(flights[r] * act + back, bucket)
+            if c > back:
+                back = c
+            if d > bucket:
+                bucket = d
+        held = flights[r] * act + back
+        return state + (bucket if bucket > held else held)
 
     def step(ts: list[float], per_rank: list[float]) -> float:  # ``analytic_step``
         return (m - 1) * max(ts) + sum(ts) if v == 1 else m * max(per_rank) + (p - 1) * max(ts)

@@ -495,6 +495,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
             return (0,) + tuple(1 if a == 0 else inner.ndim - 1 for a in axes)
         return tuple(b for a in axes for b in (data if a == 0 else (inner.ndim - 1,)))
 
+    mapped = [(on_inner(proxy_axes), pb, wb) for proxy_axes, (pb, wb) in prefixed.items()]  # once, not per stage
     for starts in options:
         ends = list(starts[1:]) + [U]
         ts = [sum(t[i:j]) for i, j in zip(starts, ends)]
@@ -503,8 +504,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         plain: list[dict[int, float]] = [{} for _ in range(p)]
         zeroed: list[dict[tuple, list[float]]] = [{} for _ in range(p)]
         for k, (i, j) in enumerate(zip(starts, ends)):
-            for proxy_axes, (pb, wb) in prefixed.items():
-                axes = on_inner(proxy_axes)
+            for axes, pb, wb in mapped:
                 if opt is not None and 0 in axes:
                     eff = ZeroOption(1, tuple(a for a in data if a in axes))
                     acc = zeroed[k % p].setdefault((eff, tuple(a for a in axes if a not in data)), [0.0, 0.0])

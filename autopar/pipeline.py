@@ -521,17 +521,31 @@ def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int
 
 def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int) -> float:
     """Rank r's bytes in ``_rank_memory``: its stages are r, r + p, ..."""
+    S = len(starts)
+    return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v) for k in range(r, S, p)], flight)
+
+
+def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, float, float]:
+    """A stage of units i..j-1: its (parameter state, activations / v, largest backward transient, largest bucket)."""
     ps, pa, backs, flat = sums
+    return (ps[j] - ps[i], (pa[j] - pa[i]) / v, backs(i, j) if backs is not None else 0.0,
+            flat(i, j) if flat is not None else 0.0)
+
+
+def _held(stages, flight: int) -> float:
+    """A rank's bytes from its stages' ``_stage_bytes`` (in stage order): the state, and the larger of ``flight``
+    microbatches of activations with the largest backward transient and the largest gradient bucket. (Conditionals,
+    not max(): the mesh search runs this for every move of every refined cut.)"""
     state = act = back = bucket = 0.0
-    for k in range(r, len(starts), p):
-        i, j = starts[k], starts[k + 1] if k + 1 < len(starts) else U
-        state += ps[j] - ps[i]
-        act += (pa[j] - pa[i]) / v
-        if backs is not None:
-            back = max(back, backs(i, j))
-        if flat is not None:
-            bucket = max(bucket, flat(i, j))
-    return state + max(flight * act + back, bucket)
+    for a, b, c, d in stages:
+        state += a
+        act += b
+        if c > back:
+            back = c
+        if d > bucket:
+            bucket = d
+    held = flight * act + back
+    return state + (bucket if bucket > held else held)
 
 
 def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:
@@ -541,42 +555,26 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
     come first, whatever they do to the step (the balancer sizes stages, not the ranks that hold several of them:
     the head's stage can take one block too many).
 
-    A move changes two stages: the step and the ranks' bytes are updated from the current cut's per-stage values
-    (the same sums, in the same order, as ``analytic_step`` and ``_one_rank`` take: the same numbers), not priced
-    again from scratch -- the mesh search refines every interleaved candidate it screens."""
+    A move changes two stages: the ranks' bytes are updated from the current cut's per-stage values (``_stage_bytes``,
+    summed by ``_held`` in the same order as ``_one_rank``: the same numbers), not priced again from scratch -- the
+    mesh search refines every interleaved candidate it screens."""
     U = len(units.labels)
     pt = _prefix([f + b for f, b in zip(uc.fwd, uc.bwd)])
-    st = unit_state(uc, U)
-    ps, pa, backs, flat = _sums(uc, st)
+    sums = _sums(uc, unit_state(uc, U))
     S = len(starts)
 
     def stage(cuts, k: int) -> tuple[float, tuple[float, float, float, float]]:
-        """Stage k's seconds and its (state, activations / v, backward transient, bucket) bytes."""
+        """Stage k's seconds and ``_stage_bytes``."""
         i, j = cuts[k], cuts[k + 1] if k + 1 < S else U
-        return pt[j] - pt[i], (ps[j] - ps[i], (pa[j] - pa[i]) / v, backs(i, j) if backs is not None else 0.0,
-                               flat(i, j) if flat is not None else 0.0)
+        return pt[j] - pt[i], _stage_bytes(sums, i, j, v)
 
     def rank_bytes(mems: list, r: int) -> float:  # ``_one_rank`` from the stages' values
-        state = act = back = bucket = 0.0
-        for k in range(r, S, p):
-            a, b, c, d = mems[k]
-            state += a
-            act += b
-            if c > back:
-                back = c
-            if d > bucket:
-                bucket = d
-        held = flights[r] * act + back
-        return state + (bucket if bucket > held else held)
-
-    def step(ts: list[float], per_rank: list[float]) -> float:  # ``analytic_step``
-        return (m - 1) * max(ts) + sum(ts) if v == 1 else m * max(per_rank) + (p - 1) * max(ts)
+        return _held([mems[k] for k in range(r, S, p)], flights[r])
 
     cur = tuple(starts)
     ts, mems = map(list, zip(*(stage(cur, k) for k in range(S))))
-    per_rank = [sum(ts[r::p]) for r in range(p)] if v > 1 else []
     cur_mem = [rank_bytes(mems, r) for r in range(p)]
-    best = step(ts, per_rank)
+    best = analytic_step(ts, p, m, v)
     excess = max(max(cur_mem) - budget, 0.0)
     for _ in range(4 * U):
         improved = False
@@ -592,10 +590,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
                 (t0, m0), (t1, m1) = stage(cand, k - 1), stage(cand, k)
                 ts2 = list(ts)
                 ts2[k - 1], ts2[k] = t0, t1
-                pr2 = list(per_rank)
-                for r in {(k - 1) % p, k % p} if v > 1 else ():
-                    pr2[r] = sum(ts2[r::p])
-                val = step(ts2, pr2)
+                val = analytic_step(ts2, p, m, v)
                 if excess <= 0 and not val < best * (1 - 1e-12):
                     continue
                 # the overflow of ``cand``: only its two changed stages' ranks change
@@ -614,7 +609,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
                     cur, best, improved = cand, val, True
                 else:
                     continue
-                ts, per_rank, mems, cur_mem = ts2, pr2, mems2, mem
+                ts, mems, cur_mem = ts2, mems2, mem
         if not improved:
             break
     return cur

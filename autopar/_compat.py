@@ -38,6 +38,16 @@ def reduce_scatter_dim0(x: torch.Tensor, n: int, group_name: str) -> torch.Tenso
     return wait(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", n, group_name))
 
 
+# launched, not waited: the result is ready once ``wait`` has been called on it (a gradient reduction runs beside
+# the rest of backward; on NCCL the compute stream goes on until the wait, on gloo the process group's thread works)
+def launch_all_reduce_sum_(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _c10d.all_reduce_(x, "sum", group_name)
+
+
+def launch_reduce_scatter_dim0(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+    return _c10d.reduce_scatter_tensor(x.contiguous(), "sum", n, group_name)
+
+
 def all_to_all_dim0(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
     """Equal-split all-to-all along dim 0 over a group of ``n`` (chunk j goes to the group's rank j)."""
     splits = [x.shape[0] // n] * n

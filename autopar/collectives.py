@@ -179,36 +179,88 @@ class _KeepFirst(torch.autograd.Function):
         return _compat.per_rank(g, lambda r, t: t.clone() if _coord(r, n, stride) == 0 else torch.zeros_like(t)), None, None, None
 
 
-class _GradSync(torch.autograd.Function):
-    """Identity forward on a bucket of parameters; backward all-reduces their gradients, flattened into one buffer,
-    over each axis the parameters are replicated on (once every gradient of the bucket is ready)."""
+class Pending:
+    """A bucket's gradient reduction, launched by its backward and waited by its ``settle`` node's backward.
+
+    ``settle`` reads the bucket's parameters earlier in forward than the node that launches the reduction, so
+    autograd, which runs the ready node created last first, runs the backward of the ops in between before it: the
+    reduction runs beside them (DDP's and FSDP2's overlap). Each forward makes a new one."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None  # the last collective's result, launched and not yet waited
+
+    def launched(self, t: torch.Tensor) -> torch.Tensor:
+        self.buffer = t
+        return t
+
+    def wait(self) -> None:
+        if self.buffer is not None:
+            _compat.wait(self.buffer)
+            self.buffer = None
+
+
+def _last_all_reduce(flat: torch.Tensor, axes, groups, pending: Pending | None) -> torch.Tensor:
+    """``flat`` summed in place over each group in turn; with ``pending`` the last sum is launched, not waited."""
+    for k, (axis, group) in enumerate(zip(axes, groups)):
+        _note("all_reduce", axis, flat, "backward")
+        if pending is not None and k == len(axes) - 1:
+            flat = pending.launched(_compat.launch_all_reduce_sum_(flat, group))
+        else:
+            flat = _compat.all_reduce_sum_(flat, group)
+    return flat
+
+
+def _own(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient with its own storage: autograd would copy views of a shared buffer anyway, and a view it kept
+    would keep the whole bucket alive."""
+    return t.clone() if t is not None and t._base is not None else t
+
+
+class _Settle(torch.autograd.Function):
+    """Identity forward on a bucket's parameters (or ZeRO shards); backward waits for the bucket's reduction
+    (``Pending``), which the backward of the bucket's ``grad_sync`` / ZeRO gather launched, and hands on its
+    gradients, each in its own storage."""
 
     @staticmethod
-    def forward(ctx, axes, groups, *params):
-        ctx.args = (axes, groups)
+    def forward(ctx, pending, *params):
+        ctx.pending = pending
         ctx.set_materialize_grads(False)
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
-        axes, groups = ctx.args
+        ctx.pending.wait()
+        return (None,) + tuple(_own(g) for g in grads)
+
+
+class _GradSync(torch.autograd.Function):
+    """Identity forward on a bucket of parameters; backward all-reduces their gradients, flattened into one buffer,
+    over each axis the parameters are replicated on (once every gradient of the bucket is ready). With a
+    ``Pending`` the last all-reduce is launched and the gradients handed on unwaited, as views of the buffer: the
+    bucket's ``settle`` waits for them."""
+
+    @staticmethod
+    def forward(ctx, axes, groups, pending, *params):
+        ctx.args = (axes, groups, pending)
+        ctx.set_materialize_grads(False)
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        axes, groups, pending = ctx.args
         live = [g for g in grads if g is not None]
         if not live:
-            return (None, None) + grads
+            return (None, None, None) + grads
         flat = torch.cat([g.reshape(-1) for g in live])  # the bucket: reduced in place, then the gradients' storage
-        for axis, group in zip(axes, groups):
-            _note("all_reduce", axis, flat, "backward")
-            flat = _compat.all_reduce_sum_(flat, group)
-        # each gradient gets its own storage: autograd would copy views of a shared buffer anyway, and a view it
-        # kept would keep the whole bucket alive
+        flat = _last_all_reduce(flat, axes, groups, pending)
         out, pos = [], 0
         for g in grads:
             if g is None:
                 out.append(None)
             else:
-                out.append(flat[pos : pos + g.numel()].view_as(g).clone())
+                out.append(flat[pos : pos + g.numel()].view_as(g))
                 pos += g.numel()
-        return (None, None) + tuple(out)
+        return (None, None, None) + tuple(out if pending is not None else (_own(g) for g in out))
 
 
 def all_reduce_flat_(tensors: list[torch.Tensor], axes: tuple[str, ...], groups: tuple[str, ...]) -> None:
@@ -216,10 +268,7 @@ def all_reduce_flat_(tensors: list[torch.Tensor], axes: tuple[str, ...], groups:
     gradient buckets, reduced after the schedule's last backward)."""
     if not tensors:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    for axis, group in zip(axes, groups):
-        _note("all_reduce", axis, flat, "backward")
-        flat = _compat.all_reduce_sum_(flat, group)
+    flat = _last_all_reduce(torch.cat([t.reshape(-1) for t in tensors]), axes, groups, None)
     pos = 0
     for t in tensors:
         t.copy_(flat[pos : pos + t.numel()].view_as(t))
@@ -265,9 +314,17 @@ def keep_first(x, axis: str, n: int, stride: int, whole: bool = False):
     return _KeepFirst.apply(x, n, stride, whole)
 
 
-def grad_sync(params: tuple, axes: tuple[str, ...], groups: tuple[str, ...]):
-    """Read a bucket of parameters; in backward, all-reduce their gradients over ``axes`` (one buffer per axis)."""
-    return _GradSync.apply(axes, groups, *params)
+def settle(params: tuple) -> tuple:
+    """Read a bucket's parameters (or ZeRO shards) before the node that launches its gradient reduction: returns
+    (its ``Pending``, which that node takes, then the parameters); backward waits for the reduction here."""
+    pending = Pending()
+    return (pending,) + tuple(_Settle.apply(pending, *params))
+
+
+def grad_sync(params: tuple, axes: tuple[str, ...], groups: tuple[str, ...], pending: Pending | None = None):
+    """Read a bucket of parameters; in backward, all-reduce their gradients over ``axes`` (one buffer per axis),
+    the last all-reduce waited by ``pending``'s ``settle`` when there is one, at once when not."""
+    return _GradSync.apply(axes, groups, pending, *params)
 
 
 def output_scale(x, fwd: float, bwd: float):
@@ -411,12 +468,14 @@ def gather_flat(segments: list[torch.Tensor], levels, phase: str) -> list[torch.
     return segments
 
 
-def scatter_flat(fulls: list[torch.Tensor], levels, reduce) -> list[torch.Tensor]:
+def scatter_flat(fulls: list[torch.Tensor], levels, reduce, pending: Pending | None = None) -> list[torch.Tensor]:
     """Transpose of ``gather_flat``: reduce-scatter full flat gradients (padded here as the shards are) outermost
     level first, then all-reduce the shards over ``reduce`` ((axis, group) pairs). ``fulls`` is emptied once the
-    bucket's buffer holds them: a caller that keeps no other reference frees each gradient there, not after."""
+    bucket's buffer holds them: a caller that keeps no other reference frees each gradient there, not after.
+    With ``pending`` the last collective is launched, not waited, and the shards come back as views of its result
+    (``_Settle`` waits for them and copies each out)."""
     fulls[:] = [padded_flat(f, math.prod(n for _a, n, _g in levels)) for f in fulls]
-    for axis, n, group in reversed(levels):
+    for step, (axis, n, group) in enumerate(reversed(levels)):
         sizes = [f.numel() // n for f in fulls]
         if len(fulls) == 1:
             buf = fulls[0].reshape(-1)
@@ -424,22 +483,23 @@ def scatter_flat(fulls: list[torch.Tensor], levels, reduce) -> list[torch.Tensor
             buf = torch.cat([f.reshape(n, k) for f, k in zip(fulls, sizes)], dim=1).reshape(-1)
         fulls.clear()
         _note("reduce_scatter", axis, buf, "backward")
-        out = _compat.reduce_scatter_dim0(buf, n, group)
+        if pending is not None and not reduce and step == len(levels) - 1:
+            out = pending.launched(_compat.launch_reduce_scatter_dim0(buf, n, group))
+        else:
+            out = _compat.reduce_scatter_dim0(buf, n, group)
         buf, fulls, pos = None, [], 0
         for k in sizes:
             fulls.append(out[pos : pos + k])
             pos += k
     if reduce:
         buf = torch.cat(fulls) if len(fulls) > 1 else fulls[0].clone()
-        for axis, group in reduce:
-            _note("all_reduce", axis, buf, "backward")
-            buf = _compat.all_reduce_sum_(buf, group)
+        buf = _last_all_reduce(buf, tuple(a for a, _g in reduce), tuple(g for _a, g in reduce), pending)
         sizes = [f.numel() for f in fulls]
         fulls, pos = [], 0
         for k in sizes:
             fulls.append(buf[pos : pos + k])
             pos += k
-    return [f.clone() if f._base is not None else f for f in fulls]  # own storage each (see _GradSync)
+    return fulls if pending is not None else [_own(f) for f in fulls]
 
 
 class _ZeroGather(torch.autograd.Function):
@@ -447,18 +507,18 @@ class _ZeroGather(torch.autograd.Function):
     gradient of the bucket is ready)."""
 
     @staticmethod
-    def forward(ctx, shapes, levels, reduce, *shards):
-        ctx.args = (shapes, levels, reduce)
+    def forward(ctx, shapes, levels, reduce, pending, *shards):
+        ctx.args = (shapes, levels, reduce, pending)
         ctx.set_materialize_grads(False)
         fulls = gather_flat(list(shards), levels, "forward")
         return tuple(unpadded(f, shape) for f, shape in zip(fulls, shapes))
 
     @staticmethod
     def backward(ctx, *grads):
-        shapes, levels, reduce = ctx.args
+        shapes, levels, reduce, pending = ctx.args
         like = next(g for g in grads if g is not None)
         full = [g.reshape(-1) if g is not None else like.new_zeros(math.prod(s)) for g, s in zip(grads, shapes)]
-        return (None, None, None) + tuple(scatter_flat(full, levels, reduce))
+        return (None, None, None, None) + tuple(scatter_flat(full, levels, reduce, pending))
 
 
 class Zero3Block:
@@ -502,8 +562,8 @@ class _Zero3Gather(torch.autograd.Function):
     in -- after every linear of the bucket -- and reduce-scatters the bucket's gradients together."""
 
     @staticmethod
-    def forward(ctx, block, others, reduce, *shards):
-        ctx.block, ctx.others, ctx.reduce = block, others, reduce
+    def forward(ctx, block, others, reduce, pending, *shards):
+        ctx.block, ctx.others, ctx.reduce, ctx.pending = block, others, reduce, pending
         ctx.set_materialize_grads(False)
         fulls = [unpadded(f, shape) for f, shape in zip(gather_flat(list(shards), block.levels, "forward"), block.shapes)]
         block.hold({j: fulls[j] for j in block.linear})
@@ -520,7 +580,7 @@ class _Zero3Gather(torch.autograd.Function):
                 full[j] = g if full[j] is None else full[j] + g
         like = next(g for g in full if g is not None)
         full = [g.reshape(-1) if g is not None else like.new_zeros(math.prod(s)) for g, s in zip(full, block.shapes)]
-        return (None, None, None) + tuple(scatter_flat(full, block.levels, ctx.reduce))
+        return (None, None, None, None) + tuple(scatter_flat(full, block.levels, ctx.reduce, ctx.pending))
 
 
 class _BeforeBackward(torch.autograd.Function):
@@ -569,17 +629,19 @@ class _Zero3BlockLinear(torch.autograd.Function):
         return gx, g.new_zeros(0), gb, None, None, None, None
 
 
-def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple):
+def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple, pending: Pending | None = None):
     """A ZeRO bucket: all-gather the shards into whole local parameters; backward reduce-scatters (and all-reduces
-    over ``reduce``) their gradients."""
-    return _ZeroGather.apply(shapes, levels, reduce, *shards)
+    over ``reduce``) their gradients, the last collective waited by ``pending``'s ``settle`` if given."""
+    return _ZeroGather.apply(shapes, levels, reduce, pending, *shards)
 
 
-def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, others: tuple, reduce: tuple = ()):
+def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, others: tuple, reduce: tuple = (),
+                 pending: Pending | None = None):
     """A ZeRO-3 bucket: one all-gather of its shards (per level). Returns (its ``Zero3Block``, the token its
-    linears take, the whole parameters at ``others``); backward reduce-scatters the bucket's gradients once."""
+    linears take, the whole parameters at ``others``); backward reduce-scatters the bucket's gradients once (the
+    last collective waited by ``pending``'s ``settle`` if given)."""
     block = Zero3Block(tuple(shards), tuple(shapes), levels, tuple(linear))
-    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, *shards))
+    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, pending, *shards))
 
 
 def before_backward(blocks: tuple, outs: tuple) -> tuple:

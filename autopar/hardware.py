@@ -14,7 +14,7 @@ are checked, not fitted (plan_quality's check rows): NVIDIA's DGX-H100 Llama3-8B
 within 2%. torchtitan's published H100 runs were on 500 W parts with HBM2e: ``h100-500w`` describes them, with one
 constant fitted (the tensor-core clocks the power limit leaves) on one of their runs and checked on the others.
 The runtime fields (``overlap``, ``grad_reduce_bytes``, ``attention_skips_masked``, ``selective_recomputes_every``,
-``float8_linears``, ``tp_overlap``, ``fused_elementwise``) describe autopar's runtime by default (no overlap,
+``float8_linears``, ``tp_overlap``, ``fused_elementwise``) describe autopar's runtime by default (no overlap priced,
 gradients reduced in the parameter's dtype, SDPA's fused kernels, selective recomputation keeping every matmul's
 output, the model's dtype, tensor-parallel collectives between the linears, not under them, one kernel per op;
 ZeRO-3 gathered a block at a time, as FSDP2 does, is no field: every runtime priced does it); the benchmark sets
@@ -39,7 +39,10 @@ the machine was), every time the slowest rank's:
   a collective ~1-4 ms after the first). torch's gloo runs a reduce-scatter as an all-reduce of the whole buffer
   (``Link.reduce_scatter_as_all_reduce``; measured on 4 ranks at 16 MiB: reduce-scatter 29 ms, all-reduce 22 ms,
   all-gather 16 ms), and it is priced and fitted so; its 1-element all-reduce (a special path) takes ~10x less.
-- no overlap: autopar's runtime does not run communication beside compute.
+- no overlap priced: autopar's runtime gathers parameters before the compute that needs them; it runs each
+  gradient reduction beside the backward that follows it (``collectives.settle``), but how much that hides is not
+  measured on GPUs yet, so no preset credits it (conservative: a plan heavy in data parallelism is priced slower
+  than it runs).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class Hardware:
     # memory_efficiency of hbm_bandwidth: a fused AdamW (Megatron's, torchtitan's "fused") reads the parameter, its
     # gradient and two moments and writes the three back, 7 x 4 bytes in fp32, and as much for a 16-bit parameter
     # with an fp32 master copy (2 + 12 read, 12 + 2 written); cpu-gloo: measured (benchmarks/calibrate_cpu.py)
-    # How the runtime being priced behaves (autopar's own: no overlap; a preset for FSDP2 / DeepSpeed runs sets
+    # How the runtime being priced behaves (autopar's own: no overlap priced, see the module docstring; a preset for FSDP2 / DeepSpeed runs sets
     # these to describe theirs). Like FSDP2, autopar's runtime gathers and reduce-scatters ZeRO-3 parameters a
     # block at a time (``collectives.zero3_gather``), so that is no field:
     overlap: float = 0.0  # fraction of the shorter of compute and data-parallel communication (gradient buckets,
@@ -181,7 +184,8 @@ class Hardware:
 
 
 _GB = 1e9
-# runtime fields autopar's own runtime does not realise (it overlaps nothing, reduces gradients in their dtype,
+# runtime fields autopar's own runtime does not realise (its gathers wait, and the hiding of its reductions is
+# not measured; it reduces gradients in their dtype,
 # runs linears in the model's dtype, one kernel per op): set, they price another runtime, and parallelize refuses
 # such hardware rather than run a plan whose every number describes something else
 FOREIGN_RUNTIME = ("overlap", "grad_reduce_bytes", "float8_linears", "tp_overlap", "fused_elementwise")

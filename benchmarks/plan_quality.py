@@ -469,11 +469,11 @@ def _link_sweep(pub, auto) -> None:
 
 def _own_runtime() -> None:
     """The two Llama-3-70B shape cases again, planned for the runtime autopar emits instead of torchtitan's FSDP2:
-    the preset as it is (no overlap of communication with compute, gradients reduced in bf16), the published layout
+    the preset as it is (no overlap of communication with compute priced, gradients reduced in bf16), the published layout
     and FSDP over every device priced the same way. Which of the issue's two shape answers comes out depends on
     this: with FSDP2's collectives hidden under compute, data parallelism is free and tp stays out at both scales;
     with them exposed, tp in node (which shrinks the data-parallel traffic eightfold) pays at both."""
-    print("  llama3-70b, planned for autopar's own runtime (the preset as it is: collectives not overlapped with compute):")
+    print("  llama3-70b, planned for autopar's own runtime (the preset as it is: no overlap of collectives with compute priced):")
     rows = []
     for case in cases():
         if case.group != "titan" or case.model != "llama3-70b":

@@ -70,6 +70,8 @@ def local_values(gm: fx.GraphModule, plan, mesh) -> dict[str, object]:
             out = args[0]
         elif t is collectives.grad_sync:
             out = tuple(args[0])
+        elif t is collectives.settle:
+            out = (None,) + tuple(args[0])
         elif t is collectives.zero_gather:
             out = tuple(_meta_like(shape, x.dtype) for x, shape in zip(args[0], args[1]))
         elif t is collectives.zero3_gather:

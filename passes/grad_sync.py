@@ -4,7 +4,10 @@ Requires: placeholders named as in the plan; ``plan.grad_buckets`` (the buckets 
 bucket and axis).
 Ensures: the parameters of each bucket are read through one ``grad_sync`` node, placed just before the bucket's
 first use (identity forward; backward all-reduces the bucket's gradients as one buffer over exactly its axes,
-as soon as they are all computed and before they reach ``.grad``, so gradient accumulation stays right).
+as soon as they are all computed and before they reach ``.grad``, so gradient accumulation and
+``torch.autograd.grad`` stay right). It reads them through the bucket's ``settle`` node, at the start of the
+program: the last all-reduce is launched and waited there, so it runs beside the rest of backward (autograd runs
+the node created first last), as DDP overlaps its buckets.
 With a pipeline (``plan.pipeline``) nothing: the graph runs once per microbatch, and the runtime reduces the same
 buckets once, after the schedule's last backward.
 """
@@ -26,17 +29,21 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     names, _sizes, _strides, groups = runtime_axes(mesh)
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
     position = {n: i for i, n in enumerate(g.nodes)}
+    start = next(n for n in g.nodes if n.op != "placeholder")
     for bucket in plan.grad_buckets:
         params = [placeholders[p] for p in bucket.params]
         grps = tuple(groups[names.index(a)] for a in bucket.axes)
+        first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
+        with g.inserting_before(start):
+            settle = g.call_function(collectives.settle, (tuple(params),))
+            pending, *settled = (g.call_function(operator.getitem, (settle, i)) for i in range(len(params) + 1))
         # read the bucket just before its first use: autograd then runs its backward (the all-reduce) as soon as the
         # bucket's gradients are done, not after the whole backward pass
-        first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
         with g.inserting_before(first_use):
-            s = g.call_function(collectives.grad_sync, (tuple(params), bucket.axes, grps))
+            s = g.call_function(collectives.grad_sync, (tuple(settled), bucket.axes, grps, pending))
             reads = [g.call_function(operator.getitem, (s, i)) for i in range(len(params))]
         for p, r in zip(params, reads):
-            p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not s)
+            p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not settle)
     g.lint()
     gm.recompile()
     return gm

@@ -10,6 +10,10 @@ where the bucket's first parameter is used; a linear that takes one of them as i
 drops the bucket's weights; backward, or a recomputed block as its backward starts, gathers them again, once for
 the bucket, as ``ZeroBucket.weights`` says); any other use reads the whole parameter the gather returns. The
 bucket's gradients are reduce-scattered together once all its uses' backward is done.
+Every bucket's shards are read through its ``settle`` node, placed just before the gather of the bucket before it
+in forward: the last collective of the bucket's gradients is launched by its gather's backward and waited by
+settle's, which autograd runs after that previous bucket's ops' backward (the node created last runs first), so
+each reduction runs beside the next block's backward, with at most one more in flight, as FSDP2's do.
 With a pipeline (``plan.pipeline``; ZeRO-1 only) nothing: the graph runs once per microbatch, and the runtime
 gathers the parameters once before the schedule and reduce-scatters their gradients once after it.
 """
@@ -44,33 +48,47 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     axes = runtime_axes(mesh)
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
     position = {n: i for i, n in enumerate(g.nodes)}
-    for bucket in plan.zero_buckets:
+    start = next(n for n in g.nodes if n.op != "placeholder")
+
+    def first_use(bucket) -> fx.Node:
+        return min((u for p in bucket.params for u in placeholders[p].users), key=lambda u: position[u])
+
+    # the buckets in the order forward gathers them (backward reduces them in the reverse order)
+    order = sorted(((position[first_use(b)], k, b) for k, b in enumerate(plan.zero_buckets)), key=lambda t: t[:2])
+    previous = start  # the gather of the bucket before, in forward
+    for _pos, _k, bucket in order:
         levels, reduce = levels_and_reduce(bucket, mesh, axes)
         params = [placeholders[p] for p in bucket.params]
         shapes = tuple(local_shape(plan, p, mesh) for p in params)
+        # the shards are read by the bucket's ``settle`` just before the previous bucket's gather: autograd runs its
+        # backward -- the wait for this bucket's last gradient collective -- once that bucket's ops' backward is done,
+        # so the collective runs beside them, and at most one more bucket's is in flight (FSDP2's reduce-scatter)
+        use = first_use(bucket)
+        with g.inserting_before(previous):
+            settle = g.call_function(collectives.settle, (tuple(params),))
+            pending, *settled = (g.call_function(operator.getitem, (settle, i)) for i in range(len(params) + 1))
         if bucket.stage in (1, 2):
             # gather just before the bucket's first use (ZeRO-2 buckets are blocks: their gathered parameters live
             # from their block's forward on, and their backward reduce-scatters as soon as the block is done)
-            first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
-            with g.inserting_before(first_use):
-                z = g.call_function(collectives.zero_gather, (tuple(params), shapes, levels, reduce))
+            with g.inserting_before(use):
+                z = g.call_function(collectives.zero_gather, (tuple(settled), shapes, levels, reduce, pending))
                 reads = [g.call_function(operator.getitem, (z, i)) for i in range(len(params))]
             for p, r in zip(params, reads):
-                p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not z)
+                p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not settle)
+            previous = z
             continue
         # ZeRO-3: the bucket gathered once where its first parameter is used; its linears read their weights from
         # the bucket (gathered again for backward, never kept), its other uses read what the gather returns
         is_weight = {p: linear_weight_users(p) for p in params}
         linear = tuple(j for j, p in enumerate(params) if is_weight[p])
-        others = tuple(j for j, p in enumerate(params) if any(u not in is_weight[p] for u in p.users))
-        first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
+        others = tuple(j for j, p in enumerate(params) if any(u not in is_weight[p] and u is not settle for u in p.users))
         uses = sorted(((u, j) for j in linear for u in is_weight[params[j]]), key=lambda t: position[t[0]])
         # the planner's choice (``ZeroBucket.weights``): a recomputed block's linears save the weights its
         # recomputation reads (gathered again as the block's backward starts: ``autopar.recompute``); a bucket used
         # both inside and outside recomputed blocks keeps its weights from forward to backward
         inside, mixed = bucket.weights == "recompute", bucket.weights == "keep"
-        with g.inserting_before(first_use):
-            z = g.call_function(collectives.zero3_gather, (tuple(params), shapes, levels, linear, others, reduce))
+        with g.inserting_before(use):
+            z = g.call_function(collectives.zero3_gather, (tuple(settled), shapes, levels, linear, others, reduce, pending))
             block, token = (g.call_function(operator.getitem, (z, k)) for k in (0, 1))
             reads = {j: g.call_function(operator.getitem, (z, 2 + k)) for k, j in enumerate(others)}
         for k, (u, j) in enumerate(uses):  # the same node (its name is the plan's), another target
@@ -79,8 +97,9 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             u.args = (u.args[0], token, b, block, j, shapes[j], inside, k == len(uses) - 1 and not mixed)
         for j in others:
             for u in list(params[j].users):
-                if u is not z:
+                if u is not settle:
                     u.replace_input_with(params[j], reads[j])
+        previous = z
     g.lint()
     gm.recompile()
     return gm

@@ -329,3 +329,51 @@ def test_zero3_gradients_reach_torch_autograd_grad(recompute):
             diff = max(float(v) for d in diffs for v in _compat.local_values(d).values())
             norm = max(float(v) for d in norms for v in _compat.local_values(d).values())
     assert diff == 0.0 and norm > 0
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_each_gradient_reduction_runs_beside_the_backward_after_it(stage, monkeypatch):
+    """A bucket's last gradient collective is launched by its backward and waited by its ``settle`` node's, which
+    autograd runs later: ZeRO-0's all-reduce buckets (DDP's) are all launched before the first is waited; a ZeRO-2/3
+    block's reduce-scatter is waited only after the block before it has launched its own (the backward between ran
+    beside it), and never more than two are in flight (FSDP2's bound: a bucket's gradients are not all kept)."""
+    events = []
+    launch_ar, launch_rs, wait = _compat.launch_all_reduce_sum_, _compat.launch_reduce_scatter_dim0, collectives.Pending.wait
+
+    def all_reduce(x, group):
+        t = launch_ar(x, group)
+        events.append(("launch", id(t)))
+        return t
+
+    def reduce_scatter(x, n, group):
+        t = launch_rs(x, n, group)
+        events.append(("launch", id(t)))
+        return t
+
+    def waited(self):
+        if self.buffer is not None:
+            events.append(("wait", id(self.buffer)))
+        wait(self)
+
+    monkeypatch.setattr(_compat, "launch_all_reduce_sum_", all_reduce)
+    monkeypatch.setattr(_compat, "launch_reduce_scatter_dim0", reduce_scatter)
+    monkeypatch.setattr(collectives.Pending, "wait", waited)
+    model, inputs = _model("gpt"), _inputs()
+    mesh = autopar.Mesh({"dp": 4}, hardware="h100-80gb")
+    with fake_world(mesh.size), _compat.local_tensor_mode(mesh.size):
+        pm = autopar.parallelize(model, mesh, inputs, constraints=[autopar.ZeroPin("*", stage)])
+        loss = pm(*pm.local_inputs(*inputs))
+        events.clear()
+        loss.backward()
+    buckets = len(pm.plan.grad_buckets) if stage == 0 else len(pm.plan.zero_buckets)
+    kinds = [k for k, _ in events]
+    assert buckets >= 3 and kinds.count("launch") == kinds.count("wait") == buckets
+    assert {i for k, i in events if k == "launch"} == {i for k, i in events if k == "wait"}  # each waited once
+    in_flight, most = set(), 0
+    for k, i in events:
+        in_flight.symmetric_difference_update({i})
+        most = max(most, len(in_flight))
+    if stage == 0:
+        assert kinds == ["launch"] * buckets + ["wait"] * buckets
+    else:
+        assert kinds == ["launch", "launch"] + ["wait", "launch"] * (buckets - 2) + ["wait", "wait"] and most == 2

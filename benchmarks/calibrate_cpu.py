@@ -1,11 +1,12 @@
 """Measure this machine for the ``cpu-gloo`` hardware preset, next to the preset's numbers.
 
-Run: ``python benchmarks/calibrate_cpu.py [--nproc 4]`` (~1 min; on a quiet machine: it prints how much of the CPU
-other work took meanwhile). The preset describes one device = one rank as it runs when ``nproc`` gloo ranks (one
+Run: ``python benchmarks/calibrate_cpu.py [--nproc 4] [--json FILE]`` (~1 min; on a quiet machine: it prints how
+much of the CPU other work took meanwhile; ``--json`` also writes the preset with this machine's numbers as
+Hardware JSON, which ``cost_ranking.py`` measures itself by default). The preset describes one device = one rank as it runs when ``nproc`` gloo ranks (one
 thread each) share this machine and train in step, so everything is measured with ``nproc`` processes running at
 once (torchrun, 127.0.0.1), and every time is the slowest rank's (a training step waits for it):
 
-- fp32 and bf16 matmul FLOP/s (1024^3) and elementwise bytes/s (``x * 2.0`` on 32 MiB), per rank, every rank
+- fp32 and bf16 matmul FLOP/s (1024^3; bf16 256^3 on a CPU without bf16 units) and elementwise bytes/s (``x * 2.0`` on 32 MiB), per rank, every rank
   running the same loop (4 ranks on 2 cores get about half a core each); one process alone for reference.
 - the optimizer step: ``torch.optim.AdamW`` as the tests and benchmarks build it (torch's default implementation)
   stepping 16 fp32 parameters of 512 Ki elements, every rank at once; seconds per element, and the bytes per
@@ -35,6 +36,7 @@ once (torchrun, 127.0.0.1), and every time is the slowest rank's (a training ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -79,6 +81,12 @@ def other_load(before) -> float | None:
     return max(busy - mine, 0.0) / total if total else None
 
 
+def _bf16_size(probe: float) -> int:
+    """The bf16 matmul size to time, from a 256^3 one's seconds: 1024 where the CPU has bf16 units (well under a
+    millisecond), 256 where it emulates them (~0.1 s: a 1024^3 one would take seconds, the calibration minutes)."""
+    return 1024 if probe < 1e-3 else 256
+
+
 def _best(fn, reps: int) -> float:
     fn()
     best = float("inf")
@@ -94,8 +102,9 @@ def compute() -> tuple[float, float, float]:
     torch.set_num_threads(1)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     flops = 2 * 1024**3 / _best(lambda: a @ b, 5)
-    a16, b16 = a.bfloat16(), b.bfloat16()
-    flops16 = 2 * 1024**3 / _best(lambda: a16 @ b16, 5)
+    k = _bf16_size(_best(lambda: a[:256, :256].bfloat16() @ b[:256, :256].bfloat16(), 3))
+    a16, b16 = a[:k, :k].bfloat16(), b[:k, :k].bfloat16()
+    flops16 = 2 * k**3 / _best(lambda: a16 @ b16, 5)
     x = torch.randn(8 * 1024 * 1024)
     bw = 2 * x.numel() * 4 / _best(lambda: x * 2.0, 5)
     return flops, flops16, bw
@@ -209,11 +218,14 @@ def worker() -> None:
     pair, _ = dist.new_subgroups(group_size=2) if n % 2 == 0 and n > 2 else (None, None)
     res = {}
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    a16, b16 = a.bfloat16(), b.bfloat16()
+    probe = torch.tensor(_best(lambda: a[:256, :256].bfloat16() @ b[:256, :256].bfloat16(), 3))
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # every rank runs the same loop
+    k = _bf16_size(float(probe))
+    a16, b16 = a[:k, :k].bfloat16(), b[:k, :k].bfloat16()
     x = torch.randn(8 * 1024 * 1024)
     for _ in range(PASSES):  # best of the passes: other work on the machine only ever slows a pass down
         for key, value in (("flops", 2 * 1024**3 / _loop(lambda: a @ b, 10)),
-                           ("flops_bf16", 2 * 1024**3 / _loop(lambda: a16 @ b16, 20)),
+                           ("flops_bf16", 2 * k**3 / _loop(lambda: a16 @ b16, 20)),
                            ("bandwidth", 2 * x.numel() * 4 / _loop(lambda: x * 2.0, 10))):
             res[key] = max(res.get(key, 0.0), value)
         res["adamw"] = min(res.get("adamw", math.inf), adamw_step())
@@ -281,9 +293,42 @@ def fit_link(res: dict, sizes: list[int]) -> tuple[float, float, float]:
     return launch, latency, (1.0 / inv_bw if inv_bw > 0 else float("inf"))
 
 
+def measure(n: int = 4):
+    """Measure this machine with ``n`` gloo ranks: (what ``worker`` measured, one process's fp32 and bf16 matmul
+    FLOP/s and elementwise bytes/s alone, the share of the CPU other work took meanwhile or None)."""
+    before = cpu_sample()
+    alone = compute()
+    out = torchrun(__file__, n, "--worker")
+    other = other_load(before)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit("gloo workers failed: " + out.stderr[-2000:])
+    return json.loads(line[len("RESULT "):]), alone, other
+
+
+def fitted(res: dict, n: int):
+    """The ``cpu-gloo`` preset with every number it holds replaced by this machine's (``measure``), and the pieces of
+    the collectives' fit: (Hardware, launch after a barrier, late arrival per compute length, latency, bandwidth)."""
+    from autopar.hardware import PRESETS, Link
+
+    sizes = [n] + ([2] if f"all_reduce_2_{SIZES[0]}" in res else [])
+    launch_fit, latency, bw = fit_link(res, sizes)
+    # a collective after compute costs more than after a barrier: the ranks reach it as the cores' scheduler lets
+    # them, the last one late; on a quiet machine by about half of a short compute, by at most a scheduler time
+    # slice or so after a long one (a cost per collective, not a compute rate), so it joins the launch
+    lates = [sum(res[f"situ_{kind}_{sec}"] - res[f"{kind}_{n}_{SIZES[0]}"] for kind in KINDS) / len(KINDS) for sec in SEGMENTS]
+    link = Link(bandwidth=bw, latency=latency, launch=max(launch_fit + sum(lates) / len(lates), 0.0), reduce_scatter_as_all_reduce=True)
+    hw = dataclasses.replace(
+        PRESETS["cpu-gloo"], name="cpu-gloo (measured)", peak_flops=(("bfloat16", res["flops_bf16"]), ("float32", res["flops"])),
+        hbm_bandwidth=res["bandwidth"], input_bandwidth=res["bandwidth"], op_overhead=(res["op_fwd"] + res["op_bwd"]) / 2,
+        optimizer_step_bytes=res["adamw"] * res["bandwidth"], intra_node=link, inter_node=link)
+    return hw, launch_fit, lates, latency, bw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--json", default="", help="also write the preset with this machine's numbers (Hardware JSON) here")
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
     if args.worker:
@@ -292,20 +337,13 @@ def main() -> None:
     import tabulate
 
     from autopar.cost import collective_time
-    from autopar.hardware import PRESETS, Link
+    from autopar.hardware import PRESETS
 
     hw = PRESETS["cpu-gloo"]
     n = args.nproc
-    before = cpu_sample()
-    flops1, flops16, bw1 = compute()
-    out = torchrun(__file__, n, "--worker")
-    other = other_load(before)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        print("gloo workers failed: " + out.stderr[-2000:])
-        sys.exit(1)
-    res = json.loads(line[len("RESULT "):])
-    op = (res["op_fwd"] + res["op_bwd"]) / 2
+    res, (flops1, flops16, bw1), other = measure(n)
+    mine, launch_fit, lates, latency, bw = fitted(res, n)
+    op = mine.op_overhead
     rows = [
         ["fp32 matmul FLOP/s, one process alone", f"{flops1:.3g}", ""],
         [f"fp32 matmul FLOP/s per rank, {n} ranks at once", f"{res['flops']:.3g}", f"{hw.flops(torch.float32) * hw.matmul_efficiency:.3g}"],
@@ -321,25 +359,18 @@ def main() -> None:
         [f"all-reduce of 1 element (gloo's special path), {n} ranks (s)", f"{res['all_reduce_1']:.3g}", ""],
     ]
     sizes = [n] + ([2] if f"all_reduce_2_{SIZES[0]}" in res else [])
-    launch_fit, latency, bw = fit_link(res, sizes)
-    # a collective after compute costs more than after a barrier: the ranks reach it as the cores' scheduler lets
-    # them, the last one late; on a quiet machine by about half of a short compute, by at most a scheduler time
-    # slice or so after a long one (a cost per collective, not a compute rate), so it joins the launch
-    lates = []
-    for sec in SEGMENTS:
-        late = sum(res[f"situ_{kind}_{sec}"] - res[f"{kind}_{n}_{SIZES[0]}"] for kind in KINDS) / len(KINDS)
-        lates.append(late)
+    for sec, late in zip(SEGMENTS, lates):
         rows.append([f"{SIZES[0] / 1024:g} KiB collective after {res[f'segment_{sec}'] * 1e3:.3g} ms of compute, {n} ranks (s): "
                      + ", ".join(k.replace("_", "-") for k in KINDS), ", ".join(f"{res[f'situ_{k}_{sec}']:.3g}" for k in KINDS), ""])
         rows.append(["  late arrival: minus after a barrier, mean of the kinds (s)", f"{late:.3g}", ""])
     late = sum(lates) / len(lates)
-    launch = max(launch_fit + late, 0.0)
-    fitted = Link(bandwidth=bw, latency=latency, launch=launch_fit, reduce_scatter_as_all_reduce=True)
+    launch = mine.intra_node.launch
+    after_barrier = dataclasses.replace(mine.intra_node, launch=launch_fit)
     for size in sizes:
         for kind in KINDS:
             for nbytes in SIZES:
                 rows.append([f"{kind} {nbytes / 1024:g} KiB, {size} ranks, after a barrier (s)", f"{res[f'{kind}_{size}_{nbytes}']:.3g}",
-                             f"{collective_time(kind, nbytes, size, hw.intra_node):.3g} (fit: {collective_time(kind, nbytes, size, fitted):.3g})"])
+                             f"{collective_time(kind, nbytes, size, hw.intra_node):.3g} (fit: {collective_time(kind, nbytes, size, after_barrier):.3g})"])
     rows += [
         ["fit: launch after a barrier (s)", f"{launch_fit:.3g}", ""],
         ["late arrival, mean over the compute lengths (s)", f"{late:.3g}", ""],
@@ -355,6 +386,10 @@ def main() -> None:
           f"(\"float32\", {res['flops']:.3g})), hbm_bandwidth={res['bandwidth']:.3g}, "
           f"optimizer_step_bytes={res['adamw'] * res['bandwidth']:.3g}, op_overhead={op:.3g}, "
           f"Link(bandwidth={bw:.3g}, latency={latency:.3g}, launch={launch:.3g}, reduce_scatter_as_all_reduce=True)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(mine.to_json(), f, indent=1)
+        print(f"written as Hardware JSON to {args.json} (autopar.Hardware.from_json; cost_ranking.py --hardware)")
 
 
 if __name__ == "__main__":

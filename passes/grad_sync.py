@@ -6,8 +6,9 @@ Ensures: the parameters of each bucket are read through one ``grad_sync`` node, 
 first use (identity forward; backward all-reduces the bucket's gradients as one buffer over exactly its axes,
 as soon as they are all computed and before they reach ``.grad``, so gradient accumulation and
 ``torch.autograd.grad`` stay right). It reads them through the bucket's ``settle`` node, at the start of the
-program: the last all-reduce is launched and waited there, so it runs beside the rest of backward (autograd runs
-the node created first last), as DDP overlaps its buckets.
+program: the bucket's last all-reduce, launched by grad_sync's backward, is waited in settle's, which autograd
+runs once nothing created after it is left to run (the ready node created last runs first) -- at the end of
+backward -- so the all-reduce runs beside the rest of backward, as DDP overlaps its buckets.
 With a pipeline (``plan.pipeline``) nothing: the graph runs once per microbatch, and the runtime reduces the same
 buckets once, after the schedule's last backward.
 """

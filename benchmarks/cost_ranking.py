@@ -7,9 +7,10 @@ numbers measured again on this machine first (``calibrate_cpu.measure``: matmul 
 overhead, AdamW, gloo's collectives -- microbenchmarks, not the plans' step times); ``--preset`` prices with the
 stored preset instead, ``--hardware FILE`` with a Hardware JSON (``calibrate_cpu.py --json FILE``). The stored
 preset describes the machine it was measured on: on another (2026-12-03's: per-op overhead 37-54 us against the
-preset's 11, fp32 matmul 34 GFLOP/s against 50, gloo 0.72 GB/s against 1.1) its prices cannot order that
-machine's plans (73 of 87 pairs measured apart ordered right with the preset, 79 of 83 with the numbers measured
-first). Per
+preset's 11, fp32 matmul 34-38 GFLOP/s against 50, gloo 0.72 GB/s against 1.1) its step times are 0.49-0.97 of
+the measured ones (mean 0.63-0.72 over three runs), with the numbers measured first 0.67-1.24 (mean 0.84-0.90,
+two runs). The ranking did not get better with them: 73 of 87, 77 of 81 and 85 of 90 pairs measured apart ordered
+right with the preset, 79 of 83 and 72 of 79 with the numbers measured first. Per
 plan: the predicted step time (``plan.cost.step_time``, and its compute and communication parts), the measured
 one, their ratio, both ranks; then Kendall's tau-b and Spearman's rho between predicted and measured over all
 plans; which pairs of plans measured more than 15% apart (the noise: see below) the prediction orders the other
@@ -35,7 +36,8 @@ written: DDP on dp=4, Megatron on tp=4, FSDP+TP (torchtitan's 2-D) on (dp=2, tp=
 (pp=2, tp=2). Since ZeRO-3 runs a bucket at a time (FSDP2's way), FSDP measures within 15% of Megatron and
 FSDP+TP: the references are no longer each apart, so the claim is made on plans the measurement tells apart.
 
-What it showed (three runs on the machine the preset was measured on): the most plans each >15% slower than the one before are 5 every time
+What it showed (three runs on the machine the preset was measured on): the most plans each >15% slower than the
+one before are 5 every time
 (e.g. DDP < Megatron < Megatron with full recomputation < Megatron with SP and full recomputation < Megatron-3D
 with 8 microbatches, 229 < 266 < 312 < 369 < 503 ms), predicted in the same order every time; 77 of 82, 81 of 89
 and 82 of 91 pairs measured apart are ordered right. Most of the mis-ordered pairs hold Megatron-3D with 2
@@ -47,8 +49,9 @@ its ZeRO-1 variant (measured 20% apart among 19 plans, 7.5% apart when measured 
 Since autopar's runtime runs its gradient reductions beside backward (``benchmarks/overlap.py``), DDP's buckets
 hide part of their all-reduces, which the cost model does not credit yet, while ZeRO-1's single bucket (reduced
 after the whole backward) hides nothing: DDP measures 15-17% faster than ZeRO-1 on dp=4 (9% before), predicted 4-6%
-slower, and that pair now breaks the longest chain of plans measured apart (two runs, 2026-12-03, numbers measured
-first: 79 of 83 and 72 of 79 pairs ordered right; the chain without DDP, ZeRO-1 < Megatron with full
+slower, and that pair now breaks the longest chain of plans measured apart (both runs with the numbers measured first, 2026-12-03;
+with the preset, all three runs that day broke the chain too, on other pairs: a pipeline plan twice, two solver
+plans predicted 3% apart once, the old runtime's run among them; the chain without DDP, ZeRO-1 < Megatron with full
 recomputation < the same with SP < Megatron-3D with 8 microbatches, predicted in order).
 """
 

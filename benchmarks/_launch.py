@@ -20,3 +20,13 @@ def torchrun(script: str, nproc: int, *args: str) -> subprocess.CompletedProcess
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
+def relay(script: str, nproc: int, *args: str) -> None:
+    """``torchrun`` a worker that prints its own tables: print them, and on failure the end of its stderr (and
+    exit with its status)."""
+    out = torchrun(script, nproc, *args)
+    print(out.stdout)
+    if out.returncode:
+        print(out.stderr[-3000:])
+        sys.exit(out.returncode)

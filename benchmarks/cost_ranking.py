@@ -278,7 +278,8 @@ def main() -> None:
 
         hw = fitted(measure(4)[0], 4)[0]
         ref = PRESETS["cpu-gloo"]
-        args.hardware = os.path.join(tempfile.mkdtemp(prefix="autopar_ranking_"), "hardware.json")
+        scratch = tempfile.TemporaryDirectory(prefix="autopar_ranking_")  # removed when main returns
+        args.hardware = os.path.join(scratch.name, "hardware.json")
         with open(args.hardware, "w") as f:
             json.dump(hw.to_json(), f)
         described = ("cpu-gloo with this machine's numbers, measured first (calibrate_cpu.py; stored preset in brackets): "

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import torchrun  # noqa: E402
+from benchmarks._launch import relay  # noqa: E402
 
 
 def worker(rounds: int, steps: int, width: int, layers: int, batch: int) -> None:
@@ -104,12 +104,8 @@ def main() -> None:
     if args.worker:
         worker(args.rounds, args.steps, args.width, args.layers, args.batch)
         return
-    out = torchrun(__file__, args.ranks, "--worker", f"--rounds={args.rounds}", f"--steps={args.steps}",
-                   f"--width={args.width}", f"--layers={args.layers}", f"--batch={args.batch}")
-    print(out.stdout)
-    if out.returncode:
-        print(out.stderr[-3000:])
-        sys.exit(out.returncode)
+    relay(__file__, args.ranks, "--worker", f"--rounds={args.rounds}", f"--steps={args.steps}", f"--width={args.width}",
+          f"--layers={args.layers}", f"--batch={args.batch}")
 
 
 if __name__ == "__main__":

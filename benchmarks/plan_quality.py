@@ -18,8 +18,8 @@ For each published run it prints:
   degree?), autopar's per-op plan on each in-node tp degree, and what the tp axis carries in each, beside the
   published Megatron layout on tp 8; autopar's cluster plan there at smaller global batches (32 ... 512
   sequences); and both plans again with slower collectives across nodes.
-- for both Llama-3-70B cases, autopar's plan for the runtime it emits (the presets as they are: collectives not
-  overlapped with compute) beside the published layout and FSDP over every device priced the same way: which
+- for both Llama-3-70B cases, autopar's plan for the runtime it emits (the presets as they are: no overlap of
+  collectives with compute priced) beside the published layout and FSDP over every device priced the same way: which
   shape answer comes out depends on whether data parallelism's collectives hide under compute.
 
 Sources: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._launch import torchrun  # noqa: E402
+from benchmarks._launch import relay  # noqa: E402
 
 
 def worker(steps: int) -> None:
@@ -65,11 +65,7 @@ def main() -> None:
     if args.worker:
         worker(args.steps)
         return
-    out = torchrun(__file__, 4, "--worker", f"--steps={args.steps}")
-    print(out.stdout)
-    if out.returncode:
-        print(out.stderr[-3000:])
-        sys.exit(out.returncode)
+    relay(__file__, 4, "--worker", f"--steps={args.steps}")
 
 
 if __name__ == "__main__":

@@ -54,16 +54,15 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         return min((u for p in bucket.params for u in placeholders[p].users), key=lambda u: position[u])
 
     # the buckets in the order forward gathers them (backward reduces them in the reverse order)
-    order = sorted(((position[first_use(b)], k, b) for k, b in enumerate(plan.zero_buckets)), key=lambda t: t[:2])
+    order = sorted(((first_use(b), b) for b in plan.zero_buckets), key=lambda t: position[t[0]])
     previous = start  # the gather of the bucket before, in forward
-    for _pos, _k, bucket in order:
+    for use, bucket in order:
         levels, reduce = levels_and_reduce(bucket, mesh, axes)
         params = [placeholders[p] for p in bucket.params]
         shapes = tuple(local_shape(plan, p, mesh) for p in params)
         # the shards are read by the bucket's ``settle`` just before the previous bucket's gather: autograd runs its
         # backward -- the wait for this bucket's last gradient collective -- once that bucket's ops' backward is done,
         # so the collective runs beside them, and at most one more bucket's is in flight (FSDP2's reduce-scatter)
-        use = first_use(bucket)
         with g.inserting_before(previous):
             settle = g.call_function(collectives.settle, (tuple(params),))
             pending, *settled = (g.call_function(operator.getitem, (settle, i)) for i in range(len(params) + 1))

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import ATTENTION_OPS, RECOMPUTE, CostModel, itemsize, peak_memory, send_time
+from autopar.cost import ATTENTION_OPS, RECOMPUTE, CostModel, itemsize, peak_memory, send_time, step_time
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
@@ -77,7 +77,7 @@ from autopar.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.strategies import TensorMeta, op_info
 from autopar.trace import PARAM, trace
-from autopar.zero import ZeroOption, bucket_latency, grad_bucket, group_latency, param_cost, zero3_traffic, zero3_uses
+from autopar.zero import ZeroOption, bucket_latency, deferred_latency, grad_bucket, group_latency, param_cost, zero3_traffic, zero3_uses
 
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
@@ -224,7 +224,7 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
 
     # no overlap in the proxy's ILP: the screen prices data-parallel communication itself, and the max() of an
     # overlapped step makes the ILP's relaxation weak (seconds instead of a fraction of one)
-    mesh = Mesh({"dp": 2, "tp": t} if ep == 1 else {"ep": ep, "tp": t}, dataclasses.replace(hw, overlap=0.0))
+    mesh = Mesh({"dp": 2, "tp": t} if ep == 1 else {"ep": ep, "tp": t}, dataclasses.replace(hw, overlap=0.0, reduce_overlap=0.0))
     mesh._spans = {"dp": spans_nodes, "tp": False} if ep == 1 else {"ep": False, "tp": False}
     units = [graph_units(tg) for tg in tgs]
     cost0 = cost_model(tgs[0], mesh, "none")
@@ -358,7 +358,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         opt = ZeroOption(c.zero, (0,)) if c.zero and c.dp > 1 else ZeroOption(0)
     compute = sum(uc.fwd) + sum(uc.bwd)
     act = sum(uc.act)
-    state = grad = transient = comm = 0.0
+    state = grad = transient = comm = deferred = 0.0
     bucket3 = {True: 0.0, False: 0.0}  # ZeRO-3: one block copy's transient, the rest's
     traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
     buckets: dict[bool, set] = {True: set(), False: set()}  # one block's gradient buckets, the rest's (as the solver's)
@@ -383,6 +383,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         else:
             transient = max(transient, zc.transient * copies)
         comm += copies * zc.comm
+        deferred += (copies - 1) * zc.deferred  # every block copy's but the first's (``solver.reduction_hides``)
         compute += copies * zc.memory_bound  # copies and the optimizer step run on the compute stream, as the real plan prices them
         gb = grad_bucket(opt, spec, meta, mesh)
         if gb is not None:
@@ -394,6 +395,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     comm += sum(bucket_latency(mesh, axes, eff) for eff, axes in whole)
     for block, n in ((True, L), (False, 1)):
         comm += n * sum(bucket_latency(mesh, axes, eff) for eff, axes in buckets[block] if eff.stage != 1)
+    deferred += max(L - 1, 0) * sum(deferred_latency(mesh, axes, eff) for eff, axes in buckets[True])
     if opt.stage == 3:
         comm += L * group_latency(opt, mesh, tuple(traffic[True])) + group_latency(opt, mesh, tuple(traffic[False]))
     if c.cp > 1:
@@ -402,8 +404,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         act += L * kept
         regen = max(regen, held)
     transient = max(transient, *bucket3.values())
-    f = mesh.hardware.overlap
-    step = max(compute, comm) + (1 - f) * min(compute, comm)
+    step = step_time(compute, comm, deferred, mesh.hardware)
     memory = peak_memory(state, grad, act, transient, max(transient, regen))
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
 

@@ -80,9 +80,9 @@ def run_kind(kind: str, link: Link) -> str:
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     if n == 1:
         return 0.0
-    kind = run_kind(kind, link)
-    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    return link.launch + steps * link.latency + wire_bytes(kind, nbytes, n) / link.bandwidth
+    run = run_kind(kind, link)
+    steps = 2 * (n - 1) if run == "all_reduce" else n - 1
+    return link.launch + steps * link.latency + wire_bytes(run, nbytes, n) / link.rate(kind)
 
 
 def step_buffer_bytes(step: Step, n: int, isz: int) -> int:
@@ -223,6 +223,22 @@ def peak_memory(state: float, grad: float, act: float, t_grad: float = 0.0, t_ac
     """Per-device peak of a training step: activations peak as backward starts, gradients as it ends; one-at-a-time
     buffers join the peak they occur in (gradient buckets the second; a ZeRO-3 parameter gathered again, both)."""
     return state + max(act + t_act, grad + t_grad)
+
+
+def step_time(critical: float, dp_comm: float, deferred: float, hw: Hardware) -> float:
+    """Seconds of one training step from its critical path C (compute, and the collectives between ops), its
+    data-parallel communication D (gradient buckets, ZeRO), and the part H of D that autopar's runtime launches and
+    waits for later where backward still has work to hide it under (``ZeroCost.deferred``, ``reduction_hides``).
+    Another runtime hiding a share f of all of D (``Hardware.overlap``): max(C, D) + (1 - f) min(C, D). autopar's
+    (f = 0), hiding a share g (``Hardware.reduce_overlap``) of H: max(A, H) + (1 - g) min(A, H), A = C + D - H. The
+    solver's objective builds the same two forms (``solver.solve``). Either may hide a reduction under forward
+    compute too, which the runtime cannot: a plan whose hidden reductions outweigh its backward is priced a little
+    fast."""
+    f = hw.overlap
+    if f > 0:
+        return max(critical, dp_comm) + (1 - f) * min(critical, dp_comm)
+    rest, g = critical + dp_comm - deferred, hw.reduce_overlap
+    return max(rest, deferred) + (1 - g) * min(rest, deferred)
 
 
 @dataclass(frozen=True)

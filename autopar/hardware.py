@@ -13,8 +13,9 @@ of NVLink's and 90% of InfiniBand's line rate. The H100/H200 presets (700 W SXM)
 are checked, not fitted (plan_quality's check rows): NVIDIA's DGX-H100 Llama3-8B FSDP run in FP8 is predicted
 within 2%. torchtitan's published H100 runs were on 500 W parts with HBM2e: ``h100-500w`` describes them, with one
 constant fitted (the tensor-core clocks the power limit leaves) on one of their runs and checked on the others.
-The runtime fields (``overlap``, ``grad_reduce_bytes``, ``attention_skips_masked``, ``selective_recomputes_every``,
-``float8_linears``, ``tp_overlap``, ``fused_elementwise``) describe autopar's runtime by default (no overlap priced,
+The runtime fields (``overlap``, ``reduce_overlap``, ``grad_reduce_bytes``, ``attention_skips_masked``,
+``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``, ``fused_elementwise``) describe autopar's runtime
+by default (no overlap priced,
 gradients reduced in the parameter's dtype, SDPA's fused kernels, selective recomputation keeping every matmul's
 output, the model's dtype, tensor-parallel collectives between the linears, not under them, one kernel per op;
 ZeRO-3 gathered a block at a time, as FSDP2 does, is no field: every runtime priced does it); the benchmark sets
@@ -41,8 +42,13 @@ the machine was), every time the slowest rank's:
   all-gather 16 ms), and it is priced and fitted so; its 1-element all-reduce (a special path) takes ~10x less.
 - no overlap priced: autopar's runtime gathers parameters before the compute that needs them; it runs each
   gradient reduction beside the backward that follows it (``collectives.settle``), but how much that hides is not
-  measured on GPUs yet, so no preset credits it (conservative: a plan heavy in data parallelism is priced slower
-  than it runs).
+  measured on GPUs yet, so no GPU preset credits it (``reduce_overlap`` 0; conservative: a plan heavy in data
+  parallelism is priced slower than it runs). On this machine ``calibrate_cpu.py`` measures it: a 4 MiB all-reduce
+  launched beside as long a compute hides ~0.1 of the shorter (2026-12-03; the reduction's copying and summing run
+  on the cores the compute needs). The stored preset keeps 0, measured on another machine without it.
+- gloo's all-gather and reduce-scatter reach less than its all-reduce (``Link.all_gather_bandwidth``,
+  ``reduce_scatter_bandwidth``; 2026-12-03 on this host: 0.65-0.68x and 0.72-0.74x, fitted per kind); the stored
+  preset has one bandwidth for all three, as it was fitted.
 """
 
 from __future__ import annotations
@@ -64,6 +70,14 @@ class Link:
     launch: float  # seconds of fixed overhead per collective call
     reduce_scatter_as_all_reduce: bool = False  # the library runs a reduce-scatter as an all-reduce of the whole
     # buffer, each rank keeping its chunk (torch's gloo backend: pytorch/pytorch#118911), twice a ring's bytes
+    all_gather_bandwidth: float = 0.0  # an all-gather's own bandwidth where the library's reaches another than its
+    # all-reduce's (torch's gloo: ~0.7x, measured, benchmarks/calibrate_cpu.py); 0: ``bandwidth``
+    reduce_scatter_bandwidth: float = 0.0  # a reduce-scatter's, likewise (gloo's, run as an all-reduce: ~0.75x)
+
+    def rate(self, kind: str) -> float:
+        """Bytes/s per device a collective of ``kind`` reaches on this link."""
+        own = {"all_gather": self.all_gather_bandwidth, "reduce_scatter": self.reduce_scatter_bandwidth}.get(kind, 0.0)
+        return own or self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,12 @@ class Hardware:
     float8_linears: bool = False  # the repeated blocks' matmuls run in float8 with dynamic per-tensor scaling
     # (torchao's Float8Linear as torchtitan applies it: every linear but the output head), at the "float8" peak;
     # autopar's runtime does not (parallelize refuses such hardware)
+    reduce_overlap: float = 0.0  # autopar's runtime (with ``overlap`` 0): fraction of the shorter of the rest of the
+    # step and the gradient reductions it launches and waits for later (``collectives.settle``) hidden under the
+    # other. Deferred is each bucket's last collective (an all-reduce, or a reduce-scatter where nothing is left to
+    # sum), and hidden only where backward has work left after it: the buckets of every block but the first in
+    # forward order (the rest's and the first block's launch as backward ends; ZeRO-1's one bucket too). 0: not
+    # measured (GPUs); cpu-gloo: measured (``benchmarks/calibrate_cpu.py``)
     tp_overlap: float = 0.0  # fraction of a tensor-parallel collective's time hidden behind the linear it feeds or
     # follows (Transformer Engine's userbuffer overlap in Megatron-Core, torch's AsyncTP): all-gather + GEMM and
     # GEMM + reduce-scatter run as one pipelined kernel pair; 0: autopar's runtime runs them one after the other
@@ -149,6 +169,7 @@ class Hardware:
             "op_overhead": self.op_overhead,
             "optimizer_step_bytes": self.optimizer_step_bytes,
             "overlap": self.overlap,
+            "reduce_overlap": self.reduce_overlap,
             "grad_reduce_bytes": self.grad_reduce_bytes,
             "selective_recomputes_every": self.selective_recomputes_every,
             "float8_linears": self.float8_linears,
@@ -175,6 +196,7 @@ class Hardware:
             op_overhead=d.get("op_overhead", 0.0),
             optimizer_step_bytes=float(d.get("optimizer_step_bytes", 28.0)),
             overlap=float(d.get("overlap", 0.0)),
+            reduce_overlap=float(d.get("reduce_overlap", 0.0)),
             grad_reduce_bytes=int(d.get("grad_reduce_bytes", 0)),
             selective_recomputes_every=int(d.get("selective_recomputes_every", 0)),
             float8_linears=bool(d.get("float8_linears", False)),

@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from autopar.cost import ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, VIEW_OPS, CostModel, Priced, collective_time, itemsize, op_flops, peak_memory, price_steps, wire_bytes
+from autopar.cost import (ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, VIEW_OPS, CostModel, Priced, collective_time, itemsize, op_flops, peak_memory,
+                          price_steps, step_time, wire_bytes)
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
@@ -216,8 +217,12 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         elif gb is not None:
             buckets.setdefault((block, gb[1]), []).append((name, int(local // n * mesh.hardware.reduce_factor(meta.dtype))))
     grad_buckets = []
+    later = {b.fqn for b in tg.blocks[1:]}  # blocks whose buckets' last reductions backward has work left to hide
+    hide_buckets = set()  # (``cost.step_time``): their last collective is H
     for (block, axes), members in buckets.items():
         bname = f"grads[{block or 'rest'}]({','.join(mesh.names[a] for a in axes)})"
+        if block in later and all(zero_of[n].stage == 0 for n, _ in members):
+            hide_buckets.add(bname)
         grad_buckets.append(GradBucket(bname, tuple(mesh.names[a] for a in axes), tuple(n for n, _ in members)))
         nbytes = sum(b for _, b in members)
         transient = max(transient, 2 * nbytes)  # the bucket's flat copy, and the gradients cut from it, beside autograd's
@@ -230,6 +235,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             zname += f"+ar({','.join(mesh.names[a] for a in rest)})"
         full = sum(math.prod(strategy[n].output.local_shape(problem.meta[n].shape, mesh.sizes)) * itemsize(problem.meta[n].dtype) for n in members)
         zero_buckets.append(ZeroBucket(zname, stage, tuple(mesh.names[a] for a in shard_axes), tuple(mesh.names[a] for a in rest), tuple(members)))
+        if stage == 2 and block in later:
+            hide_buckets.add(zname)
         add(gather_priced(full, shard_axes, mesh, "forward") + scatter_priced(full, shard_axes, rest, mesh, problem.meta[members[0]].dtype), zname)
         if stage == 2:  # a bucket's full gradients: beside the other buckets' gathered parameters as backward
             transient = max(transient, full)  # starts, and beside the gradients as it ends
@@ -308,8 +315,10 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     comm = sum(c.seconds for c in collectives)
     # data-parallel communication (gradient buckets, ZeRO) runs beside the critical path when the runtime overlaps it
     dp_comm = sum(c.seconds for c in collectives if c.data_parallel)
-    crit, f = compute + comm - dp_comm, mesh.hardware.overlap
-    step = max(crit, dp_comm) + (1 - f) * min(crit, dp_comm)
+    # the reductions the runtime waits for later with backward left to run: each such bucket's last collective
+    last_of = {c.where: c for c in collectives if c.where in hide_buckets}
+    deferred = sum(c.seconds for c in last_of.values())
+    step = step_time(compute + comm - dp_comm, dp_comm, deferred, mesh.hardware)
     first = next((b for b in tg.blocks), None)
     if first is not None:  # recomputation brings one block's activations back while its backward runs
         t_act = max(t_act, sum(problem.costs[n][choice.index[n]].regen for n in first.nodes if n in choice.index))

@@ -72,10 +72,14 @@ nodes v, strategies s:
   of two plans equally fast, the one with less memory. When the hardware's runtime overlaps a share f of
   data-parallel communication with compute, the step is max(C, D) + (1 - f) min(C, D) = max(C + (1 - f) D,
   D + (1 - f) C): ``min T`` (+ the tie-breaker) with ``T >= C + (1 - f) D`` and ``T >= D + (1 - f) C``. A
-  pipeline's stage problem takes f = 0: its schedule runs the gradient sync after the last backward
+  pipeline's stage problem takes f = 0 (and g = 0): its schedule runs the gradient sync after the last backward
   (``pipeline.evaluate``), and with f > 0 a sync that outweighs one microbatch's critical path would leave the
   objective flat in C, which the schedule repeats m + p - 1 times (Llama-3.1 405B on 512 H100s: a Megatron layout
   with attention on heads either way, 31.7 s or 24.5 s by which tied optimum HiGHS returned).
+  autopar's own runtime (f = 0) waits later for each bucket's last reduction: H, the part of D it hides a share g
+  (``Hardware.reduce_overlap``) of, summed as D is from ``ZeroCost.deferred`` of the parameters of every block but
+  the first (``reduction_hides``); A = C + D - H the rest: ``T >= C + D - g H`` and ``T >= H + (1 - g) A``, the
+  same form as ``cost.step_time``.
 
 Deterministic: variables and constraints are created in graph order and the solver runs single-threaded to
 optimality; the time limit is a safety net whose hit is reported in the plan (``solver_status``).
@@ -105,7 +109,7 @@ from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
-from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, effective, grad_bucket, grad_spec, group_latency, param_cost,
+from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, deferred_latency, effective, grad_bucket, grad_spec, group_latency, param_cost,
                           zero3_traffic, zero3_uses, zero_axes, zero_options)
 
 
@@ -642,6 +646,32 @@ def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int]]
     return out
 
 
+def hidden_block_copies(tg: TracedGraph) -> dict[str, int]:
+    """Group (``zero_groups``) -> how many of its block copies' gradient buckets have backward left to hide their
+    deferred reduction under (``reduction_hides``): all but the first block in forward order."""
+    out: dict[str, int] = {}
+    for b in tg.blocks[1:]:
+        g = b.tied_to or b.fqn
+        out[g] = out.get(g, 0) + 1
+    return out
+
+
+def reduction_hides(tg: TracedGraph, order: list[str]) -> frozenset[str]:
+    """Trainable parameters whose gradient bucket's deferred reduction (``ZeroCost.deferred``) has backward left to
+    run beside (``Hardware.reduce_overlap``): those of every block but the first in forward order. The runtime
+    launches a bucket's reduction once all its gradients are made: the rest's bucket (embeddings, head, norms) as
+    backward ends, since it reads the embedding first; the first block's with only the embedding's backward after it."""
+    first = tg.blocks[0].fqn if tg.blocks else None
+    out = set()
+    for n in order:
+        if tg.kinds.get(n) == "param" and n in tg.trainable:
+            fqn = tg.fqns[n]
+            block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), None)
+            if block is not None and block != first:
+                out.add(n)
+    return frozenset(out)
+
+
 @functools.lru_cache(maxsize=65536)
 def _zcost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int, uses: tuple[str, ...]) -> ZeroCost:
     return param_cost(opt, spec, meta, mesh, copies, uses)  # a pure function of hashable data: memoised
@@ -701,8 +731,9 @@ def solve(
     overlap: float | None = None,
 ) -> Choice:
     """``overlap``: the share f of the data-parallel communication hidden under compute (the objective's max form
-    below), the hardware's ``overlap`` when None; a pipeline's stages pass 0 (its schedule syncs after its last
-    backward, so a stage's critical path and its share of the sync add up)."""
+    below), the hardware's ``overlap`` (and ``reduce_overlap``) when None; a pipeline's stages pass 0, which hides
+    neither (its schedule syncs after its last backward, so a stage's critical path and its share of the sync add
+    up)."""
     t0 = time.perf_counter()
     P_ = problem
     rep = lambda n: P_.rep.get(n, n)  # noqa: E731
@@ -728,6 +759,7 @@ def solve(
     m_grad = {r: [0.0] * nstrat[r] for r in decisions}
     m_act = {r: [0.0] * nstrat[r] for r in decisions}
     t_ovl = {r: [0.0] * nstrat[r] for r in decisions}  # data-parallel communication the runtime can overlap
+    t_hide = {r: [0.0] * nstrat[r] for r in decisions}  # of it, reductions launched and waited later (``step_time``'s H)
     regen = {r: [0.0] * nstrat[r] for r in decisions}  # bytes one block's recomputation brings back
     first_block = set(next((b.nodes for b in tg.blocks), ()))
     ins_of: dict[str, dict[int, tuple[str, TensorMeta]]] = {}
@@ -757,7 +789,7 @@ def solve(
             m_act[r][s] += nc.act
     # ZeRO: per parameter group a stage (z), and how it changes each decision's parameters (w = x * z)
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
-    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, memory-bound seconds]
+    zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, memory-bound seconds, hidden comm]
     # one-at-a-time buffers, as their largest instance: a gradient bucket (stage 0: flat copy + cut gradients, 2x;
     # stage 2: 1x), a ZeRO-3 bucket gathered again with its full gradients (2x)
     tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2/3 bucket bytes], one copy
@@ -771,13 +803,15 @@ def solve(
             for k, opt in enumerate(zopts):
                 c = _zcost(opt, spec, meta, mesh, copies, uses) if k else base
                 per.append((effective(opt, spec, mesh).stage,
-                            (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.memory_bound - base.memory_bound),
+                            (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.memory_bound - base.memory_bound,
+                             c.deferred - base.deferred),
                             grad_bucket(opt, spec, meta, mesh)))
             b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
-            zfacts[key] = (base.memory_bound, base.comm, b, bool(grad_sync_axes(spec, mesh)), per)
+            zfacts[key] = (base.memory_bound, base.comm, base.deferred, b, bool(grad_sync_axes(spec, mesh)), per)
         return zfacts[key]
 
     zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
+    hides = reduction_hides(tg, P_.order)
     sync_w = lambda g: P_.sync_weight.get(g, 1.0)  # noqa: E731
     # (decision, strategy, group, option) -> the gradient buckets its parameters land in (``grad_bucket``)
     bucket_sets: dict[tuple[str, int, str, int], set] = {}
@@ -785,10 +819,11 @@ def solve(
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
             gs = P_.grad_spec(n, lambda v: P_.strategy(v, s))  # its Spec, whole where its gradient is (``grad_spec``)
-            base_busy, base_comm, b, synced, per = zero_facts(gs, P_.meta[n], copies, zuses[n])
+            base_busy, base_comm, base_def, b, synced, per = zero_facts(gs, P_.meta[n], copies, zuses[n])
             t_lin[r][s] += base_busy * sync_w(g)  # copies and the optimizer's step run on the compute stream: the critical path
             t_ovl[r][s] += base_comm * sync_w(g)  # its stage-0 gradient sync, overlappable (others: their deltas in zdelta)
-            row = zdelta.setdefault((r, s, g), [[0.0] * 5 for _ in zopts])
+            t_hide[r][s] += base_def * sync_w(g) * (n in hides)
+            row = zdelta.setdefault((r, s, g), [[0.0] * 6 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
             for k, (stage, delta, gb) in enumerate(per):
                 if gb is not None:
@@ -800,11 +835,12 @@ def solve(
                 if k == 0:
                     continue
                 d = row[k]
-                for i in range(5):
-                    d[i] += delta[i] * (sync_w(g) if i >= 3 else 1.0)  # communication and copies: once a step
+                for i in range(6):
+                    d[i] += delta[i] * (sync_w(g) if i >= 3 else 1.0) * (n in hides if i == 5 else 1.0)  # communication and copies: once a step
 
     terms = []  # the step's critical path: compute and the collectives between ops
     oterms = []  # data-parallel communication (gradient buckets, ZeRO): beside compute when the runtime overlaps it
+    hterms = []  # of it, the reductions autopar's runtime waits for later with backward left to run (``reduce_overlap``)
     ties = []  # the tie-breaker: of two plans equally fast, the one with less memory
     mem_a, mem_g = [], []  # terms of the two peaks: state + activations, state + gradients
     # user inputs of equal rank share one Spec
@@ -968,10 +1004,12 @@ def solve(
             add_row(-1.0, inf, [(1.0, w), (-1.0, xv), (-1.0, zv)])  # w >= x + z - 1
             ind[(r, s, g, k)] = [(1.0, w)]
             ws.append(w)
-            ds, da, dg, dc, dcopy = row[k]
+            ds, da, dg, dc, dcopy, dh = row[k]
             if objective != "memory":
                 if dc:
                     oterms.append((dc * US, w))
+                if dh:
+                    hterms.append((dh * US, w))
                 if dcopy:
                     terms.append((dcopy * US, w))
             mem_a.append(((ds + da) * MB, w))
@@ -999,13 +1037,17 @@ def solve(
             scope = "" if opt.stage == 1 else g
             bforms.setdefault((r, g, opt, scope, axes), []).extend(form)
             bweight[(opt, scope, axes)] = max(bweight.get((opt, scope, axes), 0.0), sync_w(g))
+    hidden_copies = hidden_block_copies(tg)
     for (r, g, opt, scope, axes), form in bforms.items():
         key = (opt, scope, axes)
         if key not in bucket:
             bucket[key] = model.var(0.0, 1.0)
             lat = (group_copies[scope] if scope else 1) * bucket_latency(mesh, axes, opt) * bweight[key]
+            hid = hidden_copies.get(scope, 0) * deferred_latency(mesh, axes, opt) * bweight[key]
             if objective != "memory":
                 oterms.append((lat * US, bucket[key]))
+                if hid:
+                    hterms.append((hid * US, bucket[key]))
         add_row(0.0, inf, [(1.0, bucket[key])] + [(-c, v) for c, v in form])
     # w couples a decision's strategy with its group's stage, a joint distribution: over the stages it sums to x (above),
     # over the strategies to z (exact for binaries; it keeps the relaxation from counting a stage's savings twice)
@@ -1045,6 +1087,8 @@ def solve(
                 terms.append((t_lin[r][s] * US, xv))
                 ties.append((1e-9 * US * (st + max(gr, ac)) * MB, xv))
                 oterms.append((t_ovl[r][s] * US, xv))
+                if t_hide[r][s]:
+                    hterms.append((t_hide[r][s] * US, xv))
             mem_a.append(((st + ac) * MB, xv))
             mem_g.append(((st + gr) * MB, xv))
     if objective == "memory":
@@ -1056,6 +1100,7 @@ def solve(
         add_row(-inf, memory_budget * MB, mem_a)
         add_row(-inf, memory_budget * MB, mem_g)
     f = mesh.hardware.overlap if overlap is None else overlap
+    gh = mesh.hardware.reduce_overlap if overlap is None else 0.0
     goal = terms + oterms + ties
     if objective != "memory" and f > 0 and oterms:
         # step = max(C, D) + (1 - f) min(C, D) = max(C + (1 - f) D, D + (1 - f) C): C the critical path, D the
@@ -1065,6 +1110,13 @@ def solve(
         step = model.var(0.0, inf)
         add_row(0.0, inf, [(1.0, step)] + [(-c, v) for c, v in terms] + [(-(1 - f) * c, v) for c, v in oterms])
         add_row(0.0, inf, [(1.0, step)] + [(-c, v) for c, v in oterms] + [(-(1 - f) * c, v) for c, v in terms])
+        goal = [(1.0, step)] + ties
+    elif objective != "memory" and gh > 0 and hterms:
+        # autopar's runtime: the same form over H, the reductions it waits for later, and A = C + D - H, the rest
+        # (``cost.step_time``, g = ``reduce_overlap``): step >= A + (1 - g) H = C + D - g H and step >= H + (1 - g) A
+        step = model.var(0.0, inf)
+        add_row(0.0, inf, [(1.0, step)] + [(-c, v) for c, v in terms + oterms] + [(gh * c, v) for c, v in hterms])
+        add_row(0.0, inf, [(1.0, step)] + [(-(1 - gh) * c, v) for c, v in terms + oterms] + [(-gh * c, v) for c, v in hterms])
         goal = [(1.0, step)] + ties
     model.minimize(goal)
     if objective == "time" and not relax:

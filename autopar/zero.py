@@ -122,6 +122,11 @@ class ZeroCost:
     memory_bound: float = 0.0  # seconds of memory-bound work on the compute stream: the runtime's copies around
     # its communication, and the optimizer's step (``optimizer``)
     optimizer: float = 0.0  # seconds of the optimizer's step of what the rank stores of it (``optimizer_time``)
+    deferred: float = 0.0  # of ``comm``, the seconds of its gradient reduction's last collective, which the runtime
+    # launches and waits for later (``collectives.settle``; ``Hardware.reduce_overlap``): the last all-reduce over
+    # the summed axes, or ZeRO-2's reduce-scatter where none is left (its bucket's launch and latency:
+    # ``deferred_latency``). Not ZeRO-1's, whose one bucket launches as backward ends, nor ZeRO-3's, which the
+    # block before gathering its weights again for its backward queues behind on the same ranks
 
 
 def zero3_traffic(uses: tuple[str, ...]) -> tuple[int, int]:
@@ -147,7 +152,7 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     synced = grad_sync_axes(spec, mesh)
 
     def bw(kind: str, nbytes: float, a: int) -> float:
-        return wire_bytes(run_kind(kind, mesh.link(a)), nbytes, mesh.sizes[a]) / mesh.link(a).bandwidth
+        return wire_bytes(run_kind(kind, mesh.link(a)), nbytes, mesh.sizes[a]) / mesh.link(a).rate(kind)
 
     # the runtime's own copies, at memory bandwidth: a bucket is flattened and its gradients cut out again (stage
     # 0); gathered buckets are cut into parameters, and reduce-scattered ones flattened (stages 1-2); a ZeRO-3
@@ -157,7 +162,8 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     step = optimizer_time(opt, spec, meta, mesh)
     if opt.stage == 0:
         wire = b * mesh.hardware.reduce_factor(meta.dtype)
-        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm + step, step)
+        last = bw("all_reduce", wire, synced[-1]) if synced else 0.0
+        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm + step, step, last)
     n = shard_factor(opt, mesh)
     rest = tuple(a for a in synced if a not in opt.shard_axes)
     rf = mesh.hardware.reduce_factor(meta.dtype)  # gradients may be reduced in a wider dtype than the parameter's
@@ -165,11 +171,14 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     gathers, scatters = zero3_traffic(uses) if opt.stage == 3 else (1, 1)
     comm = sum(gathers * bw("all_gather", b, a) + scatters * bw("reduce_scatter", rf * b, a) for a in opt.shard_axes) + on_shard
     busy = copies_bytes / hbm + step
+    # the collective launched last, as ``scatter_priced`` orders them (reduce-scatters outermost first, then the
+    # shard's all-reduces)
+    last = bw("all_reduce", rf * b / n, rest[-1]) if rest else bw("reduce_scatter", rf * b, opt.shard_axes[-1])
     if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard at the end (the flat copy is
         # freed before the shard is copied out: ``collectives.scatter_flat``)
         return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm, busy, step)
     if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
-        return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, busy, step)
+        return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, busy, step, last)
     # one bucket (a group copy) at a time: its gathered weights and their gradients, or those and the flat buffer
     # they are reduce-scattered from once the weights are dropped
     return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / copies, comm, busy, step)
@@ -231,6 +240,20 @@ def bucket_latency(mesh: Mesh, axes, opt: "ZeroOption | None" = None) -> float:
     if opt is not None and opt.stage in (1, 2):
         lat += sum(collective_time(kind, 0.0, mesh.sizes[a], mesh.link(a)) for a in opt.shard_axes for kind in ("all_gather", "reduce_scatter"))
     return lat
+
+
+def deferred_latency(mesh: Mesh, axes, opt: "ZeroOption | None" = None) -> float:
+    """Launch and latency seconds of the collective a gradient bucket (``bucket_latency``'s) launches last, which the
+    runtime waits for later: its last all-reduce over ``axes``, or ZeRO-2's reduce-scatter over its last shard axis
+    where there is none (``ZeroCost.deferred`` is its bytes' part; none for ZeRO-1 and ZeRO-3, as there)."""
+    if opt is not None and opt.stage in (1, 3):
+        return 0.0
+    if axes:
+        return collective_time("all_reduce", 0.0, mesh.sizes[axes[-1]], mesh.link(axes[-1]))
+    if opt is not None and opt.stage == 2:
+        a = opt.shard_axes[-1]
+        return collective_time("reduce_scatter", 0.0, mesh.sizes[a], mesh.link(a))
+    return 0.0
 
 
 def group_latency(opt: ZeroOption, mesh: Mesh, traffic: tuple[int, int]) -> float:

@@ -21,7 +21,13 @@ once (torchrun, 127.0.0.1), and every time is the slowest rank's (a training ste
   dropped). A single-element all-reduce is printed for reference only: gloo runs it on a special, much faster
   path, so it says nothing about the collectives a plan launches. The alpha-beta model
   ``launch + steps * latency + wire / bandwidth`` (steps 2(n-1) for all-reduce, n-1 otherwise; wire as
-  autopar.cost.wire_bytes) is fitted to all of them by least squares on relative error.
+  autopar.cost.wire_bytes) is fitted to all of them by least squares on relative error, with one bandwidth per
+  kind (``Link.all_gather_bandwidth``, ``reduce_scatter_bandwidth``): gloo's all-gather and reduce-scatter reach
+  ~0.7x its all-reduce's.
+- the overlap of a gradient reduction with backward (``Hardware.reduce_overlap``): a 4 MiB all-reduce launched, a
+  matmul loop about as long, then the wait, against the loop followed by the all-reduce waited at once; the time
+  saved over the shorter of the two. ~0.1 here: with 4 ranks on 2 cores the reduction's copying and summing need
+  the cores the compute runs on.
 - late arrival: in a training step a collective follows each rank's compute, not a barrier, and with more ranks
   than cores the last rank reaches it later than the first (the cores' scheduler decides). Measured as the time
   of a small collective after 2, 8 and 32 ms of compute on every rank (the slowest rank's, iterations back to
@@ -52,6 +58,7 @@ from benchmarks._launch import torchrun  # noqa: E402
 SIZES = (4 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)  # bytes of the priced buffer
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 PASSES = 3
+OVERLAP_BYTES = 4 * 1024 * 1024  # the reduction the overlap is measured on: about a block's gradients in cost_ranking
 SEGMENTS = (0.002, 0.008, 0.032)  # seconds of compute per rank before a collective, measured in place (the
 # spread of what plans run between two collectives: FSDP a few ms, Megatron ~10 ms, DDP tens of ms)
 
@@ -255,18 +262,46 @@ def worker() -> None:
             sweeps.setdefault(f"segment_{seconds}", []).append(base)
             for kind in KINDS:
                 sweeps.setdefault(f"situ_{kind}_{seconds}", []).append(_loop(segment, 20, _collective(kind, SIZES[0], n)) - base)
+    # a gradient reduction beside backward, as autopar's runtime launches a bucket's and waits for it later
+    # (``collectives.settle``): an all-reduce of OVERLAP_BYTES launched, a compute segment about as long as it run,
+    # then the wait, against the segment followed by the all-reduce waited at once (the reduction in place, late
+    # arrival included); every rank at once
+    from autopar import _compat
+
+    buf = torch.zeros(OVERLAP_BYTES // 4)  # zeros: summed again and again, they stay finite
+    name = dist.group.WORLD.group_name
+    for _ in range(PASSES):
+        k = max(1, round(_loop(lambda: _compat.all_reduce_sum_(buf, name), 5) * res["flops"] / (2 * 256**3)))
+
+        def segment(k=k):
+            for _ in range(k):
+                a @ b
+
+        def beside(k=k):
+            t = _compat.launch_all_reduce_sum_(buf, name)
+            segment(k)
+            _compat.wait(t)
+
+        alone = _loop(segment, 10)
+        serial = _loop(segment, 10, lambda: _compat.all_reduce_sum_(buf, name))
+        both = _loop(beside, 10)
+        sweeps.setdefault("overlap_reduce", []).append(serial - alone)
+        sweeps.setdefault("overlap_compute", []).append(alone)
+        sweeps.setdefault("overlap_both", []).append(both)
+        sweeps.setdefault("reduce_overlap", []).append((serial - both) / max(min(serial - alone, alone), 1e-9))
     for key, ts in sweeps.items():
         res[key] = sorted(ts)[len(ts) // 2]
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(res), flush=True)
-    from autopar import _compat
-
     _compat.end_process(0)
 
 
-def fit_link(res: dict, sizes: list[int]) -> tuple[float, float, float]:
-    """(launch, latency, bandwidth) minimising the relative error of ``launch + steps*latency + wire/bandwidth`` over
-    every kind and buffer size measured on ``sizes`` ranks."""
+def fit_link(res: dict, sizes: list[int]) -> tuple[float, float, float, float, float]:
+    """(launch, latency, all-reduce, all-gather and reduce-scatter bandwidth) minimising the relative error of
+    ``launch + steps*latency + wire/bandwidth of the kind`` over every kind and buffer size measured on ``sizes``
+    ranks. Each kind has its own bandwidth: gloo's all-gather and reduce-scatter pass through buffers of their own
+    and reach ~0.7x its all-reduce's (2026-12-03: 0.74, 0.50 and 0.55 GB/s; one bandwidth for all three fitted
+    them to 12% on average, 38% at worst, per kind to 10% and 26%)."""
     import numpy as np
 
     from autopar.cost import wire_bytes
@@ -278,19 +313,19 @@ def fit_link(res: dict, sizes: list[int]) -> tuple[float, float, float]:
                 run = "all_reduce" if kind == "reduce_scatter" else kind  # gloo's reduce-scatter is an all-reduce
                 steps = 2 * (n - 1) if run == "all_reduce" else n - 1
                 t = res[f"{kind}_{n}_{nbytes}"]
-                rows.append([1.0 / t, steps / t, wire_bytes(run, nbytes, n) / t])
+                rows.append([1.0 / t, steps / t] + [wire_bytes(run, nbytes, n) / t if kind == k else 0.0 for k in KINDS])
     a, y = np.array(rows), np.ones(len(rows))
-    keep = [0, 1, 2]  # non-negative least squares: drop a negative coefficient and refit (3 unknowns: enough)
+    keep = [0, 1, 2, 3, 4]  # non-negative least squares: drop a negative coefficient and refit
     while True:
         coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
         if (coef >= 0).all() or len(keep) == 1:
             break
         keep.pop(int(np.argmin(coef)))
-    full = [0.0, 0.0, 0.0]
+    full = [0.0] * 5
     for k, c in zip(keep, coef):
         full[k] = max(float(c), 0.0)
-    launch, latency, inv_bw = full
-    return launch, latency, (1.0 / inv_bw if inv_bw > 0 else float("inf"))
+    launch, latency, *inv = full
+    return (launch, latency, *(1.0 / i if i > 0 else float("inf") for i in inv))
 
 
 def measure(n: int = 4):
@@ -312,16 +347,18 @@ def fitted(res: dict, n: int):
     from autopar.hardware import PRESETS, Link
 
     sizes = [n] + ([2] if f"all_reduce_2_{SIZES[0]}" in res else [])
-    launch_fit, latency, bw = fit_link(res, sizes)
+    launch_fit, latency, bw, bw_gather, bw_scatter = fit_link(res, sizes)
     # a collective after compute costs more than after a barrier: the ranks reach it as the cores' scheduler lets
     # them, the last one late; on a quiet machine by about half of a short compute, by at most a scheduler time
     # slice or so after a long one (a cost per collective, not a compute rate), so it joins the launch
     lates = [sum(res[f"situ_{kind}_{sec}"] - res[f"{kind}_{n}_{SIZES[0]}"] for kind in KINDS) / len(KINDS) for sec in SEGMENTS]
-    link = Link(bandwidth=bw, latency=latency, launch=max(launch_fit + sum(lates) / len(lates), 0.0), reduce_scatter_as_all_reduce=True)
+    link = Link(bandwidth=bw, latency=latency, launch=max(launch_fit + sum(lates) / len(lates), 0.0), reduce_scatter_as_all_reduce=True,
+                all_gather_bandwidth=bw_gather, reduce_scatter_bandwidth=bw_scatter)
     hw = dataclasses.replace(
         PRESETS["cpu-gloo"], name="cpu-gloo (measured)", peak_flops=(("bfloat16", res["flops_bf16"]), ("float32", res["flops"])),
         hbm_bandwidth=res["bandwidth"], input_bandwidth=res["bandwidth"], op_overhead=(res["op_fwd"] + res["op_bwd"]) / 2,
-        optimizer_step_bytes=res["adamw"] * res["bandwidth"], intra_node=link, inter_node=link)
+        optimizer_step_bytes=res["adamw"] * res["bandwidth"], intra_node=link, inter_node=link,
+        reduce_overlap=min(max(res["reduce_overlap"], 0.0), 1.0))
     return hw, launch_fit, lates, latency, bw
 
 
@@ -376,7 +413,12 @@ def main() -> None:
         ["late arrival, mean over the compute lengths (s)", f"{late:.3g}", ""],
         ["launch = fit + late arrival (s)", f"{launch:.3g}", f"{hw.intra_node.launch:.3g}"],
         ["fit: latency per ring step (s)", f"{latency:.3g}", f"{hw.intra_node.latency:.3g}"],
-        ["fit: bandwidth (B/s)", f"{bw:.3g}", f"{hw.intra_node.bandwidth:.3g}"],
+        ["fit: bandwidth, all-reduce (B/s)", f"{bw:.3g}", f"{hw.intra_node.bandwidth:.3g}"],
+        ["fit: bandwidth, all-gather (B/s)", f"{mine.intra_node.rate('all_gather'):.3g}", f"{hw.intra_node.rate('all_gather'):.3g}"],
+        ["fit: bandwidth, reduce-scatter (B/s)", f"{mine.intra_node.rate('reduce_scatter'):.3g}", f"{hw.intra_node.rate('reduce_scatter'):.3g}"],
+        [f"all-reduce of {OVERLAP_BYTES / 2**20:g} MiB after compute / compute alone / launched, compute, waited (s)",
+         f"{res['overlap_reduce']:.3g} / {res['overlap_compute']:.3g} / {res['overlap_both']:.3g}", ""],
+        ["reduce_overlap: share of the shorter of the two hidden", f"{res['reduce_overlap']:.3g}", f"{hw.reduce_overlap:.3g}"],
     ]
     print(tabulate.tabulate(rows, headers=["quantity", "measured", "cpu-gloo preset (its launch holds late arrival)"]))
     if other is not None:
@@ -385,7 +427,9 @@ def main() -> None:
     print(f"\nas preset values (one rank of {n} on this machine): peak_flops=((\"bfloat16\", {res['flops_bf16']:.3g}), "
           f"(\"float32\", {res['flops']:.3g})), hbm_bandwidth={res['bandwidth']:.3g}, "
           f"optimizer_step_bytes={res['adamw'] * res['bandwidth']:.3g}, op_overhead={op:.3g}, "
-          f"Link(bandwidth={bw:.3g}, latency={latency:.3g}, launch={launch:.3g}, reduce_scatter_as_all_reduce=True)")
+          f"Link(bandwidth={bw:.3g}, latency={latency:.3g}, launch={launch:.3g}, reduce_scatter_as_all_reduce=True, "
+          f"all_gather_bandwidth={mine.intra_node.all_gather_bandwidth:.3g}, reduce_scatter_bandwidth={mine.intra_node.reduce_scatter_bandwidth:.3g}), "
+          f"reduce_overlap={mine.reduce_overlap:.3g}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(mine.to_json(), f, indent=1)

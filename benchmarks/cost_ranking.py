@@ -286,9 +286,10 @@ def main() -> None:
                      f"fp32 matmul {hw.flops(torch.float32) / 1e9:.3g} ({ref.flops(torch.float32) / 1e9:.3g}) GFLOP/s, "
                      f"elementwise {hw.hbm_bandwidth / 1e9:.3g} ({ref.hbm_bandwidth / 1e9:.3g}) GB/s, per-op overhead "
                      f"{hw.op_overhead * 1e6:.3g} ({ref.op_overhead * 1e6:.3g}) us, gloo {hw.intra_node.bandwidth / 1e9:.3g} "
-                     f"({ref.intra_node.bandwidth / 1e9:.3g}) GB/s, launch {hw.intra_node.launch * 1e3:.3g} "
+                     f"({ref.intra_node.bandwidth / 1e9:.3g}) GB/s (all-gather {hw.intra_node.rate('all_gather') / 1e9:.3g}, "
+                     f"reduce-scatter {hw.intra_node.rate('reduce_scatter') / 1e9:.3g}), launch {hw.intra_node.launch * 1e3:.3g} "
                      f"({ref.intra_node.launch * 1e3:.3g}) ms, ring step {hw.intra_node.latency * 1e3:.3g} "
-                     f"({ref.intra_node.latency * 1e3:.3g}) ms")
+                     f"({ref.intra_node.latency * 1e3:.3g}) ms, reduce_overlap {hw.reduce_overlap:.2g} ({ref.reduce_overlap:.2g})")
     fwd = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("worker", "separation", "preset")]
     before = cpu_sample()
     out = torchrun(__file__, 4, "--worker", *fwd)

@@ -236,6 +236,66 @@ def test_tp_overlap_hides_the_tensor_parallel_collectives_next_to_linears_and_no
     assert plans[0.0].cost.step_time - plans[0.5].cost.step_time == pytest.approx(hidden / 2, rel=1e-6)
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_autopar_runtime_hides_the_reductions_it_waits_for_later_with_backward_left(zero):
+    """autopar's runtime launches each gradient bucket's last reduction and waits for it later
+    (``collectives.settle``); ``reduce_overlap`` g hides a share of it under the backward still to run: the step of
+    one plan, priced again, is ``step_time(C, D, H)`` with H the last collectives of the buckets of every block but
+    the first in forward (the second and third of three here) -- not the first block's, not the rest's (embeddings,
+    head: launched as backward ends), not ZeRO-1's one bucket, not ZeRO-3's (the next gather queues behind it)."""
+    import dataclasses
+
+    import autopar
+    from autopar.cost import step_time
+    from autopar.hardware import Hardware, get_hardware
+    from autopar.planner import cost_model, price
+    from autopar.solver import build_problem, solve
+    from autopar.trace import trace
+    from models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=1024, block_size=128, n_layer=3, n_head=4, n_embd=256))
+    ids = torch.empty(8, 128, dtype=torch.long, device="meta")
+    tg = trace(model, (ids, ids.clone()))
+    plans = {}
+    for g in (0.0, 0.5, 1.0):
+        hw = dataclasses.replace(get_hardware("cpu-gloo"), reduce_overlap=g)
+        assert Hardware.from_json(hw.to_json()) == hw and not hw.foreign_runtime()
+        mesh = autopar.Mesh({"dp": 4}, hardware=hw)
+        cost = cost_model(tg, mesh)
+        problem = build_problem(tg, mesh, cost)
+        choice = solve(tg, mesh, cost, problem, None, [autopar.ZeroPin("*", zero)])
+        plans[g] = price(tg, mesh, problem, choice, cost)
+    cols = plans[0.0].collective_list
+    assert [(c.kind, c.bytes, c.where) for c in cols] == [(c.kind, c.bytes, c.where) for c in plans[1.0].collective_list]
+    dp = sum(c.seconds for c in cols if c.data_parallel)
+    last = {}
+    for c in cols:
+        if c.data_parallel and c.phase == "backward" and c.kind in ("all_reduce", "reduce_scatter"):
+            last[c.where] = c
+    hidden = [c for w, c in last.items() if w.startswith(("grads[h.1]", "grads[h.2]", "zero2[h.1]", "zero2[h.2]"))]
+    assert bool(hidden) == (zero in (0, 2)) and len(hidden) in (0, 2), last.keys()
+    H = sum(c.seconds for c in hidden)
+    crit = plans[0.0].cost.step_time - dp
+    for g in (0.5, 1.0):
+        hw = plans[g].mesh.hardware
+        assert plans[g].cost.step_time == pytest.approx(step_time(crit, dp, H, hw), rel=1e-9)
+        assert (plans[g].cost.step_time < plans[0.0].cost.step_time) == bool(hidden)
+    if hidden:  # C + D - g H while the rest of the step outweighs H
+        assert plans[0.5].cost.step_time == pytest.approx(plans[0.0].cost.step_time - 0.5 * H, rel=1e-9)
+
+
+def test_collective_kinds_reach_their_own_bandwidth_where_the_library_sets_one():
+    """gloo's all-gather and reduce-scatter reach less than its all-reduce (``benchmarks/calibrate_cpu.py`` fits one
+    bandwidth per kind): each kind's wire bytes go at its own rate, the launch and ring steps stay shared."""
+    link = Link(bandwidth=1e9, latency=1e-5, launch=1e-4, reduce_scatter_as_all_reduce=True, all_gather_bandwidth=5e8,
+                reduce_scatter_bandwidth=6e8)
+    assert collective_time("all_reduce", 1e6, 4, link) == pytest.approx(1e-4 + 6e-5 + 1.5e6 / 1e9)
+    assert collective_time("all_gather", 1e6, 4, link) == pytest.approx(1e-4 + 3e-5 + 0.75e6 / 5e8)
+    assert collective_time("reduce_scatter", 1e6, 4, link) == pytest.approx(1e-4 + 6e-5 + 1.5e6 / 6e8)  # as an all-reduce
+    assert collective_time("all_to_all", 1e6, 4, link) == pytest.approx(1e-4 + 3e-5 + 0.75e6 / 1e9)
+
+
 def _llama_block_graph(seq: int = 256):
     import models
     from autopar.trace import trace

@@ -193,6 +193,17 @@ def test_a_sequence_parallel_plan_prices_the_gathered_inputs_its_linears_keep():
     assert plan.cost.memory_breakdown["activations"] == pytest.approx(nodes + len(gathered) * half)
 
 
+def _small_gpt_graph(n_layer: int):
+    """A small GPT (vocabulary 1024, width 256, 128 tokens, batch 8) traced on the meta device."""
+    from autopar.trace import trace
+    from models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=1024, block_size=128, n_layer=n_layer, n_head=4, n_embd=256))
+    ids = torch.empty(8, 128, dtype=torch.long, device="meta")
+    return trace(model, (ids, ids.clone()))
+
+
 def test_tp_overlap_hides_the_tensor_parallel_collectives_next_to_linears_and_nothing_else():
     """A runtime that pipelines all-gather + GEMM and GEMM + reduce-scatter (Transformer Engine, AsyncTP) hides a
     share f of those collectives' time: one plan, priced again, sends the same collectives with the same bytes and
@@ -205,13 +216,8 @@ def test_tp_overlap_hides_the_tensor_parallel_collectives_next_to_linears_and_no
     from autopar.hardware import Hardware, get_hardware
     from autopar.planner import cost_model, price
     from autopar.solver import build_problem, solve
-    from autopar.trace import trace
-    from models.gpt import GPT, GPTConfig
 
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=1024, block_size=128, n_layer=2, n_head=4, n_embd=256))
-    ids = torch.empty(8, 128, dtype=torch.long, device="meta")
-    tg = trace(model, (ids, ids.clone()))
+    tg = _small_gpt_graph(n_layer=2)
     meshes = {}
     for f in (0.0, 0.5, 1.0):
         hw = dataclasses.replace(get_hardware("a100-80gb"), tp_overlap=f)
@@ -250,13 +256,8 @@ def test_autopar_runtime_hides_the_reductions_it_waits_for_later_with_backward_l
     from autopar.hardware import Hardware, get_hardware
     from autopar.planner import cost_model, price
     from autopar.solver import build_problem, solve
-    from autopar.trace import trace
-    from models.gpt import GPT, GPTConfig
 
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=1024, block_size=128, n_layer=3, n_head=4, n_embd=256))
-    ids = torch.empty(8, 128, dtype=torch.long, device="meta")
-    tg = trace(model, (ids, ids.clone()))
+    tg = _small_gpt_graph(n_layer=3)
     plans = {}
     for g in (0.0, 0.5, 1.0):
         hw = dataclasses.replace(get_hardware("cpu-gloo"), reduce_overlap=g)

@@ -44,10 +44,10 @@ the machine was), every time the slowest rank's:
   gradient reduction beside the backward that follows it (``collectives.settle``), but how much that hides is not
   measured on GPUs yet, so no GPU preset credits it (``reduce_overlap`` 0; conservative: a plan heavy in data
   parallelism is priced slower than it runs). On this machine ``calibrate_cpu.py`` measures it: a 4 MiB all-reduce
-  launched beside as long a compute hides ~0.1 of the shorter (2026-12-03; the reduction's copying and summing run
-  on the cores the compute needs). The stored preset keeps 0, measured on another machine without it.
+  launched beside as long a compute hides 0.01-0.10 of the shorter (four runs on 2026-12-03; the reduction's
+  copying and summing run on the cores the compute needs). The stored preset keeps 0, measured on another machine without it.
 - gloo's all-gather and reduce-scatter reach less than its all-reduce (``Link.all_gather_bandwidth``,
-  ``reduce_scatter_bandwidth``; 2026-12-03 on this host: 0.65-0.68x and 0.72-0.74x, fitted per kind); the stored
+  ``reduce_scatter_bandwidth``; 2026-12-03 on this host: 0.62-0.68x and 0.70-0.74x, fitted per kind); the stored
   preset has one bandwidth for all three, as it was fitted.
 """
 
@@ -71,8 +71,8 @@ class Link:
     reduce_scatter_as_all_reduce: bool = False  # the library runs a reduce-scatter as an all-reduce of the whole
     # buffer, each rank keeping its chunk (torch's gloo backend: pytorch/pytorch#118911), twice a ring's bytes
     all_gather_bandwidth: float = 0.0  # an all-gather's own bandwidth where the library's reaches another than its
-    # all-reduce's (torch's gloo: ~0.7x, measured, benchmarks/calibrate_cpu.py); 0: ``bandwidth``
-    reduce_scatter_bandwidth: float = 0.0  # a reduce-scatter's, likewise (gloo's, run as an all-reduce: ~0.75x)
+    # all-reduce's (torch's gloo: 0.62-0.68x, measured, benchmarks/calibrate_cpu.py); 0: ``bandwidth``
+    reduce_scatter_bandwidth: float = 0.0  # a reduce-scatter's, likewise (gloo's, run as an all-reduce: 0.70-0.74x)
 
     def rate(self, kind: str) -> float:
         """Bytes/s per device a collective of ``kind`` reaches on this link."""

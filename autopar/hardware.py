@@ -44,7 +44,7 @@ the machine was), every time the slowest rank's:
   gradient reduction beside the backward that follows it (``collectives.settle``), but how much that hides is not
   measured on GPUs yet, so no GPU preset credits it (``reduce_overlap`` 0; conservative: a plan heavy in data
   parallelism is priced slower than it runs). On this machine ``calibrate_cpu.py`` measures it: a 4 MiB all-reduce
-  launched beside as long a compute hides 0.01-0.10 of the shorter (four runs on 2026-12-03; the reduction's
+  launched beside as long a compute hides 0.01-0.29 of the shorter (four runs on 2026-12-03; the reduction's
   copying and summing run on the cores the compute needs). The stored preset keeps 0, measured on another machine without it.
 - gloo's all-gather and reduce-scatter reach less than its all-reduce (``Link.all_gather_bandwidth``,
   ``reduce_scatter_bandwidth``; 2026-12-03 on this host: 0.62-0.68x and 0.70-0.74x, fitted per kind); the stored

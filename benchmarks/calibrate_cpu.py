@@ -26,7 +26,7 @@ once (torchrun, 127.0.0.1), and every time is the slowest rank's (a training ste
   ~0.7x its all-reduce's.
 - the overlap of a gradient reduction with backward (``Hardware.reduce_overlap``): a 4 MiB all-reduce launched, a
   matmul loop about as long, then the wait, against the loop followed by the all-reduce waited at once; the time
-  saved over the shorter of the two. 0.01-0.10 here: with 4 ranks on 2 cores the reduction's copying and summing need
+  saved over the shorter of the two. 0.01-0.29 here: with 4 ranks on 2 cores the reduction's copying and summing need
   the cores the compute runs on.
 - late arrival: in a training step a collective follows each rank's compute, not a barrier, and with more ranks
   than cores the last rank reaches it later than the first (the cores' scheduler decides). Measured as the time

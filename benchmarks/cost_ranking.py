@@ -57,19 +57,22 @@ recomputation < the same with SP < Megatron-3D with 8 microbatches, predicted in
 
 Since then the cost model prices both (same day, same host; the numbers measured first each time): the share of the
 reductions autopar's runtime waits for later that hides under the backward after them (``reduce_overlap``,
-measured 0.01-0.10 here: on 4 ranks sharing 2 cores the reduction's work competes with compute; the second
+measured 0.01-0.29 here: on 4 ranks sharing 2 cores the reduction's work competes with compute; the second
 block's buckets only, in this 2-layer model), and gloo's all-gather and reduce-scatter at their own bandwidths
 (0.4-0.5 and 0.46-0.59 GB/s against its all-reduce's 0.65-0.80): ZeRO-1 and FSDP, priced at the all-reduce's
 rate before, were the plans predicted furthest under their measured times (ZeRO-1 0.53 against DDP's 0.72 in a
-run just before). Three runs: pred/meas 0.75-1.11 (6 rounds), then 0.74-1.12 and 0.80-1.17 (10 rounds, now the default); pairs measured apart ordered right 76 of 81,
-90 of 94, 76 of 76. The longest chain of plans each >15% slower than the one before: 4 plans, broken by DDP with
+run just before). Four runs: pred/meas 0.75-1.11 (6 rounds), then 0.74-1.12, 0.80-1.17 and 0.72-1.11 (10
+rounds, now the default); pairs measured apart ordered right 76 of 81, 90 of 94, 76 of 76, 87 of 89. The longest chain of plans each >15% slower than the one before: 4 plans, broken by DDP with
 full recomputation measured 5% faster than DDP without (noise, or this host's allocator: its backward measured 4
 ms slower than DDP's, not the ~70 ms of recomputed forward); 5 plans, broken in its first pair (the solver's
 tp=4 plan against ZeRO-1 on dp=4, predicted 4% apart the other way); and 4 plans predicted in the same order
 (the solver's plan on dp=4 < the solver's on dp=2 x tp=2 < Megatron with SP and full recomputation < Megatron-3D
-with 8 microbatches, 356 < 411 < 600 < 746 ms measured, 315 < 330 < 549 < 877 predicted). The reference plans'
-pairs measured apart were ordered right in both 10-round runs (7 of 7 from the second's table, 6 of 6 as the
-third printed it).
+with 8 microbatches, 356 < 411 < 600 < 746 ms measured, 315 < 330 < 549 < 877 predicted); and 5 plans predicted in
+the same order (the solver's plan on dp=4 < DDP with full recomputation < FSDP+TP < Megatron with SP and full
+recomputation < Megatron-3D with 8 microbatches, 351 < 412 < 495 < 606 < 754 ms measured, 290 < 311 < 400 < 523
+< 819 predicted; its two pairs ordered the other way both hold Megatron-3D with 2 microbatches, measured faster
+than predicted as above). The reference plans' pairs measured apart were ordered right in all three 10-round
+runs (7 of 7 from the second's table, 6 of 6 and 8 of 8 as the third and fourth printed them).
 """
 
 from __future__ import annotations

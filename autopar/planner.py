@@ -207,8 +207,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         state += zc.state - problem.costs[name][choice.index[name]].state
         grad += zc.grad - problem.costs[name][choice.index[name]].grad
         act += zc.act - problem.costs[name][choice.index[name]].act
-        fqn = tg.fqns[name]
-        block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "")
+        block = tg.block_of(name) or ""
         local = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
         n = shard_factor(opt, mesh)
         gb = grad_bucket(opt, spec, meta, mesh)  # the bucket its gradients land in, as the solver prices them
@@ -251,8 +250,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             continue
         spec, meta = strategy[name].output, problem.meta[name]
         full = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
-        fqn = tg.fqns[name]
-        block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), "rest")
+        block = tg.block_of(name) or "rest"
         acc = per_block.setdefault((block, opt.shard_axes), [[], 0.0, []])
         linears = [u.name for u in linear_weight_users(nodes_fx[name])]
         acc[0].append((name, full))

@@ -639,8 +639,7 @@ def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int]]
     out: dict[str, tuple[str, int]] = {}
     for n in order:
         if tg.kinds.get(n) == "param" and n in tg.trainable:
-            fqn = tg.fqns[n]
-            block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), None)
+            block = tg.block_of(n)
             g = rep_of[block] if block else "rest"
             out[n] = (g, copies.get(g, 1))
     return out
@@ -665,8 +664,7 @@ def reduction_hides(tg: TracedGraph, order: list[str]) -> frozenset[str]:
     out = set()
     for n in order:
         if tg.kinds.get(n) == "param" and n in tg.trainable:
-            fqn = tg.fqns[n]
-            block = next((b.fqn for b in tg.blocks if fqn.startswith(b.fqn + ".")), None)
+            block = tg.block_of(n)
             if block is not None and block != first:
                 out.add(n)
     return frozenset(out)

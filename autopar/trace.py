@@ -104,6 +104,12 @@ class TracedGraph:
     def nodes(self) -> dict[str, fx.Node]:
         return {n.name: n for n in self.gm.graph.nodes}
 
+    def block_of(self, name: str) -> str | None:
+        """The FQN of the block copy that holds placeholder ``name`` (a parameter or buffer), or None (the rest:
+        embeddings, head, norms outside the repeated layers)."""
+        fqn = self.fqns[name]
+        return next((b.fqn for b in self.blocks if fqn.startswith(b.fqn + ".")), None)
+
     def path(self, node: fx.Node | str) -> str:
         """A readable, stable name for a node: ``module.fqn:node_name`` (parameters: their FQN)."""
         name = node if isinstance(node, str) else node.name

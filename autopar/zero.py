@@ -171,13 +171,13 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     gathers, scatters = zero3_traffic(uses) if opt.stage == 3 else (1, 1)
     comm = sum(gathers * bw("all_gather", b, a) + scatters * bw("reduce_scatter", rf * b, a) for a in opt.shard_axes) + on_shard
     busy = copies_bytes / hbm + step
-    # the collective launched last, as ``scatter_priced`` orders them (reduce-scatters outermost first, then the
-    # shard's all-reduces)
-    last = bw("all_reduce", rf * b / n, rest[-1]) if rest else bw("reduce_scatter", rf * b, opt.shard_axes[-1])
     if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard at the end (the flat copy is
         # freed before the shard is copied out: ``collectives.scatter_flat``)
         return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm, busy, step)
     if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
+        # the collective launched last, as ``scatter_priced`` orders them (reduce-scatters outermost first, then
+        # the shard's all-reduces); only ZeRO-2's is waited for later (``ZeroCost.deferred``)
+        last = bw("all_reduce", rf * b / n, rest[-1]) if rest else bw("reduce_scatter", rf * b, opt.shard_axes[-1])
         return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, busy, step, last)
     # one bucket (a group copy) at a time: its gathered weights and their gradients, or those and the flat buffer
     # they are reduce-scattered from once the weights are dropped

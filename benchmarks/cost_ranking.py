@@ -62,9 +62,10 @@ block's buckets only, in this 2-layer model), and gloo's all-gather and reduce-s
 (0.4-0.5 and 0.46-0.59 GB/s against its all-reduce's 0.65-0.80): ZeRO-1 and FSDP, priced at the all-reduce's
 rate before, were the plans predicted furthest under their measured times (ZeRO-1 0.53 against DDP's 0.72 in a
 run just before). Four runs: pred/meas 0.75-1.11 (6 rounds), then 0.74-1.12, 0.80-1.17 and 0.72-1.11 (10
-rounds, now the default); pairs measured apart ordered right 76 of 81, 90 of 94, 76 of 76, 87 of 89. The longest chain of plans each >15% slower than the one before: 4 plans, broken by DDP with
-full recomputation measured 5% faster than DDP without (noise, or this host's allocator: its backward measured 4
-ms slower than DDP's, not the ~70 ms of recomputed forward); 5 plans, broken in its first pair (the solver's
+rounds, now the default); pairs measured apart ordered right 76 of 81, 90 of 94, 76 of 76, 87 of 89. The
+longest chain of plans each >15% slower than the one before: 4 plans, broken by DDP with full recomputation
+measured 5% faster than DDP without (noise, or this host's allocator: its backward measured 4 ms slower than
+DDP's, not the ~70 ms of recomputed forward); 5 plans, broken in its first pair (the solver's
 tp=4 plan against ZeRO-1 on dp=4, predicted 4% apart the other way); and 4 plans predicted in the same order
 (the solver's plan on dp=4 < the solver's on dp=2 x tp=2 < Megatron with SP and full recomputation < Megatron-3D
 with 8 microbatches, 356 < 411 < 600 < 746 ms measured, 315 < 330 < 549 < 877 predicted); and 5 plans predicted in

@@ -46,6 +46,9 @@ the machine was), every time the slowest rank's:
   parallelism is priced slower than it runs). On this machine ``calibrate_cpu.py`` measures it: a 4 MiB all-reduce
   launched beside as long a compute hides 0.01-0.29 of the shorter (four runs on 2026-12-03; the reduction's
   copying and summing run on the cores the compute needs). The stored preset keeps 0, measured on another machine without it.
+- a pipeline stage alone in the bubble computes faster: the rates above are each rank's with all 4 computing,
+  and while the other stage's ranks idle the busy ones get a core each (``cores_per_rank`` 0.5,
+  ``busy_speedup``; the schedule is simulated so, ``schedule.simulate``'s ``speed``).
 - gloo's all-gather and reduce-scatter reach less than its all-reduce (``Link.all_gather_bandwidth``,
   ``reduce_scatter_bandwidth``; 2026-12-03 on this host: 0.62-0.68x and 0.70-0.74x, fitted per kind); the stored
   preset has one bandwidth for all three, as it was fitted.
@@ -121,6 +124,11 @@ class Hardware:
     # sum), and hidden only where backward has work left after it: the buckets of every block but the first in
     # forward order (the rest's and the first block's launch as backward ends; ZeRO-1's one bucket too). 0: not
     # measured (GPUs); cpu-gloo: measured (``benchmarks/calibrate_cpu.py``)
+    cores_per_rank: float = 0.0  # ranks sharing a node's cores (gloo processes of one thread each): the cores one
+    # rank gets while every rank of the node computes, which the rates above are measured at (cpu-gloo: 4 ranks on
+    # 2 cores, 0.5); a rank computing while others idle (a pipeline's bubble) gets up to a core
+    # (``busy_speedup``; ``pipeline.evaluate`` simulates the schedule so, the cluster screen's analytic step does
+    # not and prices such a pipeline a little slow). 0: each rank has a device of its own (GPUs)
     tp_overlap: float = 0.0  # fraction of a tensor-parallel collective's time hidden behind the linear it feeds or
     # follows (Transformer Engine's userbuffer overlap in Megatron-Core, torch's AsyncTP): all-gather + GEMM and
     # GEMM + reduce-scatter run as one pipelined kernel pair; 0: autopar's runtime runs them one after the other
@@ -141,6 +149,24 @@ class Hardware:
     def autopar_runtime(self) -> "Hardware":
         """This hardware as autopar's own runtime runs on it: the fields of ``foreign_runtime`` at their defaults."""
         return dataclasses.replace(self, **_AUTOPAR_RUNTIME) if self.foreign_runtime() else self
+
+    def busy_speedup(self, busy: int, ranks: int) -> float:
+        """How much faster a rank computes while only ``busy`` of the ``ranks`` ranks on its node compute than while
+        all of them do: with ``cores_per_rank`` c < 1 it gets min(1, c ranks / busy) cores instead of c; 1 on
+        devices of their own."""
+        c = self.cores_per_rank
+        if c <= 0.0 or c >= 1.0 or busy >= ranks:
+            return 1.0
+        return min(1.0, c * ranks / busy) / c
+
+    def group_speedups(self, ranks: int, groups: int) -> "list[float] | None":
+        """``ranks`` ranks in ``groups`` equal groups (a pipeline's stages): per k = 1..groups, ``busy_speedup`` while
+        k groups compute; None where it is 1 throughout: devices of their own, or ranks over more than one node
+        (a node then holds fewer groups' ranks, pp being outermost: not modelled, conservatively)."""
+        if self.cores_per_rank <= 0.0 or self.cores_per_rank >= 1.0 or ranks > self.devices_per_node:
+            return None
+        n = ranks // groups
+        return [self.busy_speedup(k * n, ranks) for k in range(1, groups + 1)]
 
     def reduce_factor(self, dtype: torch.dtype) -> float:
         """Gradient bytes on the wire per byte of the parameter's dtype."""
@@ -170,6 +196,7 @@ class Hardware:
             "optimizer_step_bytes": self.optimizer_step_bytes,
             "overlap": self.overlap,
             "reduce_overlap": self.reduce_overlap,
+            "cores_per_rank": self.cores_per_rank,
             "grad_reduce_bytes": self.grad_reduce_bytes,
             "selective_recomputes_every": self.selective_recomputes_every,
             "float8_linears": self.float8_linears,
@@ -197,6 +224,7 @@ class Hardware:
             optimizer_step_bytes=float(d.get("optimizer_step_bytes", 28.0)),
             overlap=float(d.get("overlap", 0.0)),
             reduce_overlap=float(d.get("reduce_overlap", 0.0)),
+            cores_per_rank=float(d.get("cores_per_rank", 0.0)),
             grad_reduce_bytes=int(d.get("grad_reduce_bytes", 0)),
             selective_recomputes_every=int(d.get("selective_recomputes_every", 0)),
             float8_linears=bool(d.get("float8_linears", False)),
@@ -266,6 +294,7 @@ PRESETS: dict[str, Hardware] = {
         memory_efficiency=1.0,
         op_overhead=11e-6,
         optimizer_step_bytes=10.0,  # torch's AdamW, in place: ~10 bytes' time per element at the elementwise rate
+        cores_per_rank=0.5,  # 4 ranks of one thread on 2 cores
     ),
 }
 

@@ -374,7 +374,8 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
                                      len(rs), inner, link)
     zero_total = sum(b for z in zero_bytes for b, _w in z.values())
     zero_share = tuple(sum(b for b, _w in z.values()) / zero_total if zero_total else 0.0 for z in zero_bytes)
-    tl = sched.simulate(schedule, p, m, v, [st.forward for st in stages], [st.backward for st in stages], p2p)
+    tl = sched.simulate(schedule, p, m, v, [st.forward for st in stages], [st.backward for st in stages], p2p,
+                        mesh.hardware.group_speedups(mesh.size, p))
     return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights), zero_share, max(stepped))
 
 

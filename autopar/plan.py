@@ -173,12 +173,15 @@ class PipelinePlan:
         v = f", v={self.virtual}" if self.virtual > 1 else ""
         return f"{self.schedule}(m={self.microbatches}{v})"
 
-    def timeline(self):
+    def timeline(self, mesh=None):
+        """The schedule simulated as the planner priced it (``mesh``: the plan's, whose hardware may run a stage
+        alone in the bubble faster, ``Hardware.group_speedups``)."""
         from autopar import schedule
 
         p = max(s.rank for s in self.stages) + 1
+        speed = mesh.hardware.group_speedups(mesh.size, p) if mesh is not None else None
         return schedule.simulate(self.schedule, p, self.microbatches, self.virtual, [s.forward for s in self.stages],
-                                 [s.backward for s in self.stages], [_p2p(self, s) for s in self.stages])
+                                 [s.backward for s in self.stages], [_p2p(self, s) for s in self.stages], speed)
 
     def to_json(self) -> dict:
         return {
@@ -323,7 +326,7 @@ class Plan:
                 f"{len(pp.stages)} stages{'' if pp.virtual == 1 else f' ({pp.virtual} per rank)'}; bubble {100 * pp.bubble:.1f}%, "
                 f"schedule {pp.step_time * 1e3:.3f} ms + gradient sync + optimizer step {pp.sync_time * 1e3:.3f} ms")
         t = _tabulate.tabulate(rows, headers=["stage", "rank", "units", "fwd ms/mb", "bwd ms/mb", "sends/mb", "state", "act/mb", "rank peak"], tablefmt="simple")
-        tl = pp.timeline()
+        tl = pp.timeline(self.mesh)
         legend = ("'>': a forward, '<': a backward" if pp.microbatches > 26 else "capital letter: forward of a microbatch, lower case: its backward")
         return head + "\n" + t + f"\n\ntimeline ({legend}, '.': idle):\n" + schedule.text_timeline(tl, width)
 
@@ -333,7 +336,7 @@ class Plan:
 
         if self.pipeline is None:
             raise AutoparError("this plan has no pipeline (no pp axis)")
-        return schedule.png_timeline(self.pipeline.timeline(), path, f"{self.label}: {self.pipeline.label}, bubble {100 * self.pipeline.bubble:.1f}%")
+        return schedule.png_timeline(self.pipeline.timeline(self.mesh), path, f"{self.label}: {self.pipeline.label}, bubble {100 * self.pipeline.bubble:.1f}%")
 
     def table(self, *, views: bool = False) -> str:
         """Chosen Specs per block and op, with predicted time, memory and the collectives each op's inputs need.

@@ -120,14 +120,19 @@ class Timeline:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.step)
 
 
-def simulate(schedule: str, p: int, m: int, v: int, fwd: list[float], bwd: list[float], send: list[float] | None = None) -> Timeline:
+def simulate(schedule: str, p: int, m: int, v: int, fwd: list[float], bwd: list[float], send: list[float] | None = None,
+             speed: "list[float] | None" = None) -> Timeline:
     """Run the schedule's actions in order on each rank: an action starts when its rank is free and its input has
     arrived (forward: the previous stage's forward of the microbatch + the transfer; backward: this stage's forward
     and the next stage's backward + the transfer). ``send[s]``: seconds to move stage s's output to stage s + 1
-    (the gradient goes back at the same cost)."""
+    (the gradient goes back at the same cost). ``speed[k - 1]``: how much faster than ``fwd`` / ``bwd`` say an
+    action runs while k ranks compute (ranks sharing cores, ``Hardware.busy_speedup``: a stage alone in the bubble
+    gets the cores its idle neighbours leave); None: every action at its own seconds."""
     n_stages = p * v
     send = send or [0.0] * n_stages
     seqs = actions(schedule, p, m, v)
+    if speed is not None and any(x != 1.0 for x in speed[:p]):
+        return _simulate_shared(seqs, n_stages, fwd, bwd, send, speed)
     # end times by [stage][microbatch], -1 until the action has run (lists, not a dict of tuples: a 1T-parameter
     # plan simulates 128 ranks x 1024 microbatches, twice)
     n_mb = 1 + max((a.microbatch for seq in seqs for a in seq), default=0)
@@ -178,6 +183,64 @@ def simulate(schedule: str, p: int, m: int, v: int, fwd: list[float], bwd: list[
             raise AssertionError(f"{schedule} p={p} m={m} v={v}: the action orders deadlock")
     step = max(free) if free else 0.0
     return Timeline(step, tuple(busy), tuple(tuple(s) for s in spans))
+
+
+def _simulate_shared(seqs: list[list[Action]], n_stages: int, fwd: list[float], bwd: list[float], send: list[float],
+                     speed: list[float]) -> Timeline:
+    """``simulate`` with the ranks sharing cores: an action's seconds are its work at the rate every rank computing
+    gets, and it progresses at ``speed[k - 1]`` times that while k ranks compute. Event by event: start every action
+    whose rank is free and whose input has arrived, then advance to the first action ending or input arriving."""
+    p = len(seqs)
+    n_mb = 1 + max((a.microbatch for seq in seqs for a in seq), default=0)
+    done_f = [[-1.0] * n_mb for _ in range(n_stages)]
+    done_b = [[-1.0] * n_mb for _ in range(n_stages)]
+    last = n_stages - 1
+    pos = [0] * p
+    running: list[list | None] = [None] * p  # per rank: [action, start, work left]
+    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    busy = [0.0] * p
+    t = 0.0
+    remaining = sum(len(s) for s in seqs)
+    while remaining:
+        wake = float("inf")  # the first input still in transit
+        for r in range(p):
+            if running[r] is not None or pos[r] == len(seqs[r]):
+                continue
+            a = seqs[r][pos[r]]
+            st, mb = a.stage, a.microbatch
+            if a.kind == "F":
+                ready = 0.0 if st == 0 else (done_f[st - 1][mb] + send[st - 1] if done_f[st - 1][mb] >= 0.0 else -1.0)
+            else:
+                ready = done_f[st][mb]
+                if ready >= 0.0 and st < last:
+                    ready = max(ready, done_b[st + 1][mb] + send[st]) if done_b[st + 1][mb] >= 0.0 else -1.0
+            if ready < 0.0:
+                continue  # its input is not made yet
+            if ready > t:
+                wake = min(wake, ready)
+                continue
+            running[r] = [a, t, fwd[st] if a.kind == "F" else bwd[st]]
+        active = [r for r in range(p) if running[r] is not None]
+        if not active:
+            if wake == float("inf"):
+                raise AssertionError(f"p={p}: the action orders deadlock")
+            t = wake
+            continue
+        rate = speed[len(active) - 1]
+        dt = min(min(running[r][2] for r in active) / rate, wake - t)
+        t += dt
+        for r in active:
+            job = running[r]
+            job[2] -= dt * rate
+            if job[2] <= 1e-12 * max(1.0, t):
+                a, start = job[0], job[1]
+                (done_f if a.kind == "F" else done_b)[a.stage][a.microbatch] = t
+                spans[r].append((a, start, t))
+                busy[r] += t - start
+                running[r] = None
+                pos[r] += 1
+                remaining -= 1
+    return Timeline(t, tuple(busy), tuple(tuple(s) for s in spans))
 
 
 def text_timeline(tl: Timeline, width: int = 100, rank_names: list[str] | None = None) -> str:

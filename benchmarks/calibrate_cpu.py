@@ -35,6 +35,9 @@ once (torchrun, 127.0.0.1), and every time is the slowest rank's (a training ste
   and lengths. On a quiet machine it is ~1, ~3 and ~4 ms: about half of a short compute, at most a scheduler
   time slice or so after a long one, so a cost per collective rather than a slower compute rate; it is added
   to the fitted launch, as every collective of a step pays it.
+- the cores each rank gets while all compute (``Hardware.cores_per_rank``): the cores this process may run on
+  over ``nproc``, at most 1 (each rank runs one thread); a pipeline stage computing alone in the bubble gets what
+  its idle neighbours leave (``Hardware.busy_speedup``).
 - compute and overhead numbers are the best of 3 passes (other work on the machine only slows a pass down),
   collectives the median of 3 sweeps over all points.
 """
@@ -358,8 +361,13 @@ def fitted(res: dict, n: int):
         PRESETS["cpu-gloo"], name="cpu-gloo (measured)", peak_flops=(("bfloat16", res["flops_bf16"]), ("float32", res["flops"])),
         hbm_bandwidth=res["bandwidth"], input_bandwidth=res["bandwidth"], op_overhead=(res["op_fwd"] + res["op_bwd"]) / 2,
         optimizer_step_bytes=res["adamw"] * res["bandwidth"], intra_node=link, inter_node=link,
-        reduce_overlap=min(max(res["reduce_overlap"], 0.0), 1.0))
+        reduce_overlap=min(max(res["reduce_overlap"], 0.0), 1.0), cores_per_rank=min(1.0, cores() / n))
     return hw, launch_fit, lates, latency, bw
+
+
+def cores() -> int:
+    """The cores this process (and the ranks torchrun starts from it) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def main() -> None:
@@ -419,6 +427,7 @@ def main() -> None:
         [f"all-reduce of {OVERLAP_BYTES / 2**20:g} MiB after compute / compute alone / launched, compute, waited (s)",
          f"{res['overlap_reduce']:.3g} / {res['overlap_compute']:.3g} / {res['overlap_both']:.3g}", ""],
         ["reduce_overlap: share of the shorter of the two hidden", f"{res['reduce_overlap']:.3g}", f"{hw.reduce_overlap:.3g}"],
+        [f"cores_per_rank: {cores()} cores over {n} ranks, at most 1", f"{mine.cores_per_rank:.3g}", f"{hw.cores_per_rank:.3g}"],
     ]
     print(tabulate.tabulate(rows, headers=["quantity", "measured", "cpu-gloo preset (its launch holds late arrival)"]))
     if other is not None:
@@ -429,7 +438,7 @@ def main() -> None:
           f"optimizer_step_bytes={res['adamw'] * res['bandwidth']:.3g}, op_overhead={op:.3g}, "
           f"Link(bandwidth={bw:.3g}, latency={latency:.3g}, launch={launch:.3g}, reduce_scatter_as_all_reduce=True, "
           f"all_gather_bandwidth={mine.intra_node.all_gather_bandwidth:.3g}, reduce_scatter_bandwidth={mine.intra_node.reduce_scatter_bandwidth:.3g}), "
-          f"reduce_overlap={mine.reduce_overlap:.3g}")
+          f"reduce_overlap={mine.reduce_overlap:.3g}, cores_per_rank={mine.cores_per_rank:.3g}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(mine.to_json(), f, indent=1)

@@ -15,8 +15,10 @@ plan: the predicted step time (``plan.cost.step_time``, and its compute and comm
 one, their ratio, both ranks; then Kendall's tau-b and Spearman's rho between predicted and measured over all
 plans; which pairs of plans measured more than 15% apart (the noise: see below) the prediction orders the other
 way; the most plans that each measured more than 15% slower than the one before, and whether the prediction
-orders them so; and the ranking of the reference plans, with how many of their pairs measured apart the prediction
-orders so.
+orders them so; the same the other way round, as a user reads a plan's price (pairs predicted more than 15% apart,
+and the most plans each predicted more than 15% slower than the one before, chosen from the predictions alone:
+does the measurement order them so?); and the ranking of the reference plans, with how many of their pairs
+measured apart the prediction orders so.
 
 Measurement: every plan is built once (``autopar.parallelize(model, mesh, batch, plan=...)``, each on its own
 copy of the weights, one AdamW optimizer each) and warmed up; then 10 rounds each run 3 timed training steps
@@ -310,7 +312,8 @@ def main() -> None:
                      f"({ref.intra_node.bandwidth / 1e9:.3g}) GB/s (all-gather {hw.intra_node.rate('all_gather') / 1e9:.3g}, "
                      f"reduce-scatter {hw.intra_node.rate('reduce_scatter') / 1e9:.3g}), launch {hw.intra_node.launch * 1e3:.3g} "
                      f"({ref.intra_node.launch * 1e3:.3g}) ms, ring step {hw.intra_node.latency * 1e3:.3g} "
-                     f"({ref.intra_node.latency * 1e3:.3g}) ms, reduce_overlap {hw.reduce_overlap:.2g} ({ref.reduce_overlap:.2g})")
+                     f"({ref.intra_node.latency * 1e3:.3g}) ms, reduce_overlap {hw.reduce_overlap:.2g} ({ref.reduce_overlap:.2g}), "
+                     f"cores_per_rank {hw.cores_per_rank:.2g} ({ref.cores_per_rank:.2g})")
     fwd = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("worker", "separation", "preset")]
     before = cpu_sample()
     out = torchrun(__file__, 4, "--worker", *fwd)
@@ -359,6 +362,16 @@ def main() -> None:
           + " < ".join(f"{res[i]['plan']} ({meas[i] * 1e3:.1f})" for i in chain)
           + f"\n  their predicted ms: {'   '.join(f'{pred[i] * 1e3:.1f}' for i in chain)}; predicted order the same as "
           f"measured: {'yes' if _ranks([pred[i] for i in chain]) == _ranks([meas[i] for i in chain]) else 'no'}")
+    # the other way round, as a user reads a plan's price: the plans the prediction tells apart, chosen from the
+    # predictions alone (before looking at what was measured) -- does the measurement order them so?
+    papart = [(i, j) for i in range(len(res)) for j in range(i + 1, len(res)) if max(pred[i], pred[j]) > (1 + sep) * min(pred[i], pred[j])]
+    pwrong = [(i, j) for i, j in papart if (pred[i] - pred[j]) * (meas[i] - meas[j]) <= 0]
+    print(f"pairs predicted more than {100 * sep:.0f}% apart: {len(papart) - len(pwrong)} of {len(papart)} measured in the same order")
+    pchain = separated_chain(pred, sep)
+    print(f"the most plans each predicted more than {100 * sep:.0f}% slower than the one before ({len(pchain)}): "
+          + " < ".join(f"{res[i]['plan']} ({pred[i] * 1e3:.1f})" for i in pchain)
+          + f"\n  their measured ms: {'   '.join(f'{meas[i] * 1e3:.1f}' for i in pchain)}; measured order the same as "
+          f"predicted: {'yes' if _ranks([pred[i] for i in pchain]) == _ranks([meas[i] for i in pchain]) else 'no'}")
     idx = sorted((i for i in range(len(res)) if ref[i]), key=lambda i: meas[i])
     if len(idx) < 2:
         return

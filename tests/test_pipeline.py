@@ -51,7 +51,7 @@ def test_microbatches_shrink_the_step_until_activation_memory_binds():
     for m in (4, 8, 16, 32):
         plan = autopar.plan(model, mesh, inputs(32, 1024), constraints=[PipelinePin("1f1b", m)])
         steps[m], mems[m] = plan.cost.step_time, plan.cost.memory_per_device
-        assert plan.pipeline.bubble == pytest.approx(plan.pipeline.timeline().bubble)
+        assert plan.pipeline.bubble == pytest.approx(plan.pipeline.timeline(plan.mesh).bubble)
     assert steps[4] > steps[8] > steps[16] > steps[32] and mems[4] > mems[8] > mems[16] > mems[32]
     # left free, the planner's choice is no slower than any of these
     free = autopar.plan(model, mesh, inputs(32, 1024))
@@ -337,6 +337,29 @@ def test_megatron_3d_with_context_parallelism_trains_like_one_device(axes):
     assert {tuple(z[1]) for z in plan.zero_stages.values()} == {tuple(shard)} and {z[0] for z in plan.zero_stages.values()} == {1}
     r = parity(model, _batch(8), axes, plan=plan)
     assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
+
+
+def test_a_stage_alone_in_the_bubble_is_priced_at_the_cores_the_idle_stage_leaves():
+    """cpu-gloo's ranks share the machine's cores (``Hardware.cores_per_rank``): its rates are a rank's with all 4
+    computing, and a pp=2 stage computing while the other idles gets twice that. The planner simulates the schedule
+    so; the same stages on ranks with devices of their own take longer, by no more than the bubble they idle in."""
+    from autopar.hardware import Hardware, get_hardware
+
+    shared = get_hardware("cpu-gloo")
+    own = dataclasses.replace(shared, cores_per_rank=0.0)
+    assert Hardware.from_json(shared.to_json()) == shared and shared.cores_per_rank == 0.5
+    assert shared.group_speedups(4, 2) == [2.0, 1.0] and own.group_speedups(4, 2) is None
+    assert shared.busy_speedup(3, 4) == pytest.approx(4 / 3) and shared.busy_speedup(4, 4) == 1.0
+    assert dataclasses.replace(shared, devices_per_node=2).group_speedups(4, 2) is None  # over nodes: not modelled
+    pin = PipelinePin("1f1b", 2, cuts="equal")
+    plans = {hw.cores_per_rank: autopar.plan(_gpt(), autopar.Mesh({"pp": 2, "dp": 2}, hardware=hw), _batch(8), constraints=[pin])
+             for hw in (shared, own)}
+    fast, slow = plans[0.5].pipeline, plans[0.0].pipeline
+    assert [(s.forward, s.backward) for s in fast.stages] == [(s.forward, s.backward) for s in slow.stages]
+    assert fast.step_time == pytest.approx(fast.timeline(plans[0.5].mesh).step)
+    assert fast.timeline().step == pytest.approx(slow.step_time)  # its stages on devices of their own
+    assert slow.step_time * (1 - slow.bubble) < fast.step_time < slow.step_time
+    assert plans[0.5].cost.step_time == pytest.approx(plans[0.0].cost.step_time - slow.step_time + fast.step_time)
 
 
 def test_zero1_lets_a_pipeline_fit_where_zero0_does_not():

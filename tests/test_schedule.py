@@ -69,3 +69,30 @@ def test_in_flight_closed_forms_equal_the_simulated_action_order():
                 for v in vs:
                     if schedule.check(name, p, m, v) is None:
                         assert schedule.in_flight(name, p, m, v) == schedule.in_flight_simulated(name, p, m, v), (name, p, m, v)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 3, 4, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])
+def test_ranks_sharing_cores_at_full_speed_simulate_as_devices_of_their_own(name, p, m, v):
+    n = p * v
+    fwd, bwd, send = [1.0 + 0.1 * s for s in range(n)], [2.0 + 0.3 * s for s in range(n)], [0.2] * n
+    own = schedule.simulate(name, p, m, v, fwd, bwd, send)
+    shared = schedule._simulate_shared(schedule.actions(name, p, m, v), n, fwd, bwd, send, [1.0] * p)
+    assert shared.step == pytest.approx(own.step, rel=1e-12)
+    assert shared.busy == pytest.approx(own.busy, rel=1e-12)
+    for a, b in zip(own.spans, shared.spans):
+        assert [x[0] for x in a] == [x[0] for x in b]
+        assert [x[1:] for x in a] == [pytest.approx(x[1:], rel=1e-12, abs=1e-12) for x in b]
+
+
+def test_a_stage_alone_in_the_bubble_runs_at_the_cores_its_idle_neighbour_leaves():
+    # 1F1B, 2 ranks, 2 microbatches, forward 1 and backward 2 at the rate both ranks computing get; alone, twice
+    # that. By hand: F0 alone [0, .5]; F1 on rank 0 and F0 on rank 1 together [.5, 1.5]; rank 1's B0 alone
+    # [1.5, 2.5]; rank 0's B0 [2.5, 4.5] beside rank 1's F1 [2.5, 3.5] and then B1 [3.5, 5]; rank 0's B1 alone
+    # [5, 6] -- against 9 when a stage alone runs no faster
+    t = schedule.simulate("1f1b", 2, 2, 1, [1.0, 1.0], [2.0, 2.0], speed=[2.0, 1.0])
+    assert t.step == pytest.approx(6.0)
+    assert [(a.kind, a.microbatch, s, e) for a, s, e in t.spans[0]] == [
+        ("F", 0, 0.0, 0.5), ("F", 1, 0.5, 1.5), ("B", 0, 2.5, 4.5), ("B", 1, 5.0, 6.0)]
+    assert [(a.kind, a.microbatch, s, e) for a, s, e in t.spans[1]] == [
+        ("F", 0, 0.5, 1.5), ("B", 0, 1.5, 2.5), ("F", 1, 2.5, 3.5), ("B", 1, 3.5, 5.0)]
+    assert schedule.simulate("1f1b", 2, 2, 1, [1.0, 1.0], [2.0, 2.0]).step == pytest.approx(9.0)

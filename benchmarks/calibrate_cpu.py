@@ -37,7 +37,9 @@ once (torchrun, 127.0.0.1), and every time is the slowest rank's (a training ste
   to the fitted launch, as every collective of a step pays it.
 - the cores each rank gets while all compute (``Hardware.cores_per_rank``): the cores this process may run on
   over ``nproc``, at most 1 (each rank runs one thread); a pipeline stage computing alone in the bubble gets what
-  its idle neighbours leave (``Hardware.busy_speedup``).
+  its idle neighbours leave (``Hardware.busy_speedup``). Checked by the fp32 matmul loop run by half of the ranks
+  while the others wait in a gloo barrier: where that is less than ``busy_speedup`` times the rate with all of
+  them computing (waiting ranks taking some of the cores), the share is raised until it says what was measured.
 - compute and overhead numbers are the best of 3 passes (other work on the machine only slows a pass down),
   collectives the median of 3 sweeps over all points.
 """
@@ -144,6 +146,24 @@ def _loop(fn, reps: int, after=None) -> float:
     return _slowest((time.perf_counter() - t) / reps)
 
 
+def _half_busy(fn, reps: int) -> float:
+    """Seconds per iteration of ``fn()`` on the slowest of the first half of the ranks, running it while the other
+    half wait in a gloo barrier (as a pipeline stage's ranks wait in a receive while the other stage computes)."""
+    import torch.distributed as dist
+
+    busy = dist.get_rank() < dist.get_world_size() // 2
+    dist.barrier()
+    seconds = 0.0
+    if busy:
+        fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        seconds = (time.perf_counter() - t) / reps
+    dist.barrier()  # the idle half waits here meanwhile
+    return _slowest(seconds)
+
+
 def adamw_step(k: int = 16, n: int = 512 * 1024) -> float:
     """Seconds per parameter element of one AdamW step, on the slowest rank, every rank stepping at once."""
     params = [torch.nn.Parameter(torch.randn(n)) for _ in range(k)]
@@ -238,6 +258,8 @@ def worker() -> None:
                            ("flops_bf16", 2 * k**3 / _loop(lambda: a16 @ b16, 20)),
                            ("bandwidth", 2 * x.numel() * 4 / _loop(lambda: x * 2.0, 10))):
             res[key] = max(res.get(key, 0.0), value)
+        if n >= 2:  # the same matmul with half of the ranks computing and the others waiting
+            res["flops_half"] = max(res.get("flops_half", 0.0), 2 * 1024**3 / _half_busy(lambda: a @ b, 10))
         res["adamw"] = min(res.get("adamw", math.inf), adamw_step())
         fwd, bwd = op_overhead()
         res["op_fwd"], res["op_bwd"] = min(res.get("op_fwd", fwd), fwd), min(res.get("op_bwd", bwd), bwd)
@@ -361,8 +383,17 @@ def fitted(res: dict, n: int):
         PRESETS["cpu-gloo"], name="cpu-gloo (measured)", peak_flops=(("bfloat16", res["flops_bf16"]), ("float32", res["flops"])),
         hbm_bandwidth=res["bandwidth"], input_bandwidth=res["bandwidth"], op_overhead=(res["op_fwd"] + res["op_bwd"]) / 2,
         optimizer_step_bytes=res["adamw"] * res["bandwidth"], intra_node=link, inter_node=link,
-        reduce_overlap=min(max(res["reduce_overlap"], 0.0), 1.0), cores_per_rank=min(1.0, cores() / n))
+        reduce_overlap=min(max(res["reduce_overlap"], 0.0), 1.0), cores_per_rank=cores_per_rank(res, n))
     return hw, launch_fit, lates, latency, bw
+
+
+def cores_per_rank(res: dict, n: int) -> float:
+    """The cores over the ranks (each rank runs one thread: at most 1), raised where half of the ranks computing
+    while the others wait measure less faster than that predicts (``Hardware.busy_speedup`` of n / 2 busy ranks,
+    min(1, 2c) / c, is then 1 / c): waiting ranks that take some of the cores."""
+    c = min(1.0, cores() / n)
+    half = res.get("flops_half", 0.0) / res["flops"]
+    return min(1.0, max(c, 1.0 / half)) if half > 0 else c
 
 
 def cores() -> int:
@@ -427,7 +458,10 @@ def main() -> None:
         [f"all-reduce of {OVERLAP_BYTES / 2**20:g} MiB after compute / compute alone / launched, compute, waited (s)",
          f"{res['overlap_reduce']:.3g} / {res['overlap_compute']:.3g} / {res['overlap_both']:.3g}", ""],
         ["reduce_overlap: share of the shorter of the two hidden", f"{res['reduce_overlap']:.3g}", f"{hw.reduce_overlap:.3g}"],
-        [f"cores_per_rank: {cores()} cores over {n} ranks, at most 1", f"{mine.cores_per_rank:.3g}", f"{hw.cores_per_rank:.3g}"],
+        [f"fp32 matmul FLOP/s per rank, {n // 2} ranks at once while {n - n // 2} wait in a barrier", f"{res.get('flops_half', 0.0):.3g}",
+         f"{hw.flops(torch.float32) * hw.busy_speedup(n // 2, n):.3g}"],
+        [f"cores_per_rank: {cores()} cores over {n} ranks (at most 1), raised where half of them computing measure less fast",
+         f"{mine.cores_per_rank:.3g}", f"{hw.cores_per_rank:.3g}"],
     ]
     print(tabulate.tabulate(rows, headers=["quantity", "measured", "cpu-gloo preset (its launch holds late arrival)"]))
     if other is not None:

@@ -76,6 +76,21 @@ recomputation < Megatron-3D with 8 microbatches, 351 < 412 < 495 < 606 < 754 ms 
 < 819 predicted; its two pairs ordered the other way both hold Megatron-3D with 2 microbatches, measured faster
 than predicted as above). The reference plans' pairs measured apart were ordered right in all three 10-round
 runs (7 of 7 from the second's table, 6 of 6 and 8 of 8 as the third and fourth printed them).
+
+Then the pipelines' oversubscription (2026-12-03, a faster host: fp32 matmul 72 GFLOP/s per rank, per-op overhead
+26 us): a stage computing while the other stage's ranks wait gets their cores (``Hardware.cores_per_rank``; the
+matmul loop on 2 ranks while 2 wait runs 2.07x the rate of all 4, ``calibrate_cpu.py``), and the schedule is
+simulated so. Timed by phase on 4 ranks, the schedules of Megatron-3D (pp=2 x dp=2 with 4 microbatches, pp=2 x
+tp=2 with 2 and 8) measured 142, 150 and 335 ms against 109, 123 and 313 predicted with it (0.77-0.93, as the
+other plans' whole steps) and 149, 213 and 450 without (1.05-1.42). Two runs: pred/meas 0.67-1.00 and
+0.64-0.99; pairs measured apart ordered right 96 of 98 and 93 of 95, both times the same two pairs (Megatron-3D
+on pp=2 x dp=2 with 4 microbatches, pred/meas 0.67 and 0.64, against the solver's tp=4 plan and DDP with full
+recomputation: timed by phase, every pipeline's step holds 20-35 ms besides its schedule, gradient sync and
+optimizer step -- the loss's broadcast, the runtime's work per step -- which is not priced); the longest
+chains of plans measured apart, 5 plans each, predicted in order; pairs predicted more than 15% apart measured
+in the same order 118 of 126 and 115 of 124, and the longest chains of plans predicted apart (6 and 5 plans,
+chosen from the predictions alone) measured in the same order both times; the reference plans' pairs measured
+apart ordered right 9 of 9 and 8 of 8.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from autopar import schedule as sched
 from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, send_time, wire_bytes
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
-from autopar.plan import Collective, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
+from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
 from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, solve, zero_groups
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
@@ -859,6 +859,34 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
     return plan
 
 
+def _sync_buckets(inner_plan: Plan, tg: TracedGraph, inner: Mesh, units: Units, rank_of_unit: dict[int, int],
+                  p: int) -> tuple[list[GradBucket], list[Collective]]:
+    """The gradient sync after the schedule, as ``evaluate`` prices it (``rank_sync``): one bucket per axis, of
+    every ZeRO-0 parameter whose gradient is summed over it, which each pp rank all-reduces as one flat buffer of
+    the parameters it holds (the runtime reads only those) -- not one per block as without a pipeline, where a
+    block's bucket runs beside the backward left: after the schedule nothing is left, and each launch costs. With
+    one Collective per bucket, of the bytes of the rank that holds the most."""
+    nodes = tg.nodes
+    by_axis: dict[str, list[str]] = {}
+    for b in inner_plan.grad_buckets:
+        for ax in b.axes:
+            by_axis.setdefault(ax, []).extend(b.params)
+    buckets, cols = [], []
+    for ax, names in by_axis.items():
+        bname = f"grads[stages]({ax})"
+        buckets.append(GradBucket(bname, (ax,), tuple(dict.fromkeys(names))))
+        held = [0.0] * p
+        for n in dict.fromkeys(names):
+            val = nodes[n].meta["val"]
+            nbytes = math.prod(inner_plan.nodes[n].strategy.output.local_shape(tuple(val.shape), inner.sizes)) * itemsize(val.dtype)
+            for r in {rank_of_unit[u] for u in (units.users_units.get(n) or {0})}:
+                held[r] += nbytes
+        i = inner.names.index(ax)
+        cols.append(Collective("all_reduce", ax, int(max(held)), "backward", bname,
+                               collective_time("all_reduce", max(held), inner.sizes[i], inner.link(i))))
+    return buckets, cols
+
+
 def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: Mesh, units: Units, ev: Evaluated,
               name: str, m: int, v: int, B: int, label: str) -> Plan:
     starts = ev.starts
@@ -879,7 +907,9 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
                                                        for s, t, mm in n.alternatives))
              for k, n in inner_plan.nodes.items()}
     link = mesh.link(axis)
-    cols = list(inner_plan.collective_list)
+    rank_of_unit = {u: ev.stages[stage_of_unit(u)].rank for u in range(len(units.labels))}
+    grad_buckets, synced = _sync_buckets(inner_plan, tg, inner, units, rank_of_unit, p)
+    cols = [c for c in inner_plan.collective_list if not (c.bucket and c.bucket[0] == "grads")] + synced
     for st in ev.stages[:-1]:
         if st.send_bytes:
             cols.append(Collective("send", mesh.names[axis], st.send_bytes, "forward", f"stage {st.index} -> {st.index + 1}", send_time(st.send_bytes, link)))
@@ -892,7 +922,6 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
     # bytes each device sends: a collective runs on the ranks of the stage holding the op it serves (per
     # microbatch; a gradient bucket once per step, on the rank holding its block; the parameters outside the
     # blocks sit with the embedding's and the head's stages)
-    rank_of_unit = {u: ev.stages[stage_of_unit(u)].rank for u in range(len(units.labels))}
     unit_of_label = {lab: u for u, lab in enumerate(units.labels)}
     sent = [{n: 0.0 for n in mesh.names} for _ in range(p)]
     for col in inner_plan.collective_list:
@@ -929,7 +958,7 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
     return Plan(
         mesh=mesh, graph_hash=tg.hash, nodes=nodes, input_spec=lift_spec(inner_plan.input_spec, inner, axis),
         output_specs=[lift_spec(s, inner, axis) for s in inner_plan.output_specs], blocks=inner_plan.blocks,
-        collective_list=cols, cost=cost, grad_buckets=inner_plan.grad_buckets, zero_buckets=inner_plan.zero_buckets,
+        collective_list=cols, cost=cost, grad_buckets=grad_buckets, zero_buckets=inner_plan.zero_buckets,
         whole_grads=inner_plan.whole_grads, zero_stages=inner_plan.zero_stages, group_memory={}, solver_status=inner_plan.solver_status, label=label,
         pipeline=pplan,
     )

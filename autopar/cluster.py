@@ -497,6 +497,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         return tuple(b for a in axes for b in (data if a == 0 else (inner.ndim - 1,)))
 
     mapped = [(on_inner(proxy_axes), pb, wb) for proxy_axes, (pb, wb) in prefixed.items()]  # once, not per stage
+    hbm = inner.hardware.hbm_bandwidth * inner.hardware.memory_efficiency
     for starts in options:
         ends = list(starts[1:]) + [U]
         ts = [sum(t[i:j]) for i, j in zip(starts, ends)]
@@ -504,6 +505,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         step = analytic_step(ts, p, m, v) + 2 * (S - 1) * hop
         plain: list[dict[int, float]] = [{} for _ in range(p)]
         zeroed: list[dict[tuple, list[float]]] = [{} for _ in range(p)]
+        copied = [0.0] * p  # the ZeRO-0 gradients through the rank's flat sync buffer (``pipeline.evaluate``)
         for k, (i, j) in enumerate(zip(starts, ends)):
             for axes, pb, wb in mapped:
                 if opt is not None and 0 in axes:
@@ -514,7 +516,8 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
                     continue
                 for ax in axes:
                     plain[k % p][ax] = plain[k % p].get(ax, 0.0) + wb[j] - wb[i]
-        sync = [rank_sync(plain[r], zeroed[r], inner) for r in range(p)]
+                copied[k % p] += 2 * (pb[j] - pb[i]) / hbm
+        sync = [rank_sync(plain[r], zeroed[r], inner) + copied[r] for r in range(p)]
         for k, (i, j) in enumerate(zip(starts, ends)):  # then each rank steps what it stores (``pipeline.evaluate``)
             sync[k % p] += stepped[j] - stepped[i]
         for uu, wire in tied:

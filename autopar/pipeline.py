@@ -338,6 +338,10 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     zero_bytes: list[dict[tuple, list[float]]] = [dict() for _ in range(p)]  # (option, rest axes) -> [bytes, wire]
     ranks_of: dict[str, set[int]] = {}
     stepped = [0.0] * p  # the optimizer's step of the rank's parameters, after its gradient sync
+    # the rank's ZeRO-0 gradients through its flat sync buffer (``_sync_buckets``), priced as a bucket's flat copy
+    # is without a pipeline (``zero.param_cost``)
+    copied = [0.0] * p
+    hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
     for s, (i, j) in enumerate(zip(starts, ends)):
         r = s % p
         f, b = sum(uc.fwd[i:j]), sum(uc.bwd[i:j])
@@ -356,6 +360,8 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
                     continue
                 for ax in axes:
                     sync_bytes[r][ax] = sync_bytes[r].get(ax, 0.0) + uc.grad_wire.get(name, local)
+                if axes:
+                    copied[r] += 2 * local / hbm
         send = uc.cross[j] if j < U else 0
         t = send_time(send, link)
         p2p.append(t)
@@ -366,7 +372,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         rank_flat[r] = max(rank_flat[r], max(uc.flat[i:j], default=0.0))
     # activations peak in the schedule, a bucket's flat copy once they are gone (``cost.peak_memory``)
     memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r], rank_flat[r]) for r in range(p))
-    sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) + stepped[r] for r in range(p)]
+    sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) + copied[r] + stepped[r] for r in range(p)]
     for name, rs in ranks_of.items():
         if len(rs) > 1:
             for r in rs:
@@ -391,8 +397,11 @@ def rank_sync(plain: dict[int, float], zeroed: dict[tuple, "list[float]"], inner
 
 def tied_sync(wire: float, opt: "ZeroOption | None", ranks: int, inner: Mesh, link) -> float:
     """A parameter held on ``ranks`` pp ranks (a tied embedding) has its gradient summed across them over the pipe
-    ``link`` too: whole, or under ZeRO-1 ``opt`` its shard."""
-    return collective_time("all_reduce", wire / (shard_factor(opt, inner) if opt else 1), ranks, link)
+    ``link`` too: whole, or under ZeRO-1 ``opt`` its shard, through a flat buffer of its own (its copy priced as a
+    bucket's, ``zero.param_cost``)."""
+    nbytes = wire / (shard_factor(opt, inner) if opt else 1)
+    hw = inner.hardware
+    return collective_time("all_reduce", nbytes, ranks, link) + 2 * nbytes / (hw.hbm_bandwidth * hw.memory_efficiency)
 
 
 def unit_state(uc: UnitCosts, U: int) -> list[float]:

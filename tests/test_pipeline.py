@@ -461,13 +461,40 @@ def test_a_pipelines_gradient_sync_is_priced_in_the_runtimes_reduce_dtype():
     x = torch.empty(8, 512, dtype=torch.long, device="meta")
     sync = {}
     for zero in (0, 1):
-        for rb in (0, 4):  # the optimizer's step after the sync left out: the sync alone
-            hw = dataclasses.replace(get_hardware("a100-80gb"), grad_reduce_bytes=rb, optimizer_step_bytes=0.0)
+        for rb in (0, 4):  # the optimizer's step after the sync left out, and the flat buffer's copy (an HBM too
+            # fast to see): the sync's collectives alone
+            hw = dataclasses.replace(get_hardware("a100-80gb"), grad_reduce_bytes=rb, optimizer_step_bytes=0.0, hbm_bandwidth=1e18)
             plan = autopar.plan(model, autopar.Mesh({"dp": 4, "pp": 2}, hardware=hw), (x, x),
                                 constraints=[PipelinePin("1f1b", 2, cuts="equal"), autopar.ZeroPin("*", zero)])
             sync[zero, rb] = plan.pipeline.sync_time
     assert sync[0, 4] / sync[0, 0] == pytest.approx(2.0, rel=0.05), sync
     assert sync[1, 4] / sync[1, 0] == pytest.approx(1.5, rel=0.05), sync
+
+
+def test_a_pipeline_rank_sums_its_gradients_in_one_flat_buffer_per_axis_as_priced():
+    """After the schedule nothing is left for a smaller bucket to hide under: each pp rank all-reduces the
+    gradients of the parameters it holds as one flat buffer per axis (the plan's one bucket per axis; the runtime
+    reads each rank's own), and the sync is priced so: the all-reduce of the rank's bytes, and their pass through
+    the flat buffer, priced as a bucket's flat copy without a pipeline."""
+    from autopar.cost import collective_time
+    from autopar.hardware import get_hardware
+
+    cfg = LlamaConfig(vocab_size=32000, max_seq_len=512, n_layer=4, n_head=16, n_kv_head=8, dim=2048, ffn_dim=5632)
+    with torch.device("meta"):
+        model = Llama(cfg).to(torch.bfloat16)  # untied: each parameter on one pp rank
+    x = torch.empty(8, 512, dtype=torch.long, device="meta")
+    hw = dataclasses.replace(get_hardware("a100-80gb"), optimizer_step_bytes=0.0)  # the sync alone
+    mesh = autopar.Mesh({"dp": 2, "pp": 2}, hardware=hw)
+    plan = autopar.plan(model, mesh, (x, x), constraints=[PipelinePin("1f1b", 2, cuts="equal"), autopar.ZeroPin("*", 0)])
+    params = [n for n, v in plan.nodes.items() if v.op == "param"]
+    assert [(b.name, b.axes) for b in plan.grad_buckets] == [("grads[stages](dp)", ("dp",))]
+    assert sorted(plan.grad_buckets[0].params) == sorted(params)
+    assert [(c.kind, c.axis) for c in plan.collectives() if c.where.startswith("grads[")] == [("all_reduce", "dp")]
+    last = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("tok_embeddings", "layers.0.", "layers.1.")))
+    first = sum(p.numel() for p in model.parameters()) - last
+    hbm = hw.hbm_bandwidth * hw.memory_efficiency
+    want = max(collective_time("all_reduce", 2 * n, 2, mesh.link(0)) + 2 * 2 * n / hbm for n in (first, last))
+    assert plan.pipeline.sync_time == pytest.approx(want, rel=1e-6)
 
 
 def test_each_pipeline_rank_steps_the_optimizer_on_what_it_stores_after_the_sync():

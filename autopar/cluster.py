@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import ATTENTION_OPS, RECOMPUTE, CostModel, itemsize, peak_memory, send_time, step_time
+from autopar.cost import ATTENTION_OPS, RECOMPUTE, CostModel, flat_copy_time, itemsize, peak_memory, send_time, step_time
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
@@ -497,7 +497,6 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
         return tuple(b for a in axes for b in (data if a == 0 else (inner.ndim - 1,)))
 
     mapped = [(on_inner(proxy_axes), pb, wb) for proxy_axes, (pb, wb) in prefixed.items()]  # once, not per stage
-    hbm = inner.hardware.hbm_bandwidth * inner.hardware.memory_efficiency
     for starts in options:
         ends = list(starts[1:]) + [U]
         ts = [sum(t[i:j]) for i, j in zip(starts, ends)]
@@ -516,7 +515,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
                     continue
                 for ax in axes:
                     plain[k % p][ax] = plain[k % p].get(ax, 0.0) + wb[j] - wb[i]
-                copied[k % p] += 2 * (pb[j] - pb[i]) / hbm
+                copied[k % p] += flat_copy_time(pb[j] - pb[i], inner.hardware)
         sync = [rank_sync(plain[r], zeroed[r], inner) + copied[r] for r in range(p)]
         for k, (i, j) in enumerate(zip(starts, ends)):  # then each rank steps what it stores (``pipeline.evaluate``)
             sync[k % p] += stepped[j] - stepped[i]

@@ -212,6 +212,12 @@ def optimizer_bytes(dtype: torch.dtype) -> int:
     return 2 * isz if isz >= 4 else 12
 
 
+def flat_copy_time(nbytes: float, hw: Hardware) -> float:
+    """Seconds ``nbytes`` of gradients take through a bucket's flat buffer on one device: one pass, read and
+    written, at the elementwise rate (``Hardware.hbm_bandwidth`` counts both, as ``x * 2.0`` is measured)."""
+    return 2 * nbytes / (hw.hbm_bandwidth * hw.memory_efficiency)
+
+
 def optimizer_step_time(elements: float, hw: Hardware) -> float:
     """Seconds one AdamW step of ``elements`` parameter elements takes on one device: memory-bound, its
     ``Hardware.optimizer_step_bytes`` per element at the elementwise rate. A rank steps the elements it stores:

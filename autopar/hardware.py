@@ -163,10 +163,10 @@ class Hardware:
         """``ranks`` ranks in ``groups`` equal groups (a pipeline's stages): per k = 1..groups, ``busy_speedup`` while
         k groups compute; None where it is 1 throughout: devices of their own, or ranks over more than one node
         (a node then holds fewer groups' ranks, pp being outermost: not modelled, conservatively)."""
-        if self.cores_per_rank <= 0.0 or self.cores_per_rank >= 1.0 or ranks > self.devices_per_node:
+        if ranks > self.devices_per_node:
             return None
-        n = ranks // groups
-        return [self.busy_speedup(k * n, ranks) for k in range(1, groups + 1)]
+        speeds = [self.busy_speedup(k * (ranks // groups), ranks) for k in range(1, groups + 1)]
+        return speeds if any(s != 1.0 for s in speeds) else None
 
     def reduce_factor(self, dtype: torch.dtype) -> float:
         """Gradient bytes on the wire per byte of the parameter's dtype."""

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import CostModel, collective_time, grad_sync_axes, itemsize, send_time, wire_bytes
+from autopar.cost import CostModel, collective_time, flat_copy_time, grad_sync_axes, itemsize, send_time, wire_bytes
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
@@ -341,7 +341,6 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     # the rank's ZeRO-0 gradients through its flat sync buffer (``_sync_buckets``), priced as a bucket's flat copy
     # is without a pipeline (``zero.param_cost``)
     copied = [0.0] * p
-    hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
     for s, (i, j) in enumerate(zip(starts, ends)):
         r = s % p
         f, b = sum(uc.fwd[i:j]), sum(uc.bwd[i:j])
@@ -361,7 +360,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
                 for ax in axes:
                     sync_bytes[r][ax] = sync_bytes[r].get(ax, 0.0) + uc.grad_wire.get(name, local)
                 if axes:
-                    copied[r] += 2 * local / hbm
+                    copied[r] += flat_copy_time(local, mesh.hardware)
         send = uc.cross[j] if j < U else 0
         t = send_time(send, link)
         p2p.append(t)
@@ -400,8 +399,7 @@ def tied_sync(wire: float, opt: "ZeroOption | None", ranks: int, inner: Mesh, li
     ``link`` too: whole, or under ZeRO-1 ``opt`` its shard, through a flat buffer of its own (its copy priced as a
     bucket's, ``zero.param_cost``)."""
     nbytes = wire / (shard_factor(opt, inner) if opt else 1)
-    hw = inner.hardware
-    return collective_time("all_reduce", nbytes, ranks, link) + 2 * nbytes / (hw.hbm_bandwidth * hw.memory_efficiency)
+    return collective_time("all_reduce", nbytes, ranks, link) + flat_copy_time(nbytes, inner.hardware)
 
 
 def unit_state(uc: UnitCosts, U: int) -> list[float]:

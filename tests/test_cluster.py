@@ -494,7 +494,8 @@ def test_planning_more_candidates_for_real_is_never_worse_and_frees_cleanly():
     assert steps[1] <= steps[0] * (1 + 1e-9)
 
 
-def test_the_screen_prices_the_distributed_optimizer_on_a_pipeline_as_the_real_plan_does():
+@pytest.mark.parametrize("hbm", [None, 2e11], ids=["a100", "slow-hbm"])  # slow: the sync's flat copies show
+def test_the_screen_prices_the_distributed_optimizer_on_a_pipeline_as_the_real_plan_does(hbm):
     """Pipeline candidates come with ZeRO-0 and with ZeRO-1 over dp (Megatron's distributed optimizer): the
     optimizer state and the stored parameters sharded, the gathered parameters and their accumulated gradients
     whole; gradients reduce-scattered in the runtime's reduce dtype (Megatron-LM: fp32), parameters gathered in
@@ -504,6 +505,8 @@ def test_the_screen_prices_the_distributed_optimizer_on_a_pipeline_as_the_real_p
     from autopar.cluster import _real_plan
 
     hw = dataclasses.replace(autopar.PRESETS["a100-80gb"], grad_reduce_bytes=4)
+    if hbm:
+        hw = dataclasses.replace(hw, hbm_bandwidth=hbm)
     model, inputs, cl = _gpt(layers=16, width=1024, block=512), _ids(32, 512), Cluster(2, 8, hw)
     plan = plan_cluster(model, inputs, cl, recompute=("none",), top=1)
     pairs: dict[tuple, dict] = {}

@@ -72,7 +72,7 @@ from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
 from autopar.pipeline import (PipelinePin, UnitCosts, Units, _schedules, analytic_step, balance, equal_starts, graph_units,
                               microbatch_candidates, rank_sync, refine, slice_batch, tied_sync, unit_costs, unit_state)
-from autopar.plan import Plan
+from autopar.plan import Plan, fmt_bytes
 from autopar.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.strategies import TensorMeta, op_info
@@ -836,9 +836,12 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
         screened = [s for s in screened if s.candidate not in again] + more
         screened.sort(key=lambda s: (s.rank, s.memory, str(s.candidate)))
     if best is None:
-        why = "; ".join(errors[:3]) or "no candidate fits the memory budget in the screen"
+        sized = [s for s in screened if math.isfinite(s.memory)]
+        least = min(sized, key=lambda s: s.memory, default=None)
+        why = "; ".join(errors[:3]) or "no candidate fits the memory budget in the screen" + (
+            f" (the smallest, {least.candidate}, needs about {fmt_bytes(least.memory / SCREEN_MARGIN)} per device)" if least else "")
         raise InfeasibleError(
-            f"no plan for {model.__class__.__name__} on {cluster} ({cluster.devices} devices) fits {real_budget / 2**30:.1f} GiB per device: "
+            f"no plan for {model.__class__.__name__} on {cluster} ({cluster.devices} devices) fits {fmt_bytes(real_budget)} per device: "
             f"{why}. Use more devices, a smaller global batch, or a larger budget"
         )
     best.search = screened
@@ -855,7 +858,7 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
 
     B = next(t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.ndim > 0)
     tg = trace(model, args)
-    best, screened = None, []
+    best, screened, needs = None, [], []
     for tp in _divisors(cluster.gpus_per_node):
         dp = cluster.devices // tp
         c = Candidate(dp, 1, tp, "none")
@@ -865,14 +868,26 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
         try:
             plan = make_plan(tg, cluster.mesh(dp, 1, tp), budget)
         except (InfeasibleError, AutoparError) as e:
+            if getattr(e, "smallest_budget", None):
+                needs.append(e.smallest_budget)
             screened.append(Screened(c, math.inf, math.nan, str(e).splitlines()[0][:80]))
             continue
         screened.append(Screened(c, plan.cost.step_time, plan.cost.memory_per_device, "planned (no repeated blocks to screen)"))
         if best is None or plan.cost.step_time < best.cost.step_time:
             best = plan
     if best is None:
-        raise InfeasibleError(f"no plan for {model.__class__.__name__} on {cluster} fits {budget / 2**30:.1f} GiB per device; "
-                              "use more devices, a smaller global batch, or a larger budget")
+        if all(s.note.startswith("dp=") for s in screened):  # no mesh splits the batch: memory was never the reason
+            least = cluster.devices // cluster.gpus_per_node  # tp fills a node
+            raise AutoparError(
+                f"no mesh dp x tp of the {cluster.devices} devices of {cluster} splits the global batch of {B} rows of "
+                f"{model.__class__.__name__}: dp must divide the batch and tp at most fills a node ({cluster.gpus_per_node}), so dp "
+                f"is at least {least} (a model with fewer than four repeated blocks is not pipelined). Use a global batch "
+                f"that is a multiple of {least}, or fewer devices")
+        need = min(needs, default=None)
+        raise InfeasibleError(
+            f"no plan for {model.__class__.__name__} on {cluster} fits {fmt_bytes(budget)} per device"
+            + (f": the smallest needs {fmt_bytes(need)} ({need:.0f} bytes) per device" if need else "")
+            + "; use more devices, a smaller global batch, or a larger budget", smallest_budget=need)
     best.search = sorted(screened, key=lambda s: (s.step, str(s.candidate)))
     best.timings = {"plan total": time.perf_counter() - t_start, "candidates screened": float(len(screened))}
     return best

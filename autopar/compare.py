@@ -22,7 +22,7 @@ import torch
 
 from autopar.errors import AutoparError
 from autopar.mesh import Mesh
-from autopar.plan import Plan, _fmt_bytes
+from autopar.plan import Plan, fmt_bytes
 
 
 @dataclass
@@ -56,15 +56,15 @@ class Comparison:
                 continue
             if r.plan is not None:
                 c = r.plan.cost
-                line = [r.name, f"{c.step_time * 1e3:.3f}", f"{100 * c.mfu:.1f}%", _fmt_bytes(c.memory_per_device)]
-                line += [_fmt_bytes(c.comm_bytes.get(a, 0)) for a in axes] + [len(r.plan.collectives())]
+                line = [r.name, f"{c.step_time * 1e3:.3f}", f"{100 * c.mfu:.1f}%", fmt_bytes(c.memory_per_device)]
+                line += [fmt_bytes(c.comm_bytes.get(a, 0)) for a in axes] + [len(r.plan.collectives())]
             else:
                 line = [r.name, "-", "-", "-"] + ["-" for _ in axes] + ["-"]
             if measured:
                 m = r.measured
                 if m:
                     ratio = f"{m['step_time'] / auto.measured['step_time']:.2f}x" if auto else ""
-                    line += [f"{m['step_time'] * 1e3:.2f}", ratio, m["collectives"], _fmt_bytes(m["bytes"]), _fmt_bytes(m["peak_memory"]),
+                    line += [f"{m['step_time'] * 1e3:.2f}", ratio, m["collectives"], fmt_bytes(m["bytes"]), fmt_bytes(m["peak_memory"]),
                              f"{m['loss_diff']:.1e}", f"{m['grad_diff']:.1e}"]
                 else:
                     line += [""] * 7

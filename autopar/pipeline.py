@@ -49,7 +49,7 @@ from autopar import schedule as sched
 from autopar.cost import CostModel, collective_time, flat_copy_time, grad_sync_axes, itemsize, send_time, wire_bytes
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
-from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, _fmt_bytes
+from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, fmt_bytes
 from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, solve, zero_groups
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
@@ -801,7 +801,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                         smallest = min(smallest, e.smallest_budget / p)
                     too_big = True
                 else:
-                    tried.append(f"m={m}: no stage cut fits {_fmt_bytes(budget)} per device, and no tighter stage plan exists")
+                    tried.append(f"m={m}: no stage cut fits {fmt_bytes(budget)} per device, and no tighter stage plan exists")
                 break
             problem.costs = raw
             timings["solve"] += time.perf_counter() - t0
@@ -834,7 +834,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                     if best is None or key < best[0]:
                         best = (key, m, name, v, ev, tg, problem, choice, cost, units)
                 if not fits and last:
-                    tried.append(f"m={m} {name}{'' if v == 1 else f' v={v}'}: no cuts fit {_fmt_bytes(budget)} per device")
+                    tried.append(f"m={m} {name}{'' if v == 1 else f' v={v}'}: no cuts fit {fmt_bytes(budget)} per device")
                 any_fit = any_fit or fits
             if any_fit or worst == math.inf:
                 break
@@ -850,8 +850,8 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
     if best is None:
         why = "; ".join(tried[:6])
         raise InfeasibleError(
-            f"no pipeline plan on {mesh} fits {_fmt_bytes(budget)} per device ({why})"
-            + (f"; the smallest found needs {_fmt_bytes(smallest)}" if smallest < math.inf else "")
+            f"no pipeline plan on {mesh} fits {fmt_bytes(budget)} per device ({why})"
+            + (f"; the smallest found needs {fmt_bytes(smallest)}" if smallest < math.inf else "")
             + "; raise the budget, add tp or pp, or use more microbatches",
             smallest if smallest < math.inf else None,
         )

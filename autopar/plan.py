@@ -271,23 +271,23 @@ class Plan:
     # --- text -------------------------------------------------------------------------------------------------
     def summary(self) -> str:
         c = self.cost
-        comm = ", ".join(f"{a}: {_fmt_bytes(b)}" for a, b in c.comm_bytes.items() if b) or "none"
+        comm = ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in c.comm_bytes.items() if b) or "none"
         mem = ""
         if c.memory_breakdown:
             b = c.memory_breakdown
-            mem = " (" + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in b.items() if v) + ")"
+            mem = " (" + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.items() if v) + ")"
         if self.pipeline is not None:
             pp = self.pipeline
             return (
                 f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (pipeline {pp.label}: schedule {pp.step_time * 1e3:.3f}, "
                 f"bubble {100 * pp.bubble:.1f}%, gradient sync + optimizer step {pp.sync_time * 1e3:.3f})  |  MFU {100 * c.mfu:.1f}%  |  "
-                f"peak memory/device {_fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}  |  inputs {self.input_spec}"
+                f"peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}  |  inputs {self.input_spec}"
                 f"  |  solver {self.solver_status}"
             )
         return (
             f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (compute {c.compute_time * 1e3:.3f} with the optimizer step "
             f"{c.optimizer_time * 1e3:.3f}, comm {c.comm_time * 1e3:.3f})"
-            f"  |  MFU {100 * c.mfu:.1f}%  |  peak memory/device {_fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}"
+            f"  |  MFU {100 * c.mfu:.1f}%  |  peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}"
             f"  |  inputs {self.input_spec}{'' if self.recompute == 'none' else '  |  recompute ' + self.recompute}  |  solver {self.solver_status}"
         )
 
@@ -302,7 +302,7 @@ class Plan:
         for g, (held, grad, n) in self.group_memory.items():
             opt = ZeroOption.from_json(self.zero_stages[g], self.mesh) if g in self.zero_stages else ZeroOption(0)
             label = f"{g} x{copies[g]}" if copies.get(g, 1) > 1 else g
-            rows.append([label, opt.label(self.mesh), n, _fmt_bytes(held), _fmt_bytes(grad)])
+            rows.append([label, opt.label(self.mesh), n, fmt_bytes(held), fmt_bytes(grad)])
         return _tabulate.tabulate(rows, headers=["parameter group", "stage", "params", "held (params + AdamW)", "gradients"], tablefmt="simple")
 
     def stages_table(self, width: int = 96) -> str:
@@ -315,8 +315,8 @@ class Plan:
 
         rows = []
         for st in pp.stages:
-            rows.append([st.index, st.rank, st.label, f"{st.forward * 1e3:.3f}", f"{st.backward * 1e3:.3f}", _fmt_bytes(st.send_bytes) if st.send_bytes else "-",
-                         _fmt_bytes(st.state), _fmt_bytes(st.activations), f"{_fmt_bytes(pp.rank_memory[st.rank])} ({pp.in_flight[st.rank]} in flight)"])
+            rows.append([st.index, st.rank, st.label, f"{st.forward * 1e3:.3f}", f"{st.backward * 1e3:.3f}", fmt_bytes(st.send_bytes) if st.send_bytes else "-",
+                         fmt_bytes(st.state), fmt_bytes(st.activations), f"{fmt_bytes(pp.rank_memory[st.rank])} ({pp.in_flight[st.rank]} in flight)"])
         rows_per = pp.batch // pp.microbatches
         replicas = 1
         for a in self.split_axes:
@@ -354,7 +354,7 @@ class Plan:
         placeholder = ("param", "buffer", "constant", "input")
 
         def colstr(cols: list[Collective]) -> str:
-            s = "; ".join(f"{c.phase[0]}:{c.kind}({c.axis}) {_fmt_bytes(c.bytes)}" for c in cols[:4])
+            s = "; ".join(f"{c.phase[0]}:{c.kind}({c.axis}) {fmt_bytes(c.bytes)}" for c in cols[:4])
             return s + (" ..." if len(cols) > 4 else "")
 
         rows, shown_block = [], None
@@ -369,7 +369,7 @@ class Plan:
             what = str(n.strategy.output) if n.op in placeholder else str(n.strategy)
             if n.name in self.whole_grads:
                 what += f" ({_whole(self.whole_grads[n.name])})"
-            rows.append([n.path, _short_op(n.op), what, f"{n.time * 1e3:.4f}", _fmt_bytes(n.memory), colstr(cols)])
+            rows.append([n.path, _short_op(n.op), what, f"{n.time * 1e3:.4f}", fmt_bytes(n.memory), colstr(cols)])
         for b in list(self.grad_buckets) + list(self.zero_buckets):
             block = b.name.split("[", 1)[1].split("]")[0]
             if block in copies or block == "rest":
@@ -406,7 +406,7 @@ class Plan:
             rows = []
             for s, t, m in r.alternatives:
                 mark = "<- chosen" if s == str(r.strategy) else ""
-                rows.append([s, f"{t * 1e3:.4f}", _fmt_bytes(m), mark])
+                rows.append([s, f"{t * 1e3:.4f}", fmt_bytes(m), mark])
             out.append(_tabulate.tabulate(rows, headers=["strategy", "ms (node + its redistributions)", "memory", ""], tablefmt="simple"))
         return "\n".join(out)
 
@@ -428,7 +428,7 @@ class Plan:
             if show(self.pipeline) != show(other.pipeline):
                 lines.append(f"pipeline: {show(self.pipeline)} -> {show(other.pipeline)}")
         a, b = self.cost, other.cost
-        lines.append(f"step time {a.step_time * 1e3:.3f} -> {b.step_time * 1e3:.3f} ms; memory {_fmt_bytes(a.memory_per_device)} -> {_fmt_bytes(b.memory_per_device)}")
+        lines.append(f"step time {a.step_time * 1e3:.3f} -> {b.step_time * 1e3:.3f} ms; memory {fmt_bytes(a.memory_per_device)} -> {fmt_bytes(b.memory_per_device)}")
         return "\n".join(lines)
 
     # --- JSON -------------------------------------------------------------------------------------------------
@@ -530,7 +530,7 @@ def block_of_path(path: str, copies) -> str | None:
     return best
 
 
-def _fmt_bytes(b: float) -> str:
+def fmt_bytes(b: float) -> str:
     for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(b) >= f:
             return f"{b / f:.2f} {unit}"

@@ -100,6 +100,25 @@ def test_a_budget_no_plan_fits_names_the_smallest_budget():
     assert plan.cost.memory_per_device <= e.value.smallest_budget
 
 
+def test_a_cluster_that_cannot_split_the_batch_says_so_and_one_too_small_names_its_smallest_budget():
+    """A model without four repeated blocks is planned on each dp x tp mesh of the cluster: a global batch none of
+    them splits is refused as that (it was "no plan fits 74.5 GiB", as if memory were why), and a budget none fits
+    names the smallest one, in readable units."""
+    model = _gpt()
+    with pytest.raises(autopar.AutoparError, match=r"global batch of 7 rows.*multiple of 2") as e:
+        autopar.plan(model, autopar.Cluster(2, 8, "a100-80gb"), _ids(b=7))
+    assert "GiB" not in str(e.value) and not isinstance(e.value, autopar.InfeasibleError)
+    with pytest.raises(autopar.InfeasibleError) as e:
+        autopar.plan(model, autopar.Cluster(1, 8, "a100-80gb"), _ids(b=8), memory_budget=1000)
+    need = e.value.smallest_budget
+    assert need and need > 1000 and "1000 B per device" in str(e.value) and f"({need:.0f} bytes)" in str(e.value)
+    plan = autopar.plan(model, autopar.Cluster(1, 8, "a100-80gb"), _ids(b=8), memory_budget=need)
+    assert plan.cost.memory_per_device <= need
+    # with repeated blocks to screen: the smallest candidate the screen sized, and about what it needs
+    with pytest.raises(autopar.InfeasibleError, match=r"1000 B per device.*the smallest, dp=\d+ .*needs about [\d.]+ KiB"):
+        autopar.plan(_gpt(n_layer=4), autopar.Cluster(1, 8, "a100-80gb"), _ids(b=8), memory_budget=1000)
+
+
 def test_a_budget_that_is_no_number_of_bytes_is_refused_before_planning():
     model = _gpt()
     for bad in (0, -1.0, "40GB", True):

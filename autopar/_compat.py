@@ -44,6 +44,10 @@ def launch_all_reduce_sum_(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _c10d.all_reduce_(x, "sum", group_name)
 
 
+def launch_all_gather_dim0(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+    return _c10d.all_gather_into_tensor(x.contiguous(), n, group_name)
+
+
 def launch_reduce_scatter_dim0(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
     return _c10d.reduce_scatter_tensor(x.contiguous(), "sum", n, group_name)
 

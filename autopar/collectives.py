@@ -453,19 +453,30 @@ def unpadded(flat: torch.Tensor, shape) -> torch.Tensor:
     return flat[: math.prod(shape)].view(shape)
 
 
-def gather_flat(segments: list[torch.Tensor], levels, phase: str) -> list[torch.Tensor]:
-    """All-gather a bucket of flat shards level by level (one collective per level for the whole bucket)."""
-    for axis, n, group in levels:
-        sizes = [s.numel() for s in segments]
+class Gathering:
+    """A bucket of flat shards being all-gathered: the innermost level's collective is launched here (a ZeRO-3
+    bucket's is launched a bucket ahead of its use, to run beside the compute before it); ``result`` waits for it,
+    cuts each segment's rows out of the gathered buffer, and gathers the outer levels (HSDP's), each waited at once."""
+
+    def __init__(self, segments: list[torch.Tensor], levels, phase: str):
+        (axis, n, group), self.outer, self.phase = levels[0], levels[1:], phase
+        self.n, self.sizes = n, [s.numel() for s in segments]
         buf = torch.cat(segments) if len(segments) > 1 else segments[0].contiguous()
-        out = _compat.all_gather_dim0(buf, n, group)
-        _note("all_gather", axis, out, phase)
-        rows, buf = out.view(n, buf.numel()), None  # the concatenated shards go as soon as they are sent
+        self.out = _compat.launch_all_gather_dim0(buf, n, group)  # the concatenated shards go once they are sent
+        _note("all_gather", axis, self.out, phase)
+
+    def result(self) -> list[torch.Tensor]:
+        rows, self.out = _compat.wait(self.out).view(self.n, -1), None
         segments, pos = [], 0
-        for k in sizes:  # each rank's piece of segment i, in rank order, is the next block of segment i
+        for k in self.sizes:  # each rank's piece of segment i, in rank order, is the next block of segment i
             segments.append(rows[:, pos : pos + k].reshape(-1))
             pos += k
-    return segments
+        return gather_flat(segments, self.outer, self.phase)
+
+
+def gather_flat(segments: list[torch.Tensor], levels, phase: str) -> list[torch.Tensor]:
+    """All-gather a bucket of flat shards level by level (one collective per level for the whole bucket)."""
+    return Gathering(segments, levels, phase).result() if levels else segments
 
 
 def scatter_flat(fulls: list[torch.Tensor], levels, reduce, pending: Pending | None = None) -> list[torch.Tensor]:
@@ -521,17 +532,44 @@ class _ZeroGather(torch.autograd.Function):
         return (None, None, None, None) + tuple(scatter_flat(full, levels, reduce, pending))
 
 
+class ZeroOrder:
+    """One step's ZeRO-3 buckets as forward meets them (FSDP2's prefetch order, both ways). Forward: each bucket's
+    gather launches the next bucket's (``ahead``), which the next takes, so that it runs beside this bucket's
+    compute. Backward: a bucket gathered again launches the gather of the bucket forward dropped just before
+    it (``dropped``), which backward needs next, beside its own backward, if that is another copy of the same block
+    (same shapes): the rest's bucket, gathered again as backward starts, does not hold a block's weights beside its
+    own (the cost model prices a bucket's backward with one more copy of itself: ``zero.param_cost``). At most one
+    bucket is gathered ahead."""
+
+    def __init__(self):
+        self.ahead: Gathering | None = None  # the next bucket's gather in forward, launched by this one's
+        self.dropped: list[Zero3Block] = []
+
+    def drop(self, block: "Zero3Block") -> None:
+        """Forward is done with the bucket's weights (a recomputed block drops them again: recorded once)."""
+        block.release()
+        if all(b is not block for b in self.dropped):
+            self.dropped.append(block)
+
+    def prefetch_before(self, block: "Zero3Block") -> None:
+        k = next((i for i, b in enumerate(self.dropped) if b is block), 0)
+        if k > 0 and self.dropped[k - 1].shapes == block.shapes:
+            self.dropped[k - 1].prefetch()
+
+
 class Zero3Block:
     """One ZeRO-3 bucket's gathered linear weights for one step (FSDP2's unsharded block): gathered for forward by
     ``zero3_gather``, dropped after the bucket's last linear in forward (``zero3_block_linear``'s ``last``),
     gathered again -- one collective for the bucket -- when backward first needs a weight (a recomputed block's
     ``before_backward``, as its backward starts: its recomputation then finds them, as FSDP2's pre-backward unshard
-    does), and dropped once the bucket's gradients are reduce-scattered. ``linear``: the indices of the bucket's
-    parameters used as a linear's weight. Each forward makes a new one: nothing is kept from step to step."""
+    does), and dropped once the bucket's gradients are reduce-scattered. That backward gather was launched ahead
+    if the bucket forward dropped next was gathered again before it (``ZeroOrder``). ``linear``: the indices of the
+    bucket's parameters used as a linear's weight. Each forward makes a new one: nothing is kept from step to step."""
 
-    def __init__(self, shards: tuple, shapes: tuple, levels: tuple, linear: tuple[int, ...]):
-        self.shards, self.shapes, self.levels, self.linear = shards, shapes, levels, linear
+    def __init__(self, shards: tuple, shapes: tuple, levels: tuple, linear: tuple[int, ...], order: ZeroOrder):
+        self.shards, self.shapes, self.levels, self.linear, self.order = shards, shapes, levels, linear, order
         self.weights: dict[int, torch.Tensor] | None = None
+        self.ahead: Gathering | None = None  # its linears' weights for backward, launched ahead
         self.grads: dict[int, torch.Tensor] = {}  # index -> its linears' weight gradients, summed
 
     def hold(self, weights: dict[int, torch.Tensor]) -> None:
@@ -539,9 +577,18 @@ class Zero3Block:
 
     def weight(self, i: int, phase: str) -> torch.Tensor:
         if self.weights is None:
-            fulls = gather_flat([self.shards[j] for j in self.linear], self.levels, phase)
-            self.weights = {j: unpadded(f, self.shapes[j]) for j, f in zip(self.linear, fulls)}
+            gathering, self.ahead = self.ahead, None
+            if gathering is None:
+                gathering = Gathering([self.shards[j] for j in self.linear], self.levels, phase)
+            if phase == "backward":  # the bucket backward needs after this one, gathered beside this one's backward
+                self.order.prefetch_before(self)
+            self.weights = {j: unpadded(f, self.shapes[j]) for j, f in zip(self.linear, gathering.result())}
         return self.weights[i]
+
+    def prefetch(self) -> None:
+        """Launch the gather of the linears' weights for backward, unless they are here or on their way."""
+        if self.weights is None and self.ahead is None and self.linear:
+            self.ahead = Gathering([self.shards[j] for j in self.linear], self.levels, "backward")
 
     def release(self) -> None:
         self.weights = None
@@ -562,10 +609,17 @@ class _Zero3Gather(torch.autograd.Function):
     in -- after every linear of the bucket -- and reduce-scatters the bucket's gradients together."""
 
     @staticmethod
-    def forward(ctx, block, others, reduce, pending, *shards):
+    def forward(ctx, block, others, reduce, pending, chain, *shards):
         ctx.block, ctx.others, ctx.reduce, ctx.pending = block, others, reduce, pending
         ctx.set_materialize_grads(False)
-        fulls = [unpadded(f, shape) for f, shape in zip(gather_flat(list(shards), block.levels, "forward"), block.shapes)]
+        launched, following, following_levels = chain
+        order = block.order
+        gathering, order.ahead = (order.ahead if launched else None), None
+        if gathering is None:
+            gathering = Gathering(list(shards), block.levels, "forward")
+        if following:  # the next bucket's gather, beside this bucket's compute
+            order.ahead = Gathering(list(following), following_levels, "forward")
+        fulls = [unpadded(f, shape) for f, shape in zip(gathering.result(), block.shapes)]
         block.hold({j: fulls[j] for j in block.linear})
         token = shards[0].new_zeros(0)
         return (token,) + tuple(fulls[j] for j in others)
@@ -580,7 +634,7 @@ class _Zero3Gather(torch.autograd.Function):
                 full[j] = g if full[j] is None else full[j] + g
         like = next(g for g in full if g is not None)
         full = [g.reshape(-1) if g is not None else like.new_zeros(math.prod(s)) for g, s in zip(full, block.shapes)]
-        return (None, None, None, None) + tuple(scatter_flat(full, block.levels, ctx.reduce, ctx.pending))
+        return (None, None, None, None, None) + tuple(scatter_flat(full, block.levels, ctx.reduce, ctx.pending))
 
 
 class _BeforeBackward(torch.autograd.Function):
@@ -615,7 +669,7 @@ class _Zero3BlockLinear(torch.autograd.Function):
         ctx.save_for_backward(*((x, w) if keep else (x,)))
         out = torch.nn.functional.linear(x, w, b)
         if last:
-            block.release()
+            block.order.drop(block)
         return out
 
     @staticmethod
@@ -636,12 +690,17 @@ def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple, pend
 
 
 def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, others: tuple, reduce: tuple = (),
-                 pending: Pending | None = None):
+                 pending: Pending | None = None, previous: "Zero3Block | None" = None, following: tuple = (),
+                 following_levels: tuple = ()):
     """A ZeRO-3 bucket: one all-gather of its shards (per level). Returns (its ``Zero3Block``, the token its
     linears take, the whole parameters at ``others``); backward reduce-scatters the bucket's gradients once (the
-    last collective waited by ``pending``'s ``settle`` if given)."""
-    block = Zero3Block(tuple(shards), tuple(shapes), levels, tuple(linear))
-    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, pending, *shards))
+    last collective waited by ``pending``'s ``settle`` if given). ``previous``: the bucket forward gathered before
+    (its ``ZeroOrder`` is the step's; None: this is the first), whose gather launched this one's; ``following``: the
+    next bucket's shards (and their ``following_levels``), whose gather this one launches."""
+    order = previous.order if previous is not None else ZeroOrder()
+    block = Zero3Block(tuple(shards), tuple(shapes), levels, tuple(linear), order)
+    chain = (previous is not None, tuple(following), following_levels)
+    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, pending, chain, *shards))
 
 
 def before_backward(blocks: tuple, outs: tuple) -> tuple:

@@ -40,7 +40,8 @@ the machine was), every time the slowest rank's:
   a collective ~1-4 ms after the first). torch's gloo runs a reduce-scatter as an all-reduce of the whole buffer
   (``Link.reduce_scatter_as_all_reduce``; measured on 4 ranks at 16 MiB: reduce-scatter 29 ms, all-reduce 22 ms,
   all-gather 16 ms), and it is priced and fitted so; its 1-element all-reduce (a special path) takes ~10x less.
-- no overlap priced: autopar's runtime gathers parameters before the compute that needs them; it runs each
+- no overlap priced: autopar's runtime gathers ZeRO-3 parameters a bucket ahead, beside the compute before them
+  (FSDP2's prefetch; not credited: unmeasured, like the reductions' on GPUs); it runs each
   gradient reduction beside the backward that follows it (``collectives.settle``), but how much that hides is not
   measured on GPUs yet, so no GPU preset credits it (``reduce_overlap`` 0; conservative: a plan heavy in data
   parallelism is priced slower than it runs). On this machine ``calibrate_cpu.py`` measures it: a 4 MiB all-reduce

@@ -110,7 +110,7 @@ from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph
 from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, deferred_latency, effective, grad_bucket, grad_spec, group_latency, param_cost,
-                          zero3_traffic, zero3_uses, zero_axes, zero_options)
+                          zero3_traffic, zero3_transient, zero3_uses, zero_axes, zero_options)
 
 
 def gc_paused(fn):
@@ -789,7 +789,8 @@ def solve(
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
     zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, memory-bound seconds, hidden comm]
     # one-at-a-time buffers, as their largest instance: a gradient bucket (stage 0: flat copy + cut gradients, 2x;
-    # stage 2: 1x), a ZeRO-3 bucket gathered again with its full gradients (2x)
+    # stage 2: 1x), a ZeRO-3 bucket gathered again with its full gradients (2x), beside the copy before's weights
+    # gathered ahead for backward (``zero3_transient``)
     tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2/3 bucket bytes], one copy
     zfacts: dict[tuple, tuple] = {}  # one parameter's ZeRO facts at one Spec: the same for every tied copy
 
@@ -829,7 +830,7 @@ def solve(
                 if stage == 0 and synced:
                     buck[k][0] += 2 * b / copies
                 elif stage in (2, 3):
-                    buck[k][1] += (b if stage == 2 else 2 * b) / copies
+                    buck[k][1] += b / copies if stage == 2 else zero3_transient(b, copies, zuses[n])
                 if k == 0:
                     continue
                 d = row[k]

@@ -23,7 +23,9 @@ itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO pap
 
 Stage 3 runs per bucket (``collectives.zero3_gather``; a repeated block's parameters, or the rest, as FSDP2 wraps
 them): one all-gather of the bucket for forward, one more of its linears' weights for backward (a linear keeps no
-weight: ``zero3_traffic``), and one reduce-scatter of all its gradients once its uses' backward is done. A
+weight: ``zero3_traffic``), and one reduce-scatter of all its gradients once its uses' backward is done. Each
+gather is launched a bucket ahead (``collectives.ZeroOrder``), so a block's backward also holds the weights of the
+block before (``zero3_transient``). A
 parameter used otherwise (a norm's weight, a bias, an embedding) is gathered once and kept for its backward; a tied
 weight is gathered and reduce-scattered once, whatever its uses.
 Stage 1 reduce-scatters all its gradients at the end of backward (full gradients are held until then); stage 2
@@ -125,8 +127,8 @@ class ZeroCost:
     deferred: float = 0.0  # of ``comm``, the seconds of its gradient reduction's last collective, which the runtime
     # launches and waits for later (``collectives.settle``; ``Hardware.reduce_overlap``): the last all-reduce over
     # the summed axes, or ZeRO-2's reduce-scatter where none is left (its bucket's launch and latency:
-    # ``deferred_latency``). Not ZeRO-1's, whose one bucket launches as backward ends, nor ZeRO-3's, which the
-    # block before gathering its weights again for its backward queues behind on the same ranks
+    # ``deferred_latency``). Not ZeRO-1's, whose one bucket launches as backward ends, nor ZeRO-3's (its gathers,
+    # launched a bucket ahead, and its reduce-scatters share the ranks' queue: not measured, not credited)
 
 
 def zero3_traffic(uses: tuple[str, ...]) -> tuple[int, int]:
@@ -180,8 +182,17 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
         last = bw("all_reduce", rf * b / n, rest[-1]) if rest else bw("reduce_scatter", rf * b, opt.shard_axes[-1])
         return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, busy, step, last)
     # one bucket (a group copy) at a time: its gathered weights and their gradients, or those and the flat buffer
-    # they are reduce-scattered from once the weights are dropped
-    return ZeroCost(e * (p + o) / n, 0.0, b / n, 2 * b / copies, comm, busy, step)
+    # they are reduce-scattered from once the weights are dropped; and, a linear's weight of a group of several
+    # copies, the copy before's gathered ahead for its backward (``collectives.ZeroOrder``)
+    return ZeroCost(e * (p + o) / n, 0.0, b / n, zero3_transient(b, copies, uses), comm, busy, step)
+
+
+def zero3_transient(b: float, copies: int, uses: tuple[str, ...]) -> float:
+    """Bytes a ZeRO-3 parameter of ``b`` local bytes adds to its group's one-at-a-time buffer, per copy of the group:
+    its bucket gathered again with its gradients (2b), and if a linear takes it as its weight and the group has more
+    copies (a repeated block), that weight of the copy before, which the runtime gathers ahead beside this copy's
+    backward (b)."""
+    return (2 + (copies > 1 and "linear" in uses)) * b / copies
 
 
 def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:

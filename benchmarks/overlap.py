@@ -1,11 +1,13 @@
-"""Gradient reductions beside backward: the same program with each bucket's last collective waited later (as
-autopar runs it: ``collectives.settle``) and waited at once (as it ran before), measured side by side on gloo ranks.
+"""Communication beside compute: the same program with each collective waited later (as autopar runs it) and
+waited where it is launched, measured side by side on gloo ranks.
 
 Run: ``python benchmarks/overlap.py [--ranks 2] [--rounds 6] [--steps 4]``. A stack of wide linears (many gradient
-bytes per FLOP, so the reductions matter) on dp over every rank, pinned to ZeRO-0 (DDP's all-reduce buckets) and
-ZeRO-3 (FSDP2's block reduce-scatters). The two ways alternate round by round, so load on the machine falls on
-both; per stage the table prints the median step time of each, their ratio, and the largest gradient difference
-between them (the waits move, the numbers must not: 0).
+bytes per FLOP, so the communication matters) on dp over every rank, pinned to ZeRO-0 (DDP's all-reduce buckets) and
+ZeRO-3 (FSDP2's blocks). Rows: each bucket's last gradient reduction waited later (``collectives.settle``) or at
+once, for both stages; and ZeRO-3's gathers launched a bucket ahead (``collectives.ZeroOrder``, FSDP2's prefetch)
+or waited as they are launched (each then holds up the compute it could have run beside). The two ways alternate
+round by round, so load on the machine falls on both; per row the table prints the median forward + backward time
+of each, their ratio, and the largest gradient difference between them (the waits move, the numbers must not: 0).
 
 On this 2-core machine the gloo thread that runs a collective competes with the ranks' compute for the same cores,
 so what overlap can hide here is bounded by the idle time of the transfers; on GPUs the collective runs on its
@@ -49,13 +51,16 @@ def worker(rounds: int, steps: int, width: int, layers: int, batch: int) -> None
     n = dist.get_world_size()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
-    launched = collectives.Pending.launched
+    launched, gather = collectives.Pending.launched, _compat.launch_all_gather_dim0
 
-    def at_once(self, t):  # the old runtime: the reduction is waited where it is launched
-        return _compat.wait(t)
+    def reductions_at_once(on: bool) -> None:  # the old runtime: a reduction waited where it is launched
+        collectives.Pending.launched = (lambda self, t: _compat.wait(t)) if on else launched
+
+    def gathers_at_once(on: bool) -> None:  # no prefetch: a gather waited where it is launched
+        _compat.launch_all_gather_dim0 = (lambda x, k, grp: _compat.wait(gather(x, k, grp))) if on else gather
 
     rows = []
-    for stage in (0, 3):
+    for stage, what, patch in ((0, "reductions", reductions_at_once), (3, "reductions", reductions_at_once), (3, "gathers", gathers_at_once)):
         torch.manual_seed(0)
         pm = autopar.parallelize(Wide(), autopar.Mesh({"dp": n}, hardware="cpu-gloo"), (x, y),
                                  constraints=[autopar.ZeroPin("*", stage)])
@@ -64,7 +69,7 @@ def worker(rounds: int, steps: int, width: int, layers: int, batch: int) -> None
         grads = {}
         for r in range(rounds + 1):  # round 0 warms up
             for mode in ("later", "at once"):
-                collectives.Pending.launched = launched if mode == "later" else at_once
+                patch(mode == "at once")
                 try:
                     for _ in range(steps):
                         dist.barrier()
@@ -76,17 +81,17 @@ def worker(rounds: int, steps: int, width: int, layers: int, batch: int) -> None
                         grads[mode] = [p.grad.clone() for p in pm.parameters()]
                         pm.zero_grad()
                 finally:
-                    collectives.Pending.launched = launched
+                    patch(False)
         med = {m: torch.tensor(statistics.median(v)) for m, v in times.items()}
         diff = torch.tensor(max(float((a - b).abs().max()) for a, b in zip(grads["later"], grads["at once"])))
         for t in (*med.values(), diff):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's
-        rows.append([f"ZeRO-{stage}", len(pm.plan.grad_buckets) + len(pm.plan.zero_buckets), round(float(med["at once"]) * 1e3, 1),
+        rows.append([f"ZeRO-{stage}", what, len(pm.plan.grad_buckets) + len(pm.plan.zero_buckets), round(float(med["at once"]) * 1e3, 1),
                      round(float(med["later"]) * 1e3, 1), round(float(med["later"] / med["at once"]), 3), float(diff)])
     if dist.get_rank() == 0:
         print(f"{layers} linears {width}x{width} (fp32), batch {batch}, dp={n} gloo ranks; forward + backward ms, median of "
               f"{rounds} rounds x {steps} steps each way, slowest rank")
-        print(tabulate.tabulate(rows, headers=["stage", "buckets", "waited at once", "waited later", "later/at once",
+        print(tabulate.tabulate(rows, headers=["stage", "collectives", "buckets", "waited at once", "waited later", "later/at once",
                                                "max |grad diff|"]))
     _compat.end_process(0)
 

@@ -10,6 +10,9 @@ where the bucket's first parameter is used; a linear that takes one of them as i
 drops the bucket's weights; backward, or a recomputed block as its backward starts, gathers them again, once for
 the bucket, as ``ZeroBucket.weights`` says); any other use reads the whole parameter the gather returns. The
 bucket's gradients are reduce-scattered together once all its uses' backward is done.
+A ZeRO-3 gather also takes the block of the ZeRO-3 bucket gathered before it in forward (the step's
+``collectives.ZeroOrder``) and the next one's shards: it launches the next gather before waiting for its own, and
+the next bucket takes that (FSDP2's forward prefetch; the backward one is the ``ZeroOrder``'s).
 Every bucket's shards are read through its ``settle`` node, placed just before the gather of the bucket before it
 in forward: the last collective of the bucket's gradients is launched by its gather's backward and waited by
 settle's, which autograd runs after that previous bucket's ops' backward (the node created last runs first), so
@@ -56,6 +59,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     # the buckets in the order forward gathers them (backward reduces them in the reverse order)
     order = sorted(((first_use(b), b) for b in plan.zero_buckets), key=lambda t: position[t[0]])
     previous = start  # the gather of the bucket before, in forward
+    chain = []  # per bucket in forward order: (its zero3_gather, its Zero3Block, its shards, its levels), or None
     for use, bucket in order:
         levels, reduce = levels_and_reduce(bucket, mesh, axes)
         params = [placeholders[p] for p in bucket.params]
@@ -75,6 +79,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             for p, r in zip(params, reads):
                 p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not settle)
             previous = z
+            chain.append(None)
             continue
         # ZeRO-3: the bucket gathered once where its first parameter is used; its linears read their weights from
         # the bucket (gathered again for backward, never kept), its other uses read what the gather returns
@@ -99,6 +104,14 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
                 if u is not settle:
                     u.replace_input_with(params[j], reads[j])
         previous = z
+        chain.append((z, block, tuple(settled), levels))
+    # prefetch (FSDP2's): each ZeRO-3 gather launches the next bucket's, whose shards its settle reads just before
+    # this gather; the next one takes it (and the step's ``collectives.ZeroOrder``) from this bucket's block
+    for k, here in enumerate(chain):
+        if here is not None:
+            before = chain[k - 1] if k > 0 else None
+            after = chain[k + 1] if k + 1 < len(chain) else None
+            here[0].args += (before[1] if before else None, after[2] if after else (), after[3] if after else ())
     g.lint()
     gm.recompile()
     return gm

@@ -377,3 +377,55 @@ def test_each_gradient_reduction_runs_beside_the_backward_after_it(stage, monkey
         assert kinds == ["launch"] * buckets + ["wait"] * buckets
     else:
         assert kinds == ["launch", "launch"] + ["wait", "launch"] * (buckets - 2) + ["wait", "wait"] and most == 2
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_zero3_gathers_the_next_bucket_while_this_one_computes(recompute, monkeypatch):
+    """FSDP2's prefetch: in forward each ZeRO-3 bucket's gather launches the next bucket's before its own is waited
+    (the next one's runs beside this bucket's compute); in backward a block's bucket gathered again launches the
+    gather of the block forward dropped before it, which backward needs next. So at every wait but each phase's
+    last, the next gather is already launched -- but for the rest's bucket in backward (embeddings and head: the
+    last block's weights do not join it, as its price says) -- and at most two are in flight; each is waited once,
+    and the values are those of one device (the parity tests above)."""
+    events = []
+    launch, wait = _compat.launch_all_gather_dim0, _compat.wait
+    mine = []  # the launched buffers themselves: kept alive, so that no other tensor takes one's id
+
+    def gather(x, n, group):
+        t = launch(x, n, group)
+        mine.append(t)
+        events.append(("launch", id(t)))
+        return t
+
+    def waited(t):
+        if any(t is m for m in mine):
+            events.append(("wait", id(t)))
+        return wait(t)
+
+    monkeypatch.setattr(_compat, "launch_all_gather_dim0", gather)
+    monkeypatch.setattr(_compat, "wait", waited)
+    model, inputs = _model("gpt"), _inputs()
+    mesh = autopar.Mesh({"dp": 4}, hardware="h100-80gb")
+    with fake_world(mesh.size), _compat.local_tensor_mode(mesh.size):
+        pm = autopar.parallelize(model, mesh, inputs, constraints=[autopar.ZeroPin("*", 3)], recompute=recompute)
+        loss = pm(*pm.local_inputs(*inputs))
+        forward, events[:] = list(events), []
+        loss.backward()
+        backward = list(events)
+    buckets = len(pm.plan.zero_buckets)
+    assert buckets == 3  # the rest (embeddings, head), h.0, h.1
+    for phase in (forward, backward):
+        launches = [i for k, i in phase if k == "launch"]
+        waits = [i for k, i in phase if k == "wait"]
+        assert len(launches) == len(waits) == buckets and set(launches) == set(waits)  # each gathered once, waited once
+        where = {(k, i): n for n, (k, i) in enumerate(phase)}
+        if phase is backward:  # the rest's, gathered and waited before any block's is launched
+            assert where["wait", waits[0]] < min(where["launch", i] for i in waits[1:])
+            waits = waits[1:]
+        for a, b in zip(waits, waits[1:]):  # the next gather was launched before this one was waited
+            assert where["launch", b] < where["wait", a], phase
+        in_flight, most = set(), 0
+        for k, i in phase:
+            in_flight.symmetric_difference_update({i})
+            most = max(most, len(in_flight))
+        assert most == 2

@@ -89,8 +89,9 @@ class ZeroBucket:
     all-reduced over after the reduce-scatter. ``weights`` (ZeRO-3) says where its linears' weights come from:
     "regather" (the bucket's forward gather; the last linear drops them and backward gathers them again),
     "recompute" (its linears are all in recomputed blocks: the weights are gathered again as the block's backward
-    starts, and its recomputation saves them for backward) or "keep" (some in recomputed blocks, some not: the
-    forward gather's weights are kept until backward)."""
+    starts, and its recomputation saves them for backward) or "keep" (some in recomputed blocks, some not, or the
+    output head's, forward's last linear weight, which backward needs at once: the forward gather's weights are kept
+    until backward; ``zero.kept_to_backward``)."""
 
     name: str
     stage: int

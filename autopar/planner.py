@@ -243,7 +243,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     # ZeRO-3: the runtime gathers a block's parameters (or the rest) as one bucket (``passes/zero.py``): for forward,
     # the linears' weights again for backward (``zero.zero3_traffic``; a recomputed block's as its backward starts,
     # for its recomputation to read and keep), all gradients reduce-scattered together. A bucket with linears both in
-    # and out of recomputed blocks keeps its weights from forward to backward instead ("keep")
+    # and out of recomputed blocks keeps its weights from forward to backward instead ("keep"), and so does the one
+    # holding the output head (``zero.kept_to_backward``)
     per_block: dict[tuple, list] = {}  # (block, shard axes) -> [(name, bytes), bytes used by linears, linear users]
     for name, opt in zero_of.items():
         if opt.stage != 3:
@@ -263,7 +264,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     weights_of = {}
     for key, (members, linear_b, users) in per_block.items():
         again = [u in cost.recompute for u in users]
-        weights_of[key] = "recompute" if users and all(again) else "keep" if any(again) else "regather"
+        kept = any("kept" in zero3_uses(tg, n) for n, _ in members)  # the head's: forward's last linear weight
+        weights_of[key] = "recompute" if users and all(again) else "keep" if any(again) or kept else "regather"
     dropped = sorted((max(position[u] for u in users), key) for key, (_m, _b, users) in per_block.items()
                      if users and weights_of[key] != "keep")
     group_of = lambda key: zgroups[per_block[key][0][0][0]][0]  # noqa: E731

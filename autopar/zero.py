@@ -134,7 +134,7 @@ class ZeroCost:
 def zero3_traffic(uses: tuple[str, ...]) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) per step of a ZeRO-3 parameter used as ``uses`` says (``zero3_uses``), as its
     bucket runs it: gathered once for forward, once more for backward if a linear takes it as its weight (the
-    linear keeps no weight), and its gradient -- all its uses' -- reduce-scattered once."""
+    linear keeps no weight; not the head's, "kept"), and its gradient -- all its uses' -- reduce-scattered once."""
     return 1 + ("linear" in uses), 1
 
 
@@ -340,14 +340,34 @@ def linear_weight_users(node) -> list:
 
 def zero3_uses(tg, name: str) -> tuple[str, ...]:
     """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's weight, ``linear_weight_users``:
-    gathered for the op and again in backward, never kept) or "other" (gathered once; autograd may keep it). Read off
-    the graph once per traced graph (``tg.memo``): the solver asks for every parameter of every ILP it builds."""
+    gathered for the op and again in backward, never kept), "kept" (such a linear outside the repeated blocks, when
+    forward's last linear-weight use is one: ``kept_to_backward``) or "other" (gathered once; autograd may keep it).
+    Read off the graph once per traced graph (``tg.memo``): the solver asks for every parameter of every ILP it builds."""
     table = tg.memo.get("zero3_uses")
     if table is None:
         table = {}
+        kept = kept_to_backward(tg)
         for node in tg.gm.graph.nodes:
             if node.op == "placeholder":
                 weights = linear_weight_users(node)
-                table[node.name] = tuple("linear" if u in weights else "other" for u in node.users)
+                linear = "kept" if node.name in kept else "linear"
+                table[node.name] = tuple(linear if u in weights else "other" for u in node.users)
         tg.memo["zero3_uses"] = table
     return table[name]
+
+
+def kept_to_backward(tg) -> frozenset[str]:
+    """The parameters outside the repeated blocks (the rest's ZeRO-3 bucket: embeddings, head) that a linear takes as
+    its weight, if forward's last linear-weight use is one of them -- the output head: its bucket would drop the
+    weights after it and gather them again as backward starts, with nothing run in between, so the bucket keeps them
+    from forward to backward instead (``ZeroBucket.weights`` "keep": one gather fewer; FSDP2 keeps its root module's
+    parameters so). Empty otherwise."""
+    position = {n: i for i, n in enumerate(tg.gm.graph.nodes)}
+    last_use = {}  # a parameter taken as a linear's weight -> where its last such linear is
+    for node in tg.gm.graph.nodes:
+        users = linear_weight_users(node) if node.op == "placeholder" and tg.kinds.get(node.name) == "param" else []
+        if users:
+            last_use[node.name] = max(position[u] for u in users)
+    if not last_use or tg.block_of(max(last_use, key=last_use.get)) is not None:
+        return frozenset()
+    return frozenset(n for n in last_use if tg.block_of(n) is None)

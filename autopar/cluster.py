@@ -858,13 +858,14 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
 
     B = next(t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.ndim > 0)
     tg = trace(model, args)
-    best, screened, needs = None, [], []
+    best, screened, needs, splits = None, [], [], False
     for tp in _divisors(cluster.gpus_per_node):
         dp = cluster.devices // tp
         c = Candidate(dp, 1, tp, "none")
         if B % dp:
             screened.append(Screened(c, math.inf, math.nan, f"dp={dp} does not divide the batch of {B}"))
             continue
+        splits = True
         try:
             plan = make_plan(tg, cluster.mesh(dp, 1, tp), budget)
         except (InfeasibleError, AutoparError) as e:
@@ -876,7 +877,7 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
         if best is None or plan.cost.step_time < best.cost.step_time:
             best = plan
     if best is None:
-        if all(s.note.startswith("dp=") for s in screened):  # no mesh splits the batch: memory was never the reason
+        if not splits:  # no mesh splits the batch: memory was never the reason
             least = cluster.devices // cluster.gpus_per_node  # tp fills a node
             raise AutoparError(
                 f"no mesh dp x tp of the {cluster.devices} devices of {cluster} splits the global batch of {B} rows of "

@@ -532,44 +532,22 @@ class _ZeroGather(torch.autograd.Function):
         return (None, None, None, None) + tuple(scatter_flat(full, levels, reduce, pending))
 
 
-class ZeroOrder:
-    """One step's ZeRO-3 buckets as forward meets them (FSDP2's prefetch order, both ways). Forward: each bucket's
-    gather launches the next bucket's (``ahead``), which the next takes, so that it runs beside this bucket's
-    compute. Backward: a bucket gathered again launches the gather of the bucket forward dropped just before
-    it (``dropped``), which backward needs next, beside its own backward, if that is another copy of the same block
-    (same shapes): the rest's bucket, gathered again as backward starts, does not hold a block's weights beside its
-    own (the cost model prices a bucket's backward with one more copy of itself: ``zero.param_cost``). At most one
-    bucket is gathered ahead."""
-
-    def __init__(self):
-        self.ahead: Gathering | None = None  # the next bucket's gather in forward, launched by this one's
-        self.dropped: list[Zero3Block] = []
-
-    def drop(self, block: "Zero3Block") -> None:
-        """Forward is done with the bucket's weights (a recomputed block drops them again: recorded once)."""
-        block.release()
-        if all(b is not block for b in self.dropped):
-            self.dropped.append(block)
-
-    def prefetch_before(self, block: "Zero3Block") -> None:
-        k = next((i for i, b in enumerate(self.dropped) if b is block), 0)
-        if k > 0 and self.dropped[k - 1].shapes == block.shapes:
-            self.dropped[k - 1].prefetch()
-
-
 class Zero3Block:
     """One ZeRO-3 bucket's gathered linear weights for one step (FSDP2's unsharded block): gathered for forward by
     ``zero3_gather``, dropped after the bucket's last linear in forward (``zero3_block_linear``'s ``last``),
     gathered again -- one collective for the bucket -- when backward first needs a weight (a recomputed block's
     ``before_backward``, as its backward starts: its recomputation then finds them, as FSDP2's pre-backward unshard
-    does), and dropped once the bucket's gradients are reduce-scattered. That backward gather was launched ahead
-    if the bucket forward dropped next was gathered again before it (``ZeroOrder``). ``linear``: the indices of the
-    bucket's parameters used as a linear's weight. Each forward makes a new one: nothing is kept from step to step."""
+    does), and dropped once the bucket's gradients are reduce-scattered. Prefetch, as FSDP2's: its forward gather
+    launches the next bucket's (``following``, which that bucket's gather takes), and its backward gather launches
+    the backward gather of ``before`` (the plan's ``ZeroBucket.prefetch``: the copy backward needs next).
+    ``linear``: the indices of the bucket's parameters used as a linear's weight. Each forward makes a new one:
+    nothing is kept from step to step."""
 
-    def __init__(self, shards: tuple, shapes: tuple, levels: tuple, linear: tuple[int, ...], order: ZeroOrder):
-        self.shards, self.shapes, self.levels, self.linear, self.order = shards, shapes, levels, linear, order
+    def __init__(self, shards: tuple, shapes: tuple, levels: tuple, linear: tuple[int, ...], before: "Zero3Block | None" = None):
+        self.shards, self.shapes, self.levels, self.linear, self.before = shards, shapes, levels, linear, before
         self.weights: dict[int, torch.Tensor] | None = None
         self.ahead: Gathering | None = None  # its linears' weights for backward, launched ahead
+        self.following: Gathering | None = None  # the next bucket's forward gather, launched by this one's
         self.grads: dict[int, torch.Tensor] = {}  # index -> its linears' weight gradients, summed
 
     def hold(self, weights: dict[int, torch.Tensor]) -> None:
@@ -580,8 +558,8 @@ class Zero3Block:
             gathering, self.ahead = self.ahead, None
             if gathering is None:
                 gathering = Gathering([self.shards[j] for j in self.linear], self.levels, phase)
-            if phase == "backward":  # the bucket backward needs after this one, gathered beside this one's backward
-                self.order.prefetch_before(self)
+            if phase == "backward" and self.before is not None:  # backward's next, beside this one's backward
+                self.before.prefetch()
             self.weights = {j: unpadded(f, self.shapes[j]) for j, f in zip(self.linear, gathering.result())}
         return self.weights[i]
 
@@ -612,13 +590,14 @@ class _Zero3Gather(torch.autograd.Function):
     def forward(ctx, block, others, reduce, pending, chain, *shards):
         ctx.block, ctx.others, ctx.reduce, ctx.pending = block, others, reduce, pending
         ctx.set_materialize_grads(False)
-        launched, following, following_levels = chain
-        order = block.order
-        gathering, order.ahead = (order.ahead if launched else None), None
+        previous, following, following_levels = chain
+        gathering = previous.following if previous is not None else None
         if gathering is None:
             gathering = Gathering(list(shards), block.levels, "forward")
+        else:
+            previous.following = None
         if following:  # the next bucket's gather, beside this bucket's compute
-            order.ahead = Gathering(list(following), following_levels, "forward")
+            block.following = Gathering(list(following), following_levels, "forward")
         fulls = [unpadded(f, shape) for f, shape in zip(gathering.result(), block.shapes)]
         block.hold({j: fulls[j] for j in block.linear})
         token = shards[0].new_zeros(0)
@@ -669,7 +648,7 @@ class _Zero3BlockLinear(torch.autograd.Function):
         ctx.save_for_backward(*((x, w) if keep else (x,)))
         out = torch.nn.functional.linear(x, w, b)
         if last:
-            block.order.drop(block)
+            block.release()
         return out
 
     @staticmethod
@@ -691,15 +670,15 @@ def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple, pend
 
 def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, others: tuple, reduce: tuple = (),
                  pending: Pending | None = None, previous: "Zero3Block | None" = None, following: tuple = (),
-                 following_levels: tuple = ()):
+                 following_levels: tuple = (), before: "Zero3Block | None" = None):
     """A ZeRO-3 bucket: one all-gather of its shards (per level). Returns (its ``Zero3Block``, the token its
     linears take, the whole parameters at ``others``); backward reduce-scatters the bucket's gradients once (the
-    last collective waited by ``pending``'s ``settle`` if given). ``previous``: the bucket forward gathered before
-    (its ``ZeroOrder`` is the step's; None: this is the first), whose gather launched this one's; ``following``: the
-    next bucket's shards (and their ``following_levels``), whose gather this one launches."""
-    order = previous.order if previous is not None else ZeroOrder()
-    block = Zero3Block(tuple(shards), tuple(shapes), levels, tuple(linear), order)
-    chain = (previous is not None, tuple(following), following_levels)
+    last collective waited by ``pending``'s ``settle`` if given). ``previous``: the block of the bucket forward
+    gathered before, whose gather launched this one's (None: the first); ``following``: the next bucket's shards
+    (and their ``following_levels``), whose gather this one launches; ``before``: the block whose backward gather
+    this one's launches."""
+    block = Zero3Block(tuple(shards), tuple(shapes), levels, tuple(linear), before)
+    chain = (previous, tuple(following), following_levels)
     return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, pending, chain, *shards))
 
 

@@ -91,7 +91,9 @@ class ZeroBucket:
     "recompute" (its linears are all in recomputed blocks: the weights are gathered again as the block's backward
     starts, and its recomputation saves them for backward) or "keep" (some in recomputed blocks, some not, or the
     output head's, forward's last linear weight, which backward needs at once: the forward gather's weights are kept
-    until backward; ``zero.kept_to_backward``)."""
+    until backward; ``zero.kept_to_backward``). ``prefetch`` (ZeRO-3): the bucket whose linears' weights its own
+    gather in backward launches ahead -- the copy of its block that forward dropped just before it, which backward
+    needs next -- or ""."""
 
     name: str
     stage: int
@@ -99,6 +101,7 @@ class ZeroBucket:
     reduce_axes: tuple[str, ...]
     params: tuple[str, ...]
     weights: str = "regather"
+    prefetch: str = ""
 
     def __post_init__(self):
         if self.weights not in ZERO3_WEIGHTS:
@@ -466,7 +469,7 @@ class Plan:
             ],
             "collectives": [[c.kind, c.axis, c.bytes, c.phase, c.where, c.seconds] for c in self.collective_list],
             "grad_buckets": [[b.name, list(b.axes), list(b.params)] for b in self.grad_buckets],
-            "zero_buckets": [[b.name, b.stage, list(b.shard_axes), list(b.reduce_axes), list(b.params), b.weights] for b in self.zero_buckets],
+            "zero_buckets": [[b.name, b.stage, list(b.shard_axes), list(b.reduce_axes), list(b.params), b.weights, b.prefetch] for b in self.zero_buckets],
             "whole_grads": {k: list(v) for k, v in self.whole_grads.items()},
             "zero_stages": self.zero_stages,
             "group_memory": self.group_memory,
@@ -500,7 +503,7 @@ class Plan:
             blocks=[(b, t) for b, t in d["blocks"]],
             collective_list=[Collective(*row) for row in d["collectives"]],
             grad_buckets=[GradBucket(b[0], tuple(b[1]), tuple(b[2])) for b in d.get("grad_buckets", [])],
-            zero_buckets=[ZeroBucket(b[0], b[1], tuple(b[2]), tuple(b[3]), tuple(b[4]), *b[5:6]) for b in d.get("zero_buckets", [])],
+            zero_buckets=[ZeroBucket(b[0], b[1], tuple(b[2]), tuple(b[3]), tuple(b[4]), *b[5:7]) for b in d.get("zero_buckets", [])],
             whole_grads={k: tuple(v) for k, v in d.get("whole_grads", {}).items()},
             zero_stages=d.get("zero_stages", {}),
             group_memory=d.get("group_memory", {}),

@@ -257,9 +257,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         acc[0].append((name, full))
         acc[1] += full * bool(linears)
         acc[2] += linears
-    # prefetch (``collectives.ZeroOrder``): a bucket gathered again in backward launches the gather of the bucket
-    # forward dropped just before it (after its last linear) if that is another copy of its block, whose weights
-    # join its own and its gradients
+    # backward prefetch (``ZeroBucket.prefetch``): a bucket gathered again in backward launches the gather of the
+    # bucket forward dropped just before it (after its last linear) if that is another copy of its block, whose
+    # weights join its own and its gradients
     position = {n: i for i, n in enumerate(nodes_fx)}  # graph order
     weights_of = {}
     for key, (members, linear_b, users) in per_block.items():
@@ -268,20 +268,24 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         weights_of[key] = "recompute" if users and all(again) else "keep" if any(again) or kept else "regather"
     dropped = sorted((max(position[u] for u in users), key) for key, (_m, _b, users) in per_block.items()
                      if users and weights_of[key] != "keep")
-    group_of = lambda key: zgroups[per_block[key][0][0][0]][0]  # noqa: E731
-    ahead = {key: per_block[before][1] for (_p, before), (_q, key) in zip(dropped, dropped[1:]) if group_of(before) == group_of(key)}
+    zname_of = {key: f"zero3[{key[0]}]({','.join(mesh.names[a] for a in key[1])})" for key in per_block}
+    group_of = {key: zgroups[members[0][0]][0] for key, (members, _b, _u) in per_block.items()}
+    before_of = {key: before for (_p, before), (_q, key) in zip(dropped, dropped[1:]) if group_of[before] == group_of[key]}
     for (block, shard_axes), (members, linear_b, users) in per_block.items():
-        zname = f"zero3[{block}]({','.join(mesh.names[a] for a in shard_axes)})"
+        zname = zname_of[block, shard_axes]
         weights = weights_of[block, shard_axes]
-        zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in shard_axes), (), tuple(n for n, _ in members), weights))
+        before = before_of.get((block, shard_axes))
+        zero_buckets.append(ZeroBucket(zname, 3, tuple(mesh.names[a] for a in shard_axes), (), tuple(n for n, _ in members), weights,
+                                       zname_of[before] if before else ""))
         all_b = sum(b for _, b in members)
         priced = list(gather_priced(all_b, shard_axes, mesh, "forward"))
         if linear_b and weights != "keep":
             priced += gather_priced(linear_b, shard_axes, mesh, "backward")
         add(priced + scatter_priced(all_b, shard_axes, (), mesh, problem.meta[members[0][0]].dtype), zname)
-        # the bucket gathered again with its gradients (``zero.param_cost``), and the next one's weights gathered ahead
-        transient = max(transient, 2 * all_b + ahead.get((block, shard_axes), 0.0))
-        t_act = max(t_act, 2 * all_b + ahead.get((block, shard_axes), 0.0))
+        # the bucket gathered again with its gradients (``zero.param_cost``), and the one it launches ahead
+        ahead = per_block[before][1] if before else 0.0
+        transient = max(transient, 2 * all_b + ahead)
+        t_act = max(t_act, 2 * all_b + ahead)
     plan_in = [strategy[n].output for n in problem.order if tg.kinds.get(n) == INPUT]
     input_spec = plan_in[0] if plan_in else Spec.replicated(mesh.ndim)
     split = {a for a, p in enumerate(input_spec.placements) if isinstance(p, Shard)}

@@ -24,10 +24,10 @@ itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO pap
 Stage 3 runs per bucket (``collectives.zero3_gather``; a repeated block's parameters, or the rest, as FSDP2 wraps
 them): one all-gather of the bucket for forward, one more of its linears' weights for backward (a linear keeps no
 weight: ``zero3_traffic``), and one reduce-scatter of all its gradients once its uses' backward is done. Each
-gather is launched a bucket ahead (``collectives.ZeroOrder``), so a block's backward also holds the weights of the
-block before (``zero3_transient``). A
-parameter used otherwise (a norm's weight, a bias, an embedding) is gathered once and kept for its backward; a tied
-weight is gathered and reduce-scattered once, whatever its uses.
+gather is launched a bucket ahead (``collectives.Zero3Block``; backward's as ``ZeroBucket.prefetch`` says), so a
+block's backward also holds the weights of the block before (``zero3_transient``). A parameter used otherwise (a
+norm's weight, a bias, an embedding) is gathered once and kept for its backward; a tied weight is gathered and
+reduce-scattered once, whatever its uses.
 Stage 1 reduce-scatters all its gradients at the end of backward (full gradients are held until then); stage 2
 reduce-scatters each group's gradients as soon as they are ready. A storage shard is a flat chunk of the
 parameter's local tensor (FSDP1 style), zero-padded to a multiple of n, so any parameter can be sharded.
@@ -183,7 +183,7 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
         return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, busy, step, last)
     # one bucket (a group copy) at a time: its gathered weights and their gradients, or those and the flat buffer
     # they are reduce-scattered from once the weights are dropped; and, a linear's weight of a group of several
-    # copies, the copy before's gathered ahead for its backward (``collectives.ZeroOrder``)
+    # copies, the copy before's gathered ahead for its backward (``ZeroBucket.prefetch``)
     return ZeroCost(e * (p + o) / n, 0.0, b / n, zero3_transient(b, copies, uses), comm, busy, step)
 
 

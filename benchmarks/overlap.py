@@ -4,7 +4,7 @@ waited where it is launched, measured side by side on gloo ranks.
 Run: ``python benchmarks/overlap.py [--ranks 2] [--rounds 6] [--steps 4]``. A stack of wide linears (many gradient
 bytes per FLOP, so the communication matters) on dp over every rank, pinned to ZeRO-0 (DDP's all-reduce buckets) and
 ZeRO-3 (FSDP2's blocks). Rows: each bucket's last gradient reduction waited later (``collectives.settle``) or at
-once, for both stages; and ZeRO-3's gathers launched a bucket ahead (``collectives.ZeroOrder``, FSDP2's prefetch)
+once, for both stages; and ZeRO-3's gathers launched a bucket ahead (``collectives.Zero3Block``, FSDP2's prefetch)
 or waited as they are launched (each then holds up the compute it could have run beside). The two ways alternate
 round by round, so load on the machine falls on both; per row the table prints the median forward + backward time
 of each, their ratio, and the largest gradient difference between them (the waits move, the numbers must not: 0).

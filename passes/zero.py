@@ -10,9 +10,9 @@ where the bucket's first parameter is used; a linear that takes one of them as i
 drops the bucket's weights; backward, or a recomputed block as its backward starts, gathers them again, once for
 the bucket, as ``ZeroBucket.weights`` says); any other use reads the whole parameter the gather returns. The
 bucket's gradients are reduce-scattered together once all its uses' backward is done.
-A ZeRO-3 gather also takes the block of the ZeRO-3 bucket gathered before it in forward (the step's
-``collectives.ZeroOrder``) and the next one's shards: it launches the next gather before waiting for its own, and
-the next bucket takes that (FSDP2's forward prefetch; the backward one is the ``ZeroOrder``'s).
+A ZeRO-3 gather also takes the block of the ZeRO-3 bucket gathered before it in forward and the next one's shards:
+it launches the next gather before waiting for its own, and the next bucket takes that from this one's block
+(FSDP2's forward prefetch); and the block of its ``ZeroBucket.prefetch``, whose backward gather its own launches.
 Every bucket's shards are read through its ``settle`` node, placed just before the gather of the bucket before it
 in forward: the last collective of the bucket's gradients is launched by its gather's backward and waited by
 settle's, which autograd runs after that previous bucket's ops' backward (the node created last runs first), so
@@ -28,6 +28,7 @@ import operator
 import torch.fx as fx
 
 from autopar import collectives
+from autopar.errors import AutoparError
 from autopar.zero import linear_weight_users
 from passes._util import runtime_axes
 
@@ -60,6 +61,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     order = sorted(((first_use(b), b) for b in plan.zero_buckets), key=lambda t: position[t[0]])
     previous = start  # the gather of the bucket before, in forward
     chain = []  # per bucket in forward order: (its zero3_gather, its Zero3Block, its shards, its levels), or None
+    block_of = {}  # ZeRO-3 bucket name -> its Zero3Block node
     for use, bucket in order:
         levels, reduce = levels_and_reduce(bucket, mesh, axes)
         params = [placeholders[p] for p in bucket.params]
@@ -105,13 +107,20 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
                     u.replace_input_with(params[j], reads[j])
         previous = z
         chain.append((z, block, tuple(settled), levels))
+        block_of[bucket.name] = block
     # prefetch (FSDP2's): each ZeRO-3 gather launches the next bucket's, whose shards its settle reads just before
-    # this gather; the next one takes it (and the step's ``collectives.ZeroOrder``) from this bucket's block
-    for k, here in enumerate(chain):
+    # this gather, and the next one takes it from this bucket's block; in backward, the plan's ``prefetch``
+    now = {n: i for i, n in enumerate(g.nodes)}  # graph order, with the gathers in
+    for k, (use, bucket) in enumerate(order):
+        here = chain[k]
         if here is not None:
             before = chain[k - 1] if k > 0 else None
             after = chain[k + 1] if k + 1 < len(chain) else None
-            here[0].args += (before[1] if before else None, after[2] if after else (), after[3] if after else ())
+            ahead = block_of.get(bucket.prefetch) if bucket.prefetch else None
+            if bucket.prefetch and (ahead is None or now[ahead] > now[here[0]]):
+                raise AutoparError(f"internal: ZeRO-3 bucket {bucket.name} prefetches {bucket.prefetch!r}, which forward "
+                                   "does not gather before it; please report this plan")
+            here[0].args += (before[1] if before else None, after[2] if after else (), after[3] if after else (), ahead)
     g.lint()
     gm.recompile()
     return gm

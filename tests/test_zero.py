@@ -136,6 +136,9 @@ def test_zero3_is_priced_per_bucket_as_the_runtime_gathers_it():
     assert sorted(b.name for b in buckets) == ["zero3[h.0](dp)", "zero3[h.1](dp)", "zero3[rest](dp)"]
     assert sorted(p for b in buckets for p in b.params) == sorted(params)
     assert {b.name: b.weights for b in buckets} == {"zero3[h.0](dp)": "regather", "zero3[h.1](dp)": "regather", "zero3[rest](dp)": "keep"}
+    # backward: the second block's gather launches the first's, which backward needs next (and the plan says so in JSON)
+    assert {b.name: b.prefetch for b in buckets} == {"zero3[h.0](dp)": "", "zero3[h.1](dp)": "zero3[h.0](dp)", "zero3[rest](dp)": ""}
+    assert autopar.Plan.from_json(plan.to_json()).zero_buckets == plan.zero_buckets
     assert collections.Counter(c.kind for c in zero) == {"all_gather": 2 * len(buckets) - 1, "reduce_scatter": len(buckets)}
 
 

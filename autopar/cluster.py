@@ -264,8 +264,9 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
         params[n] = (unit, problem.grad_spec(n, choice.strategy.__getitem__), problem.meta[n], zero3_uses(tg, n))
     template = tg.blocks[-1].fqn + "." if tg.blocks else None
     attention = []
+    nodes = tg.nodes
     for n in problem.order:
-        node = tg.nodes[n]
+        node = nodes[n]
         if template and node.target in ATTENTION_OPS and tg.path(n).startswith(template):
             info = op_info(node)
             if all(m.ndim == 4 for m in info.inputs[:3]):

@@ -275,11 +275,12 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             if a.name in units.unit_of:
                 b = units.unit_of.get(n.name, U - 1) if n.op != "output" else U - 1
                 last_use[a.name] = max(last_use.get(a.name, 0), b)
+    nodes = tg.nodes
     for name, b in last_use.items():
         a = units.unit_of[name]
         if b <= a:
             continue
-        val = tg.nodes[name].meta.get("val")
+        val = nodes[name].meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
         src = name if name in strategy else problem.source.get(name, name)

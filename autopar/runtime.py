@@ -86,6 +86,7 @@ class ParallelModule(nn.Module):
             elif kind == CONSTANT:
                 self._constants[fqn] = distribute(tg.constants[fqn].detach(), spec, mesh)
             self._order.append((kind, fqn))
+        self._input_shapes = self._local_input_shapes()  # checked on every step: computed once
         self._check_same_plan_everywhere()
         if self._pipe is not None:
             self._pipe.build()
@@ -155,6 +156,20 @@ class ParallelModule(nn.Module):
                 "rank alike (torch.manual_seed(s) on all ranks) before parallelize, and give data loading its own generator",
                 stacklevel=3)
 
+    def _local_input_shapes(self) -> list[tuple[str, Spec, tuple[int, ...], tuple[int, ...]]]:
+        """(input node, its Spec, its planned global shape, this rank's local shape) per user input; with a pipeline
+        a step takes all its microbatches at once, so the batch dim holds ``microbatches`` shares."""
+        m = self._plan.pipeline.microbatches if self._pipe is not None else 1
+        nodes = self._tg.nodes
+        out = []
+        for s, name in zip(self._input_specs(), self._tg.user_inputs):
+            planned = tuple(nodes[name].meta["val"].shape)
+            want = s.local_shape(planned, self._mesh.sizes)
+            if m > 1 and want:
+                want = (want[0] * m,) + tuple(want[1:])
+            out.append((name, s, planned, tuple(want)))
+        return out
+
     # --- public -----------------------------------------------------------------------------------------------
     @property
     def plan(self) -> Plan:
@@ -194,16 +209,11 @@ class ParallelModule(nn.Module):
                 f"ParallelModule was planned for inputs structured as {self._tg.in_spec}, got {spec}; "
                 "call it with the same arguments as example_inputs (this rank's share: pmodel.local_inputs(...))"
             )
-        m = self._plan.pipeline.microbatches if self._pipe is not None else 1
-        for k, (t, s, name) in enumerate(zip(flat, self._input_specs(), self._tg.user_inputs)):
-            val = self._tg.nodes[name].meta["val"]
-            want = s.local_shape(tuple(val.shape), self._mesh.sizes)
-            if m > 1 and want:
-                want = (want[0] * m,) + tuple(want[1:])
+        for k, (t, (name, s, planned, want)) in enumerate(zip(flat, self._input_shapes)):
             if tuple(t.shape) != want:
                 raise AutoparError(
                     f"input {k} ({name}) has shape {list(t.shape)}, but this rank's share of the planned global batch "
-                    f"{list(val.shape)} under {s} is {list(want)}; pass pmodel.local_inputs(*global_batch), or re-plan for this batch size"
+                    f"{list(planned)} under {s} is {list(want)}; pass pmodel.local_inputs(*global_batch), or re-plan for this batch size"
                 )
         if self._pipe is not None:
             return self._pipe.step(flat)
@@ -410,6 +420,7 @@ class _PipelineRun:
         from passes.zero import local_shape
 
         owner, tg = self.owner, self.owner._tg
+        nodes = tg.nodes  # (a property that builds the dict: once per step, not once per parameter)
         self.whole = {}
         for bucket, members in self.zero:
             if not members:
@@ -419,7 +430,7 @@ class _PipelineRun:
             fulls = collectives.gather_flat([t.detach().reshape(-1) for t in shards], levels, "forward")
             for n, t, full in zip(members, shards, fulls):
                 # each segment has its own storage (gather_flat copies it out of the gathered rows)
-                whole = collectives.unpadded(full, local_shape(self.plan, tg.nodes[n], self.mesh)).detach()
+                whole = collectives.unpadded(full, local_shape(self.plan, nodes[n], self.mesh)).detach()
                 self.whole[tg.fqns[n]] = whole.requires_grad_(t.requires_grad)
 
     @torch.no_grad()
@@ -483,6 +494,7 @@ class _PipelineRun:
         """Full tensors of every parameter (``which="grads"``: their gradients) or persistent buffer, on every rank:
         gathered over the other axes on the pp rank that holds it first, then broadcast over pp."""
         owner, tg = self.owner, self.owner._tg
+        nodes = tg.nodes
         out = {}
         for name, kind in tg.kinds.items():
             if kind == INPUT or name not in self.ranks_of or kind == CONSTANT:
@@ -491,7 +503,7 @@ class _PipelineRun:
                 continue
             fqn = tg.fqns[name]
             src = self.ranks_of[name][0]
-            val = tg.nodes[name].meta["val"]
+            val = nodes[name].meta["val"]
             if kind == BUFFER and fqn not in owner._persistent:
                 continue
             if name in self.held:

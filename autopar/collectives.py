@@ -513,15 +513,38 @@ def scatter_flat(fulls: list[torch.Tensor], levels, reduce, pending: Pending | N
     return fulls if pending is not None else [_own(f) for f in fulls]
 
 
+class Handoff:
+    """A ZeRO-1/2 bucket's link in forward's prefetch chain (a ``Zero3Block`` is a ZeRO-3 bucket's): ``following``
+    holds the next bucket's gather, launched by this bucket's, until the next bucket's gather takes it. Each forward
+    makes a new one."""
+
+    def __init__(self):
+        self.following: Gathering | None = None
+
+
+def _take_or_gather(previous, shards: list[torch.Tensor], levels) -> Gathering:
+    """This bucket's forward gather: the one the bucket before launched for it (``previous.following``), or one
+    launched now."""
+    gathering = previous.following if previous is not None else None
+    if gathering is None:
+        return Gathering(shards, levels, "forward")
+    previous.following = None
+    return gathering
+
+
 class _ZeroGather(torch.autograd.Function):
     """Shards -> whole local parameters (forward); whole gradients -> shard gradients (backward, once every
     gradient of the bucket is ready)."""
 
     @staticmethod
-    def forward(ctx, shapes, levels, reduce, pending, *shards):
+    def forward(ctx, shapes, levels, reduce, pending, chain, *shards):
         ctx.args = (shapes, levels, reduce, pending)
         ctx.set_materialize_grads(False)
-        fulls = gather_flat(list(shards), levels, "forward")
+        handoff, previous, following, following_levels = chain
+        gathering = _take_or_gather(previous, list(shards), levels) if levels else None
+        if following and following_levels:  # the next bucket's gather, beside this bucket's compute
+            handoff.following = Gathering(list(following), following_levels, "forward")
+        fulls = gathering.result() if gathering is not None else list(shards)
         return tuple(unpadded(f, shape) for f, shape in zip(fulls, shapes))
 
     @staticmethod
@@ -529,7 +552,7 @@ class _ZeroGather(torch.autograd.Function):
         shapes, levels, reduce, pending = ctx.args
         like = next(g for g in grads if g is not None)
         full = [g.reshape(-1) if g is not None else like.new_zeros(math.prod(s)) for g, s in zip(grads, shapes)]
-        return (None, None, None, None) + tuple(scatter_flat(full, levels, reduce, pending))
+        return (None, None, None, None, None) + tuple(scatter_flat(full, levels, reduce, pending))
 
 
 class Zero3Block:
@@ -591,11 +614,7 @@ class _Zero3Gather(torch.autograd.Function):
         ctx.block, ctx.others, ctx.reduce, ctx.pending = block, others, reduce, pending
         ctx.set_materialize_grads(False)
         previous, following, following_levels = chain
-        gathering = previous.following if previous is not None else None
-        if gathering is None:
-            gathering = Gathering(list(shards), block.levels, "forward")
-        else:
-            previous.following = None
+        gathering = _take_or_gather(previous, list(shards), block.levels)
         if following:  # the next bucket's gather, beside this bucket's compute
             block.following = Gathering(list(following), following_levels, "forward")
         fulls = [unpadded(f, shape) for f, shape in zip(gathering.result(), block.shapes)]
@@ -662,10 +681,16 @@ class _Zero3BlockLinear(torch.autograd.Function):
         return gx, g.new_zeros(0), gb, None, None, None, None
 
 
-def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple, pending: Pending | None = None):
-    """A ZeRO bucket: all-gather the shards into whole local parameters; backward reduce-scatters (and all-reduces
-    over ``reduce``) their gradients, the last collective waited by ``pending``'s ``settle`` if given."""
-    return _ZeroGather.apply(shapes, levels, reduce, pending, *shards)
+def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple, pending: Pending | None = None,
+                previous: "Zero3Block | Handoff | None" = None, following: tuple = (), following_levels: tuple = ()):
+    """A ZeRO-1/2 bucket: all-gather the shards into whole local parameters; backward reduce-scatters (and
+    all-reduces over ``reduce``) their gradients, the last collective waited by ``pending``'s ``settle`` if given.
+    Returns the whole parameters, then the bucket's ``Handoff``. ``previous``: the link of the bucket forward
+    gathered before (its ``Handoff`` or ``Zero3Block``), whose gather launched this one's (None: the first);
+    ``following``: the next bucket's shards (and their ``following_levels``), whose gather this one launches."""
+    handoff = Handoff()
+    chain = (handoff, previous, tuple(following), following_levels)
+    return tuple(_ZeroGather.apply(shapes, levels, reduce, pending, chain, *shards)) + (handoff,)
 
 
 def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, others: tuple, reduce: tuple = (),

@@ -29,7 +29,8 @@ block's backward also holds the weights of the block before (``zero3_transient``
 norm's weight, a bias, an embedding) is gathered once and kept for its backward; a tied weight is gathered and
 reduce-scattered once, whatever its uses.
 Stage 1 reduce-scatters all its gradients at the end of backward (full gradients are held until then); stage 2
-reduce-scatters each group's gradients as soon as they are ready. A storage shard is a flat chunk of the
+reduce-scatters each group's gradients as soon as they are ready. Their forward gathers join the prefetch chain
+(``collectives.Handoff``): no peak cost, their gathered parameters live to the end of backward anyway. A storage shard is a flat chunk of the
 parameter's local tensor (FSDP1 style), zero-padded to a multiple of n, so any parameter can be sharded.
 Gradients over data axes the group does not shard (HSDP's replicate axis) and over other replicated axes are
 all-reduced on the shard (1/n of the bytes).

@@ -2,10 +2,11 @@
 waited where it is launched, measured side by side on gloo ranks.
 
 Run: ``python benchmarks/overlap.py [--ranks 2] [--rounds 6] [--steps 4]``. A stack of wide linears (many gradient
-bytes per FLOP, so the communication matters) on dp over every rank, pinned to ZeRO-0 (DDP's all-reduce buckets) and
-ZeRO-3 (FSDP2's blocks). Rows: each bucket's last gradient reduction waited later (``collectives.settle``) or at
-once, for both stages; and ZeRO-3's gathers launched a bucket ahead (``collectives.Zero3Block``, FSDP2's prefetch)
-or waited as they are launched (each then holds up the compute it could have run beside). The two ways alternate
+bytes per FLOP, so the communication matters) on dp over every rank, pinned to ZeRO-0 (DDP's all-reduce buckets),
+ZeRO-2 and ZeRO-3 (FSDP2's blocks). Rows: each bucket's last gradient reduction waited later
+(``collectives.settle``) or at once, for stages 0 and 3; and the gathers of ZeRO-2 (forward's only) and ZeRO-3
+launched a bucket ahead (``collectives.Handoff``, ``collectives.Zero3Block``: FSDP2's prefetch) or waited as they
+are launched (each then holds up the compute it could have run beside). The two ways alternate
 round by round, so load on the machine falls on both; per row the table prints the median forward + backward time
 of each, their ratio, and the largest gradient difference between them (the waits move, the numbers must not: 0).
 
@@ -60,7 +61,8 @@ def worker(rounds: int, steps: int, width: int, layers: int, batch: int) -> None
         _compat.launch_all_gather_dim0 = (lambda x, k, grp: _compat.wait(gather(x, k, grp))) if on else gather
 
     rows = []
-    for stage, what, patch in ((0, "reductions", reductions_at_once), (3, "reductions", reductions_at_once), (3, "gathers", gathers_at_once)):
+    for stage, what, patch in ((0, "reductions", reductions_at_once), (3, "reductions", reductions_at_once), (2, "gathers", gathers_at_once),
+                               (3, "gathers", gathers_at_once)):
         torch.manual_seed(0)
         pm = autopar.parallelize(Wide(), autopar.Mesh({"dp": n}, hardware="cpu-gloo"), (x, y),
                                  constraints=[autopar.ZeroPin("*", stage)])

@@ -73,7 +73,7 @@ def local_values(gm: fx.GraphModule, plan, mesh) -> dict[str, object]:
         elif t is collectives.settle:
             out = (None,) + tuple(args[0])
         elif t is collectives.zero_gather:
-            out = tuple(_meta_like(shape, x.dtype) for x, shape in zip(args[0], args[1]))
+            out = tuple(_meta_like(shape, x.dtype) for x, shape in zip(args[0], args[1])) + (None,)  # (its Handoff)
         elif t is collectives.zero3_gather:
             out = (None, _meta_like((0,), args[0][0].dtype)) + tuple(_meta_like(args[1][j], args[0][j].dtype) for j in args[4])
         elif t is collectives.zero3_block_linear:

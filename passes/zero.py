@@ -2,7 +2,7 @@
 
 Requires: ``plan.zero_buckets``; redistributions already inserted (a parameter's consumers read it in its Spec).
 Ensures: the placeholder of every ZeRO parameter holds this rank's flat shard. ZeRO-1/2 buckets: one
-``zero_gather`` at the start of the program rebuilds the bucket's whole local parameters; its backward
+``zero_gather`` where the bucket's first parameter is used rebuilds its whole local parameters; its backward
 reduce-scatters their gradients once all are ready (and all-reduces the shards over the bucket's other
 replicated axes). ZeRO-3 buckets (a repeated block's parameters, or the rest: FSDP2's units): one ``zero3_gather``
 where the bucket's first parameter is used; a linear that takes one of them as its weight becomes
@@ -10,9 +10,10 @@ where the bucket's first parameter is used; a linear that takes one of them as i
 drops the bucket's weights; backward, or a recomputed block as its backward starts, gathers them again, once for
 the bucket, as ``ZeroBucket.weights`` says); any other use reads the whole parameter the gather returns. The
 bucket's gradients are reduce-scattered together once all its uses' backward is done.
-A ZeRO-3 gather also takes the block of the ZeRO-3 bucket gathered before it in forward and the next one's shards:
-it launches the next gather before waiting for its own, and the next bucket takes that from this one's block
-(FSDP2's forward prefetch); and the block of its ``ZeroBucket.prefetch``, whose backward gather its own launches.
+Every gather also takes the link (``Zero3Block`` or ``collectives.Handoff``) of the bucket gathered before it in
+forward and the next one's shards: it launches the next gather before waiting for its own, and the next bucket
+takes that from this one's link (FSDP2's forward prefetch); a ZeRO-3 gather also takes the block of its
+``ZeroBucket.prefetch``, whose backward gather its own launches.
 Every bucket's shards are read through its ``settle`` node, placed just before the gather of the bucket before it
 in forward: the last collective of the bucket's gradients is launched by its gather's backward and waited by
 settle's, which autograd runs after that previous bucket's ops' backward (the node created last runs first), so
@@ -60,7 +61,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     # the buckets in the order forward gathers them (backward reduces them in the reverse order)
     order = sorted(((first_use(b), b) for b in plan.zero_buckets), key=lambda t: position[t[0]])
     previous = start  # the gather of the bucket before, in forward
-    chain = []  # per bucket in forward order: (its zero3_gather, its Zero3Block, its shards, its levels), or None
+    chain = []  # per bucket in forward order: (its gather, its link -- Zero3Block or Handoff --, its shards, its levels)
     block_of = {}  # ZeRO-3 bucket name -> its Zero3Block node
     for use, bucket in order:
         levels, reduce = levels_and_reduce(bucket, mesh, axes)
@@ -77,11 +78,11 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             # from their block's forward on, and their backward reduce-scatters as soon as the block is done)
             with g.inserting_before(use):
                 z = g.call_function(collectives.zero_gather, (tuple(settled), shapes, levels, reduce, pending))
-                reads = [g.call_function(operator.getitem, (z, i)) for i in range(len(params))]
+                reads = [g.call_function(operator.getitem, (z, i)) for i in range(len(params) + 1)]
             for p, r in zip(params, reads):
                 p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not settle)
             previous = z
-            chain.append(None)
+            chain.append((z, reads[-1], tuple(settled), levels))
             continue
         # ZeRO-3: the bucket gathered once where its first parameter is used; its linears read their weights from
         # the bucket (gathered again for backward, never kept), its other uses read what the gather returns
@@ -108,19 +109,22 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         previous = z
         chain.append((z, block, tuple(settled), levels))
         block_of[bucket.name] = block
-    # prefetch (FSDP2's): each ZeRO-3 gather launches the next bucket's, whose shards its settle reads just before
-    # this gather, and the next one takes it from this bucket's block; in backward, the plan's ``prefetch``
+    # prefetch (FSDP2's): each gather launches the next bucket's, whose shards its settle reads just before this
+    # gather, and the next one takes it from this bucket's link (a ZeRO-1/2 bucket's gathered parameters live to
+    # the end of backward anyway, so launching its gather a bucket early adds nothing to the peak); in backward,
+    # the plan's ``prefetch`` (ZeRO-3 only: only ZeRO-3 gathers in backward)
     now = {n: i for i, n in enumerate(g.nodes)}  # graph order, with the gathers in
     for k, (use, bucket) in enumerate(order):
         here = chain[k]
-        if here is not None:
-            before = chain[k - 1] if k > 0 else None
-            after = chain[k + 1] if k + 1 < len(chain) else None
+        before = chain[k - 1] if k > 0 else None
+        after = chain[k + 1] if k + 1 < len(chain) else None
+        here[0].args += (before[1] if before else None, after[2] if after else (), after[3] if after else ())
+        if here[0].target is collectives.zero3_gather:
             ahead = block_of.get(bucket.prefetch) if bucket.prefetch else None
             if bucket.prefetch and (ahead is None or now[ahead] > now[here[0]]):
                 raise AutoparError(f"internal: ZeRO-3 bucket {bucket.name} prefetches {bucket.prefetch!r}, which forward "
                                    "does not gather before it; please report this plan")
-            here[0].args += (before[1] if before else None, after[2] if after else (), after[3] if after else (), ahead)
+            here[0].args += (ahead,)
     g.lint()
     gm.recompile()
     return gm

@@ -390,14 +390,14 @@ def test_each_gradient_reduction_runs_beside_the_backward_after_it(stage, monkey
         assert kinds == ["launch", "launch"] + ["wait", "launch"] * (buckets - 2) + ["wait", "wait"] and most == 2
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
-def test_zero3_gathers_the_next_bucket_while_this_one_computes(recompute, monkeypatch):
-    """FSDP2's prefetch: in forward each ZeRO-3 bucket's gather launches the next bucket's before its own is waited
-    (the next one's runs beside this bucket's compute); in backward a block's bucket gathered again launches the
-    gather of the block forward dropped before it, which backward needs next (the rest's bucket, embeddings and
-    head, keeps the head's weight for backward: it is not gathered again). So at every wait but each phase's last,
-    the next gather is already launched, and at most two are in flight; each is waited once, and the values are
-    those of one device (the parity tests above)."""
+@pytest.mark.parametrize("stage,recompute", [(2, "none"), (3, "none"), (3, "full")])
+def test_each_zero_gather_launches_the_next_bucket_s_while_this_one_computes(stage, recompute, monkeypatch):
+    """FSDP2's prefetch: in forward each bucket's gather launches the next bucket's before its own is waited (the
+    next one's runs beside this bucket's compute); in backward (ZeRO-3: ZeRO-2 keeps what forward gathered) a
+    block's bucket gathered again launches the gather of the block forward dropped before it, which backward needs
+    next (the rest's bucket, embeddings and head, keeps the head's weight for backward: it is not gathered again).
+    So at every wait but each phase's last, the next gather is already launched, and at most two are in flight;
+    each is waited once, and the values are those of one device (the parity tests above)."""
     events = []
     launch, wait = _compat.launch_all_gather_dim0, _compat.wait
     mine = []  # the launched buffers themselves: kept alive, so that no other tensor takes one's id
@@ -418,14 +418,16 @@ def test_zero3_gathers_the_next_bucket_while_this_one_computes(recompute, monkey
     model, inputs = _model("gpt"), _inputs()
     mesh = autopar.Mesh({"dp": 4}, hardware="h100-80gb")
     with fake_world(mesh.size), _compat.local_tensor_mode(mesh.size):
-        pm = autopar.parallelize(model, mesh, inputs, constraints=[autopar.ZeroPin("*", 3)], recompute=recompute)
+        pm = autopar.parallelize(model, mesh, inputs, constraints=[autopar.ZeroPin("*", stage)], recompute=recompute)
         loss = pm(*pm.local_inputs(*inputs))
         forward, events[:] = list(events), []
         loss.backward()
         backward = list(events)
     buckets = len(pm.plan.zero_buckets)
-    assert buckets == 3  # the rest (embeddings, head), h.0, h.1
-    for phase, gathered in ((forward, buckets), (backward, buckets - 1)):
+    assert buckets == 3 and {b.stage for b in pm.plan.zero_buckets} == {stage}  # the rest (embeddings, head), h.0, h.1
+    if stage == 2:
+        assert backward == []
+    for phase, gathered in ((forward, buckets), (backward, buckets - 1))[: 1 if stage == 2 else 2]:
         launches = [i for k, i in phase if k == "launch"]
         waits = [i for k, i in phase if k == "wait"]
         assert len(launches) == len(waits) == gathered and set(launches) == set(waits)  # each gathered once, waited once

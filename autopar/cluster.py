@@ -77,7 +77,7 @@ from autopar.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.strategies import TensorMeta, op_info
 from autopar.trace import PARAM, trace
-from autopar.zero import ZeroOption, bucket_latency, deferred_latency, grad_bucket, group_latency, param_cost, zero3_traffic, zero3_uses
+from autopar.zero import ZeroOption, bucket_latency, deferred_latency, frozen, grad_bucket, group_latency, param_cost, zero3_traffic, zero3_uses
 
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
@@ -255,7 +255,7 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
     U = len(un.labels)
     params = {}
     for n in problem.order:
-        if tg.kinds.get(n) != PARAM or n not in tg.trainable:
+        if tg.kinds.get(n) != PARAM:
             continue
         first = min(un.users_units.get(n) or {0})
         if 0 < first < U - 2:
@@ -303,14 +303,15 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     cross = [int(cr[0]), int(cr[1])] + [int(cr[U - 2])] * (L - 1) + [int(cr[U - 1]), int(cr[U])]
     grad = [a.cross_grad[0], a.cross_grad[1]] + [a.cross_grad[U - 2]] * (L - 1) + [a.cross_grad[U - 1], a.cross_grad[U]]
     # a block's parameters that sync over the same axes act as one (their sums): fewer entries to walk per candidate
-    block: dict[tuple, list] = {}
+    block: dict[tuple, list] = {}  # (sync axes, frozen) -> sums
     params, wire, step = {}, {}, {}
+    cold = set()
     for name, (uu, sg, local, axes, n) in a.params.items():
         first = min(uu) if uu else 0
         if 0 < first < U - 2:
             continue  # another proxy block's parameter: the template block (the last) stands for every block
         if first == U - 2 and U > 2:  # the template block's parameter: one per block
-            acc = block.setdefault(tuple(axes), [0.0, 0.0, 0, 0.0, 0.0])
+            acc = block.setdefault((tuple(axes), name in a.frozen), [0.0, 0.0, 0, 0.0, 0.0])
             acc[0] += sg
             acc[1] += local
             acc[2] += n
@@ -320,14 +321,19 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
             params[name] = ({0 if u == 0 else L + 1 for u in uu} or {0}, sg, local, axes, n)
             wire[name] = a.grad_wire.get(name, local)
             step[name] = a.step.get(name, 0.0)
-    for axes, (sg, local, n, w, t) in block.items():
+            if name in a.frozen:
+                cold.add(name)
+    for (axes, is_frozen), (sg, local, n, w, t) in block.items():
         for k in range(L):
-            params[f"block{k}{axes}"] = ({1 + k}, sg, local, axes, n)
-            wire[f"block{k}{axes}"] = w
-            step[f"block{k}{axes}"] = t
+            key = f"block{k}{axes}" + ("frozen" if is_frozen else "")
+            params[key] = ({1 + k}, sg, local, axes, n)
+            wire[key] = w
+            step[key] = t
+            if is_frozen:
+                cold.add(key)
     # a unit's largest gradient bucket and gradient do not depend on the rows: the proxy's, the template's per block
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire,
-                     flat=expand(a.flat, b.flat), step=step, accum=expand(a.accum, b.accum))
+                     flat=expand(a.flat, b.flat), step=step, accum=expand(a.accum, b.accum), frozen=frozenset(cold))
 
 
 def _units(L: int) -> Units:
@@ -386,7 +392,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         comm += copies * zc.comm
         deferred += (copies - 1) * zc.deferred  # every block copy's but the first's (``solver.reduction_hides``)
         compute += copies * zc.memory_bound  # copies and the optimizer step run on the compute stream, as the real plan prices them
-        gb = grad_bucket(opt, spec, meta, mesh)
+        gb = grad_bucket(opt, spec, meta, mesh, frozen(uses))
         if gb is not None:
             buckets[u == 1].add(gb)
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
@@ -564,6 +570,8 @@ def _sync_sums(uc: UnitCosts, U: int, every: bool = False) -> tuple[dict, list]:
         sums: dict[tuple, list[list[float]]] = {}
         tied = []
         for name, (uu, _sg, local, axes, _n) in uc.params.items():
+            if name in uc.frozen:  # no gradient to sum
+                continue
             wire = uc.grad_wire.get(name, local)
             if axes or every:
                 acc = sums.setdefault(tuple(axes), [[0.0] * U, [0.0] * U])
@@ -599,7 +607,8 @@ def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple, ou
     key = ("zero1", dp, outer) + at
     if key not in prof.memo:
         n_of = lambda axes: dp if not outer or 0 in axes else outer  # noqa: E731
-        params = {n: (uu, (sg - local) / n_of(axes) + 2 * local, local, axes, e) for n, (uu, sg, local, axes, e) in uc.params.items()}
+        params = {n: (uu, sg if n in uc.frozen else (sg - local) / n_of(axes) + 2 * local, local, axes, e)
+                  for n, (uu, sg, local, axes, e) in uc.params.items()}  # (a frozen parameter stays whole)
         step = {n: t / n_of(uc.params[n][3]) for n, t in uc.step.items()}  # a rank steps its shard alone
         prof.memo[key] = dataclasses.replace(uc, params=params, flat=[], step=step)  # no ZeRO-0 buckets left
     return prof.memo[key]

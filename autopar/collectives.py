@@ -225,7 +225,10 @@ class _Settle(torch.autograd.Function):
     def forward(ctx, pending, *params):
         ctx.pending = pending
         ctx.set_materialize_grads(False)
-        return tuple(p.view_as(p) for p in params)
+        outs = tuple(p.view_as(p) for p in params)
+        # a frozen parameter stays frozen through here (a Function's outputs would all need a gradient otherwise)
+        ctx.mark_non_differentiable(*(o for o, p in zip(outs, params) if not p.requires_grad))
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -610,7 +613,7 @@ class _Zero3Gather(torch.autograd.Function):
     in -- after every linear of the bucket -- and reduce-scatters the bucket's gradients together."""
 
     @staticmethod
-    def forward(ctx, block, others, reduce, pending, chain, *shards):
+    def forward(ctx, block, others, reduce, pending, chain, anchor, *shards):
         ctx.block, ctx.others, ctx.reduce, ctx.pending = block, others, reduce, pending
         ctx.set_materialize_grads(False)
         previous, following, following_levels = chain
@@ -620,7 +623,10 @@ class _Zero3Gather(torch.autograd.Function):
         fulls = [unpadded(f, shape) for f, shape in zip(gathering.result(), block.shapes)]
         block.hold({j: fulls[j] for j in block.linear})
         token = shards[0].new_zeros(0)
-        return (token,) + tuple(fulls[j] for j in others)
+        outs = tuple(fulls[j] for j in others)
+        # a frozen parameter's whole value needs no gradient (a Function's outputs would all need one otherwise)
+        ctx.mark_non_differentiable(*(o for j, o in zip(others, outs) if not shards[j].requires_grad))
+        return (token,) + outs
 
     @staticmethod
     def backward(ctx, _token, *grads):
@@ -630,9 +636,16 @@ class _Zero3Gather(torch.autograd.Function):
         for j, g in zip(ctx.others, grads):
             if g is not None:
                 full[j] = g if full[j] is None else full[j] + g
-        like = next(g for g in full if g is not None)
-        full = [g.reshape(-1) if g is not None else like.new_zeros(math.prod(s)) for g, s in zip(full, block.shapes)]
-        return (None, None, None, None, None) + tuple(scatter_flat(full, block.levels, ctx.reduce, ctx.pending))
+        out: list = [None] * len(block.shapes)
+        trainable = [j for j in range(len(block.shapes)) if ctx.needs_input_grad[6 + j]]  # frozen ones reduce nothing
+        if trainable:
+            like = next((full[j] for j in trainable if full[j] is not None), None)
+            if like is None:
+                like = next(g for g in full if g is not None)
+            flat = [full[j].reshape(-1) if full[j] is not None else like.new_zeros(math.prod(block.shapes[j])) for j in trainable]
+            for j, g in zip(trainable, scatter_flat(flat, block.levels, ctx.reduce, ctx.pending)):
+                out[j] = g
+        return (None,) * 6 + tuple(out)
 
 
 class _BeforeBackward(torch.autograd.Function):
@@ -673,11 +686,14 @@ class _Zero3BlockLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, *kept = ctx.saved_tensors
-        w = kept[0] if ctx.keep else ctx.block.weight(ctx.i, "backward")
-        gx = g @ w
+        gx = None
+        if ctx.needs_input_grad[0]:  # (a linear whose input needs no gradient reads no weight in backward)
+            w = kept[0] if ctx.keep else ctx.block.weight(ctx.i, "backward")
+            gx = g @ w
         g2 = g.reshape(-1, g.shape[-1])
-        ctx.block.add_grad(ctx.i, g2.t() @ x.reshape(-1, x.shape[-1]))
-        gb = g2.sum(0) if ctx.has_b else None
+        if ctx.block.shards[ctx.i].requires_grad:  # a frozen weight takes no gradient
+            ctx.block.add_grad(ctx.i, g2.t() @ x.reshape(-1, x.shape[-1]))
+        gb = g2.sum(0) if ctx.has_b and ctx.needs_input_grad[2] else None
         return gx, g.new_zeros(0), gb, None, None, None, None
 
 
@@ -694,17 +710,22 @@ def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple, pend
 
 
 def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, others: tuple, reduce: tuple = (),
-                 pending: Pending | None = None, previous: "Zero3Block | None" = None, following: tuple = (),
-                 following_levels: tuple = (), before: "Zero3Block | None" = None):
+                 pending: Pending | None = None, previous: "Zero3Block | Handoff | None" = None, following: tuple = (),
+                 following_levels: tuple = (), before: "Zero3Block | None" = None, backward: bool = True):
     """A ZeRO-3 bucket: one all-gather of its shards (per level). Returns (its ``Zero3Block``, the token its
     linears take, the whole parameters at ``others``); backward reduce-scatters the bucket's gradients once (the
     last collective waited by ``pending``'s ``settle`` if given). ``previous``: the block of the bucket forward
     gathered before, whose gather launched this one's (None: the first); ``following``: the next bucket's shards
     (and their ``following_levels``), whose gather this one launches; ``before``: the block whose backward gather
-    this one's launches."""
+    this one's launches. A bucket of frozen parameters alone whose linears have a backward (``backward``: the
+    plan's weights are not "forward") gets an anchor that needs a gradient, so that its backward -- which drops
+    the weights gathered again -- runs once its linears' have."""
     block = Zero3Block(tuple(shards), tuple(shapes), levels, tuple(linear), before)
     chain = (previous, tuple(following), following_levels)
-    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, pending, chain, *shards))
+    anchor = None
+    if backward and linear and torch.is_grad_enabled() and not any(s.requires_grad for s in shards):
+        anchor = shards[0].new_zeros(0).requires_grad_()
+    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, pending, chain, anchor, *shards))
 
 
 def before_backward(blocks: tuple, outs: tuple) -> tuple:

@@ -195,6 +195,8 @@ class UnitCosts:
     # per unit, its largest gradient: a microbatch after the first computes each gradient whole before adding it to
     # the one accumulated so far, so one of them is alive beside the unit's backward (``back``)
     accum: list[float] = dataclasses.field(default_factory=list)
+    # frozen parameters (no gradient): held whole, nothing to sync, step or shard on a pipeline (``zero.effective``)
+    frozen: frozenset = frozenset()
     # what the cut searches derive from these costs (``unit_state``, ``_sums``, ``back``), once: the cluster screen
     # prices thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
     memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -252,16 +254,17 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         spec, meta = problem.grad_spec(n, strategy.__getitem__), problem.meta[n]  # whole where its gradient is
         local = math.prod(spec.local_shape(meta.shape, inner.sizes)) * itemsize(meta.dtype)
         uu = set(units.users_units.get(n, set())) or {0}
-        axes = grad_sync_axes(spec, inner)
+        cold = n not in tg.trainable  # a frozen parameter: no gradient to sync, no optimizer step, held whole
+        axes = () if cold else grad_sync_axes(spec, inner)
         held = nc.state + nc.grad
         opt = choice.zero.get(groups[n][0], ZeroOption(0)) if n in groups else ZeroOption(0)
-        opt = effective(opt, spec, inner)
+        opt = effective(opt, spec, inner, cold)
         if opt.stage == 1:
             held = pipeline_held(opt, spec, meta, inner)
             zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes))
         params[n] = (uu, held, float(local), axes, math.prod(meta.shape))
-        step[n] = optimizer_time(opt, spec, meta, inner)
-        grad_wire[n] = local * inner.hardware.reduce_factor(meta.dtype)
+        step[n] = 0.0 if cold else optimizer_time(opt, spec, meta, inner)
+        grad_wire[n] = 0.0 if cold else local * inner.hardware.reduce_factor(meta.dtype)
         if axes and n not in zero:
             buckets[min(uu), tuple(axes)] = buckets.get((min(uu), tuple(axes)), 0.0) + local
     # bytes crossing each boundary: a value produced in unit a and read in unit b crosses boundaries a+1 .. b
@@ -303,7 +306,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for uu, _held, local, _axes, _n in params.values():
         for u in uu:
             accum[u] = max(accum[u], local)
-    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum)
+    return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum,
+                     frozenset(n for n in params if n not in tg.trainable))
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -374,7 +378,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r], rank_flat[r]) for r in range(p))
     sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) + copied[r] + stepped[r] for r in range(p)]
     for name, rs in ranks_of.items():
-        if len(rs) > 1:
+        if len(rs) > 1 and name not in uc.frozen:  # (a frozen tied parameter has no gradient to sum)
             for r in rs:
                 sync[r] += tied_sync(uc.grad_wire.get(name, uc.params[name][2]), uc.zero[name][0] if name in uc.zero else None,
                                      len(rs), inner, link)

@@ -78,7 +78,7 @@ class GradBucket:
     params: tuple[str, ...]  # placeholder node names
 
 
-ZERO3_WEIGHTS = ("regather", "recompute", "keep")
+ZERO3_WEIGHTS = ("regather", "recompute", "keep", "forward")
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,9 @@ class ZeroBucket:
     "recompute" (its linears are all in recomputed blocks: the weights are gathered again as the block's backward
     starts, and its recomputation saves them for backward) or "keep" (some in recomputed blocks, some not, or the
     output head's, forward's last linear weight, which backward needs at once: the forward gather's weights are kept
-    until backward; ``zero.kept_to_backward``). ``prefetch`` (ZeRO-3): the bucket whose linears' weights its own
+    until backward; ``zero.kept_to_backward``) or "forward" (frozen weights whose linears have no backward, their
+    inputs needing no gradient: gathered for forward alone). Frozen parameters join their block's bucket under
+    ZeRO-3 and reduce nothing. ``prefetch`` (ZeRO-3): the bucket whose linears' weights its own
     gather in backward launches ahead -- the copy of its block that forward dropped just before it, which backward
     needs next -- or ""."""
 

@@ -21,8 +21,8 @@ from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroB
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
 from autopar.solver import Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, solve, zero_groups
-from autopar.zero import (ZeroOption, effective, gather_priced, grad_bucket, linear_weight_users, param_cost, scatter_priced,
-                          shard_factor, zero3_uses)
+from autopar.zero import (ZeroOption, effective, frozen, gather_priced, grad_bucket, linear_weight_users, param_cost,
+                          scatter_priced, shard_factor, zero3_uses)
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info, tensor_inputs
 from autopar.trace import INPUT, PARAM, TracedGraph
@@ -192,12 +192,14 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         g = zgroups[name][0]
         spec, meta = problem.grad_spec(name, strategy.__getitem__), problem.meta[name]  # whole where its gradient is
         stored = strategy[name].output
-        if spec != stored:
+        uses = zero3_uses(tg, name)
+        cold = frozen(uses)  # no gradient: ZeRO-3 shards it, nothing else touches it
+        if spec != stored and not cold:
             whole_grads[name] = tuple(mesh.names[a] for a in range(mesh.ndim) if spec[a] != stored[a])
         opt = choice.zero.get(g, ZeroOption(0))
-        opt = effective(opt, spec, mesh)
+        opt = effective(opt, spec, mesh, cold)
         zero_of[name] = opt
-        zc = param_cost(opt, spec, meta, mesh, uses=zero3_uses(tg, name))
+        zc = param_cost(opt, spec, meta, mesh, uses=uses)
         busy_time += zc.memory_bound
         optimizer_time += zc.optimizer
         gm = group_memory.setdefault(g, [0.0, 0.0, 0])
@@ -210,7 +212,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         block = tg.block_of(name) or ""
         local = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
         n = shard_factor(opt, mesh)
-        gb = grad_bucket(opt, spec, meta, mesh)  # the bucket its gradients land in, as the solver prices them
+        gb = grad_bucket(opt, spec, meta, mesh, cold)  # the bucket its gradients land in, as the solver prices them
         if opt.stage in (1, 2):
             by_zero.setdefault((opt.stage, opt.shard_axes, gb[1], block if opt.stage == 2 else ""), []).append(name)
         elif gb is not None:
@@ -245,33 +247,39 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     # for its recomputation to read and keep), all gradients reduce-scattered together. A bucket with linears both in
     # and out of recomputed blocks keeps its weights from forward to backward instead ("keep"), and so does the one
     # holding the output head (``zero.kept_to_backward``)
-    per_block: dict[tuple, list] = {}  # (block, shard axes) -> [(name, bytes), bytes used by linears, linear users]
+    # A frozen parameter is gathered like the others and reduces nothing; a linear taking a frozen weight whose
+    # input needs no gradient has no backward: a bucket whose linears are all such ("forward": a frozen first layer)
+    # is gathered for forward alone
+    per_block: dict[tuple, list] = {}  # (block, shard axes) -> [(name, bytes), bytes used by linears, linear users
+    # with a backward, bytes with a gradient]
     for name, opt in zero_of.items():
         if opt.stage != 3:
             continue
         spec, meta = strategy[name].output, problem.meta[name]
         full = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
         block = tg.block_of(name) or "rest"
-        acc = per_block.setdefault((block, opt.shard_axes), [[], 0.0, []])
+        acc = per_block.setdefault((block, opt.shard_axes), [[], 0.0, [], 0.0])
         linears = [u.name for u in linear_weight_users(nodes_fx[name])]
         acc[0].append((name, full))
         acc[1] += full * bool(linears)
-        acc[2] += linears
+        acc[2] += [u for u in linears if problem.requires_grad.get(u)]
+        acc[3] += full * (name in tg.trainable)
     # backward prefetch (``ZeroBucket.prefetch``): a bucket gathered again in backward launches the gather of the
     # bucket forward dropped just before it (after its last linear) if that is another copy of its block, whose
     # weights join its own and its gradients
     position = {n: i for i, n in enumerate(nodes_fx)}  # graph order
     weights_of = {}
-    for key, (members, linear_b, users) in per_block.items():
+    for key, (members, linear_b, users, _g) in per_block.items():
         again = [u in cost.recompute for u in users]
         kept = any("kept" in zero3_uses(tg, n) for n, _ in members)  # the head's: forward's last linear weight
-        weights_of[key] = "recompute" if users and all(again) else "keep" if any(again) or kept else "regather"
-    dropped = sorted((max(position[u] for u in users), key) for key, (_m, _b, users) in per_block.items()
+        weights_of[key] = ("recompute" if users and all(again) else "keep" if any(again) or kept
+                           else "forward" if linear_b and not users else "regather")
+    dropped = sorted((max(position[u] for u in users), key) for key, (_m, _b, users, _g) in per_block.items()
                      if users and weights_of[key] != "keep")
     zname_of = {key: f"zero3[{key[0]}]({','.join(mesh.names[a] for a in key[1])})" for key in per_block}
-    group_of = {key: zgroups[members[0][0]][0] for key, (members, _b, _u) in per_block.items()}
+    group_of = {key: zgroups[members[0][0]][0] for key, (members, _b, _u, _g) in per_block.items()}
     before_of = {key: before for (_p, before), (_q, key) in zip(dropped, dropped[1:]) if group_of[before] == group_of[key]}
-    for (block, shard_axes), (members, linear_b, users) in per_block.items():
+    for (block, shard_axes), (members, linear_b, users, grad_b) in per_block.items():
         zname = zname_of[block, shard_axes]
         weights = weights_of[block, shard_axes]
         before = before_of.get((block, shard_axes))
@@ -279,11 +287,17 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
                                        zname_of[before] if before else ""))
         all_b = sum(b for _, b in members)
         priced = list(gather_priced(all_b, shard_axes, mesh, "forward"))
-        if linear_b and weights != "keep":
+        if linear_b and weights not in ("keep", "forward"):
             priced += gather_priced(linear_b, shard_axes, mesh, "backward")
-        add(priced + scatter_priced(all_b, shard_axes, (), mesh, problem.meta[members[0][0]].dtype), zname)
-        # the bucket gathered again with its gradients (``zero.param_cost``), and the one it launches ahead
-        ahead = per_block[before][1] if before else 0.0
+        trainable = [n for n, _ in members if n in tg.trainable]
+        if trainable:
+            priced += scatter_priced(grad_b, shard_axes, (), mesh, problem.meta[trainable[0]].dtype)
+        add(priced, zname)
+        # the bucket gathered again with its gradients, or as its gather ends the gathered rows and the parameters
+        # cut from them (``zero.zero3_transient``), and the one it launches ahead: in backward the copy before's
+        # weights; a bucket gathered for forward alone, the next copy's (taken as its own size)
+        copies_of = sum(group_of[k] == group_of[block, shard_axes] for k in per_block)
+        ahead = per_block[before][1] if before else all_b if weights == "forward" and copies_of > 1 else 0.0
         transient = max(transient, 2 * all_b + ahead)
         t_act = max(t_act, 2 * all_b + ahead)
     plan_in = [strategy[n].output for n in problem.order if tg.kinds.get(n) == INPUT]

@@ -108,8 +108,8 @@ from autopar.milp import INF, Model, Solution
 from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
-from autopar.trace import INPUT, TracedGraph
-from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, deferred_latency, effective, grad_bucket, grad_spec, group_latency, param_cost,
+from autopar.trace import INPUT, TracedGraph, requires_grad
+from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, deferred_latency, effective, grad_bucket, grad_spec, frozen, group_latency, param_cost,
                           zero3_traffic, zero3_transient, zero3_uses, zero_axes, zero_options)
 
 
@@ -193,19 +193,6 @@ class Problem:
 
 def _tmeta(v) -> TensorMeta:
     return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
-
-
-def _requires_grad(tg: TracedGraph) -> dict[str, bool]:
-    rg: dict[str, bool] = {}
-    for n in tg.gm.graph.nodes:
-        if n.op == "placeholder":
-            rg[n.name] = n.name in tg.trainable
-        elif n.op == "call_function":
-            val = n.meta.get("val")
-            leaves = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
-            floating = any(v.dtype.is_floating_point for v in leaves)
-            rg[n.name] = floating and any(rg.get(a.name, False) for a in n.all_input_nodes)
-    return rg
 
 
 def _output_specs(meta: TensorMeta, sizes: tuple[int, ...]) -> list[Spec]:
@@ -384,7 +371,7 @@ def expert_dims(tg: TracedGraph) -> dict[str, int]:
 def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     t0 = time.perf_counter()
     sizes = mesh.sizes
-    rg = _requires_grad(tg)
+    rg = requires_grad(tg)
     order, cands, costs, meta, source, kind, root = [], {}, {}, {}, {}, {}, {}
     main_slot: dict[str, int] = {}
     edges: list[tuple[str, str, int, TensorMeta]] = []
@@ -629,16 +616,17 @@ class ZeroPin:
     shard: tuple[str, ...] | None = None
 
 
-def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int]]:
-    """Trainable parameter -> (group, copies of the group). A group is a repeated block (named by its
-    representative copy, so tied copies share one choice) or "rest" (embeddings, head, norms)."""
+def zero_groups(tg: TracedGraph, order: list[str], frozen: bool = True) -> dict[str, tuple[str, int]]:
+    """Parameter -> (group, copies of the group): every parameter, frozen ones too (ZeRO-3 shards them with their
+    group, as FSDP2 does a module's), or with ``frozen=False`` the trainable ones alone. A group is a repeated block
+    (named by its representative copy, so tied copies share one choice) or "rest" (embeddings, head, norms)."""
     rep_of = {b.fqn: (b.tied_to or b.fqn) for b in tg.blocks}
     copies: dict[str, int] = {}
     for b in tg.blocks:
         copies[rep_of[b.fqn]] = copies.get(rep_of[b.fqn], 0) + 1
     out: dict[str, tuple[str, int]] = {}
     for n in order:
-        if tg.kinds.get(n) == "param" and n in tg.trainable:
+        if tg.kinds.get(n) == "param" and (frozen or n in tg.trainable):
             block = tg.block_of(n)
             g = rep_of[block] if block else "rest"
             out[n] = (g, copies.get(g, 1))
@@ -798,15 +786,16 @@ def solve(
         key = (spec, meta.shape, meta.dtype, copies, uses)
         if key not in zfacts:
             base = _zcost(zopts[0], spec, meta, mesh, copies, uses)
+            cold = frozen(uses)
             per = []
             for k, opt in enumerate(zopts):
                 c = _zcost(opt, spec, meta, mesh, copies, uses) if k else base
-                per.append((effective(opt, spec, mesh).stage,
+                per.append((effective(opt, spec, mesh, cold).stage,
                             (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.memory_bound - base.memory_bound,
                              c.deferred - base.deferred),
-                            grad_bucket(opt, spec, meta, mesh)))
+                            grad_bucket(opt, spec, meta, mesh, cold)))
             b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
-            zfacts[key] = (base.memory_bound, base.comm, base.deferred, b, bool(grad_sync_axes(spec, mesh)), per)
+            zfacts[key] = (base.memory_bound, base.comm, base.deferred, b, bool(grad_sync_axes(spec, mesh)) and not cold, per)
         return zfacts[key]
 
     zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it

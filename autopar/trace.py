@@ -119,6 +119,24 @@ class TracedGraph:
         return f"{mod}:{name}" if mod else name
 
 
+def requires_grad(tg: TracedGraph) -> dict[str, bool]:
+    """Node name -> whether its value needs a gradient: a trainable parameter, or a floating-point value computed
+    from one. Read off the graph once (``tg.memo``): the solver, the planner and ZeRO's pricing all ask."""
+    rg = tg.memo.get("requires_grad")
+    if rg is None:
+        rg = {}
+        for n in tg.gm.graph.nodes:
+            if n.op == "placeholder":
+                rg[n.name] = n.name in tg.trainable
+            elif n.op == "call_function":
+                val = n.meta.get("val")
+                leaves = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
+                floating = any(v.dtype.is_floating_point for v in leaves)
+                rg[n.name] = floating and any(rg.get(a.name, False) for a in n.all_input_nodes)
+        tg.memo["requires_grad"] = rg
+    return rg
+
+
 def _module_frames(exc: BaseException, model: torch.nn.Module) -> list[tuple[str, str, int]]:
     """(module FQN, file, line) of every frame in the traceback that ran inside one of the model's modules."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
@@ -268,8 +286,10 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
     """Group ops by repeated layer (``<list>.<i>``) and tie each copy to the first one with the same structure.
 
     Two copies are tied when they run the same ops on the same shapes with the same non-tensor arguments, wire
-    them the same way inside the copy, and read the same parameters (by FQN suffix; a constant the layer made in
-    forward by its name without export's model-wide number, matched to the representative's in order). Tied copies share the
+    them the same way inside the copy, read the same parameters (by FQN suffix; a constant the layer made in
+    forward by its name without export's model-wide number, matched to the representative's in order), and need
+    gradients in the same places (a frozen layer -- its parameters' ``requires_grad`` False -- costs no optimizer
+    state, and with an input that needs none, no backward: it is not tied to a trained one). Tied copies share the
     solver's variables, so the plan gives them the same strategies.
     """
     by_block: dict[str, list[fx.Node]] = {}
@@ -283,6 +303,14 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
             by_block.setdefault(b, []).append(node)
     placeholder_of_fqn = {f: n for n, f in fqns.items()}
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    needs_grad: dict[str, bool] = {}  # as ``requires_grad`` has it, from the placeholders' values
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            needs_grad[n.name] = bool(getattr(val, "requires_grad", False))
+        elif n.op == "call_function":
+            leaves = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
+            needs_grad[n.name] = any(v.dtype.is_floating_point for v in leaves) and any(needs_grad.get(a.name, False) for a in n.all_input_nodes)
 
     def signature(bfqn: str, nodes: list[fx.Node]) -> tuple:
         index = {n.name: i for i, n in enumerate(nodes)}
@@ -302,7 +330,8 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
 
             val = n.meta.get("val")
             shapes = pytree.tree_map(lambda v: (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v), val)
-            sig.append(repr((str(n.target), shapes, pytree.tree_map(enc, list(n.args)), sorted(n.kwargs.items(), key=str))))
+            sig.append(repr((str(n.target), shapes, pytree.tree_map(enc, list(n.args)), sorted(n.kwargs.items(), key=str),
+                             needs_grad.get(n.name, False))))
         return tuple(sig)
 
     def const_twin(name: str, bfqn: str, rfqn: str) -> str | None:

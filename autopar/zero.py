@@ -28,6 +28,10 @@ gather is launched a bucket ahead (``collectives.Zero3Block``; backward's as ``Z
 block's backward also holds the weights of the block before (``zero3_transient``). A parameter used otherwise (a
 norm's weight, a bias, an embedding) is gathered once and kept for its backward; a tied weight is gathered and
 reduce-scattered once, whatever its uses.
+A frozen parameter (``requires_grad`` False: no gradient, no optimizer state) stays whole under stages 0-2, which
+have nothing of it to shard, and under stage 3 is sharded and gathered with its bucket and reduces nothing
+(``zero3_uses`` leads with "frozen"); a linear of a frozen weight whose input needs no gradient has no backward, so
+a bucket of such linears is gathered for forward alone (``ZeroBucket.weights`` "forward").
 Stage 1 reduce-scatters all its gradients at the end of backward (full gradients are held until then); stage 2
 reduce-scatters each group's gradients as soon as they are ready. Their forward gathers join the prefetch chain
 (``collectives.Handoff``): no peak cost, their gathered parameters live to the end of backward anyway. A storage shard is a flat chunk of the
@@ -104,13 +108,15 @@ def optimizer_time(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) ->
 
 
 @functools.lru_cache(maxsize=None)
-def effective(opt: ZeroOption, spec: Spec, mesh: Mesh) -> ZeroOption:
+def effective(opt: ZeroOption, spec: Spec, mesh: Mesh, frozen: bool = False) -> ZeroOption:
     """The option a parameter of ``spec`` runs when its group takes ``opt``: sharded over those of the shard axes
     where it is whole (of any size: the flat shards are padded, ``collectives.padded_flat``), stage 0 where it is
     whole on none. A stack of experts split on ep keeps its own shard there and shards over dp alone (Megatron's
-    distributed optimizer over the expert-data-parallel group); a weight split on cp, over the data axes."""
-    if opt.stage == 0:
-        return opt
+    distributed optimizer over the expert-data-parallel group); a weight split on cp, over the data axes. A frozen
+    parameter (no gradient, no optimizer state) has nothing for stages 1-2 to shard: it stays whole (stage 0), and
+    only stage 3 shards it (as FSDP2 shards a module's frozen parameters with the rest)."""
+    if opt.stage == 0 or (frozen and opt.stage in (1, 2)):
+        return ZeroOption(0)
     axes = tuple(a for a in opt.shard_axes if isinstance(spec[a], Replicate))
     return ZeroOption(opt.stage, axes) if axes else ZeroOption(0)
 
@@ -135,8 +141,9 @@ class ZeroCost:
 def zero3_traffic(uses: tuple[str, ...]) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) per step of a ZeRO-3 parameter used as ``uses`` says (``zero3_uses``), as its
     bucket runs it: gathered once for forward, once more for backward if a linear takes it as its weight (the
-    linear keeps no weight; not the head's, "kept"), and its gradient -- all its uses' -- reduce-scattered once."""
-    return 1 + ("linear" in uses), 1
+    linear keeps no weight; not the head's, "kept", nor one with no backward, "forward"), and its gradient -- all
+    its uses' -- reduce-scattered once (a frozen parameter's: none)."""
+    return 1 + ("linear" in uses), 0 if frozen(uses) else 1
 
 
 def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies: int = 1,
@@ -145,9 +152,11 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
 
     ``copies`` spreads a group's one-at-a-time transients over the copies that share them (per group copy a bucket
     of full gradients in stage 2, a gathered bucket in stage 3): summed over a group's parameters, ``transient`` is
-    one copy's. ``uses`` (``zero3_uses``): whether stage 3 gathers it again for backward (``zero3_traffic``).
+    one copy's. ``uses`` (``zero3_uses``): whether stage 3 gathers it again for backward (``zero3_traffic``), and
+    whether it is frozen: then it holds its bytes alone (whole, or under stage 3 its shard), and stage 3 gathers it
+    and reduces nothing.
     """
-    opt = effective(opt, spec, mesh)
+    opt = effective(opt, spec, mesh, frozen(uses))
     p = itemsize(meta.dtype)
     o = optimizer_bytes(meta.dtype)
     e = math.prod(spec.local_shape(meta.shape, mesh.sizes))
@@ -157,10 +166,18 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     def bw(kind: str, nbytes: float, a: int) -> float:
         return wire_bytes(run_kind(kind, mesh.link(a)), nbytes, mesh.sizes[a]) / mesh.link(a).rate(kind)
 
+    hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
+    if frozen(uses):
+        if opt.stage == 0:
+            return ZeroCost(b, 0.0, 0.0, 0.0, 0.0)
+        n = shard_factor(opt, mesh)
+        gathers, _ = zero3_traffic(uses)  # each gather writes the whole parameter once
+        comm = sum(gathers * bw("all_gather", b, a) for a in opt.shard_axes)
+        return ZeroCost(b / n, 0.0, 0.0, zero3_transient(b, copies, uses), comm, gathers * b / hbm)
+
     # the runtime's own copies, at memory bandwidth: a bucket is flattened and its gradients cut out again (stage
     # 0); gathered buckets are cut into parameters, and reduce-scattered ones flattened (stages 1-2); a ZeRO-3
     # parameter is written whole by each gather
-    hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
     copies_bytes = {0: 2 * b, 1: 3 * b, 2: 3 * b, 3: 2 * b}[opt.stage] if synced or opt.stage else 0.0
     step = optimizer_time(opt, spec, meta, mesh)
     if opt.stage == 0:
@@ -190,10 +207,11 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
 
 def zero3_transient(b: float, copies: int, uses: tuple[str, ...]) -> float:
     """Bytes a ZeRO-3 parameter of ``b`` local bytes adds to its group's one-at-a-time buffer, per copy of the group:
-    its bucket gathered again with its gradients (2b), and if a linear takes it as its weight and the group has more
-    copies (a repeated block), that weight of the copy before, which the runtime gathers ahead beside this copy's
-    backward (b)."""
-    return (2 + (copies > 1 and "linear" in uses)) * b / copies
+    its bucket gathered again with its gradients, or as a gather ends its gathered rows beside the parameters cut
+    out of them (2b either way, frozen or not), and if a linear takes it as its weight and the group has more copies
+    (a repeated block), that weight of the copy before, which the runtime gathers ahead beside this copy's backward,
+    or for a linear with no backward ("forward") the next copy's, gathered ahead in forward (b)."""
+    return (2 + (copies > 1 and ("linear" in uses or "forward" in uses))) * b / copies
 
 
 def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:
@@ -232,12 +250,15 @@ def grad_spec(stored: Spec, read: "Spec | None" = None) -> Spec:
     return Spec(tuple(Partial() if w else q for q, w in zip(stored.placements, whole))) if any(whole) else stored
 
 
-def grad_bucket(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> "tuple[ZeroOption, tuple[int, ...]] | None":
+def grad_bucket(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh,
+                frozen: bool = False) -> "tuple[ZeroOption, tuple[int, ...]] | None":
     """The gradient bucket a parameter lands in under ``opt``, as the plan makes them: (the option it runs --
     ``effective`` --, the axes its gradients are all-reduced over beyond that option's shards).
     ZeRO-1/2 always reduce-scatter; stages 0 and 3 have a bucket only where something is left to all-reduce (None
-    otherwise). The planner, the ILP and the cluster screen bucket by it (``spec``: the ``grad_spec``); a bucket pays
-    ``bucket_latency`` once."""
+    otherwise); a frozen parameter, which has no gradient, none. The planner, the ILP and the cluster screen bucket
+    by it (``spec``: the ``grad_spec``); a bucket pays ``bucket_latency`` once."""
+    if frozen:
+        return None
     opt = effective(opt, spec, mesh)
     rest = tuple(a for a in grad_sync_axes(spec, mesh) if a not in opt.shard_axes)
     return (opt, rest) if opt.stage in (1, 2) or rest else None
@@ -342,19 +363,31 @@ def linear_weight_users(node) -> list:
 def zero3_uses(tg, name: str) -> tuple[str, ...]:
     """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's weight, ``linear_weight_users``:
     gathered for the op and again in backward, never kept), "kept" (such a linear outside the repeated blocks, when
-    forward's last linear-weight use is one: ``kept_to_backward``) or "other" (gathered once; autograd may keep it).
-    Read off the graph once per traced graph (``tg.memo``): the solver asks for every parameter of every ILP it builds."""
+    forward's last linear-weight use is one: ``kept_to_backward``), "forward" (such a linear with no backward: a
+    frozen weight whose input needs no gradient, as in a frozen first layer) or "other" (gathered once; autograd may
+    keep it); led by "frozen" for a parameter that takes no gradient (``requires_grad`` False: nothing to reduce,
+    no optimizer state). Read off the graph once per traced graph (``tg.memo``): the solver asks for every parameter
+    of every ILP it builds."""
+    from autopar.trace import requires_grad
+
     table = tg.memo.get("zero3_uses")
     if table is None:
         table = {}
         kept = kept_to_backward(tg)
+        rg = requires_grad(tg)
         for node in tg.gm.graph.nodes:
             if node.op == "placeholder":
                 weights = linear_weight_users(node)
                 linear = "kept" if node.name in kept else "linear"
-                table[node.name] = tuple(linear if u in weights else "other" for u in node.users)
+                uses = tuple((linear if rg.get(u.name) else "forward") if u in weights else "other" for u in node.users)
+                table[node.name] = uses if node.name in tg.trainable or tg.kinds.get(node.name) != "param" else ("frozen",) + uses
         tg.memo["zero3_uses"] = table
     return table[name]
+
+
+def frozen(uses: tuple[str, ...]) -> bool:
+    """Whether ``zero3_uses`` describes a parameter that takes no gradient."""
+    return bool(uses) and uses[0] == "frozen"
 
 
 def kept_to_backward(tg) -> frozenset[str]:

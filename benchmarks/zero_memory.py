@@ -11,6 +11,8 @@ end (so the peak, not the resting state, carries them).
 Then the same model on a pipeline (pp=2 x dp=nproc/2, 1F1B over 4 microbatches) under ZeRO-0 and ZeRO-1 (the
 distributed optimizer: shards gathered once a step, gradients reduce-scattered after the last microbatch): each
 pp rank's predicted peak (``plan.pipeline.rank_memory``) beside the largest measured on its ranks.
+Last, fine-tuning: all layers but the top one frozen, under ZeRO-0, ZeRO-1 (the frozen layers stay whole: they have
+no gradient or optimizer state to shard) and ZeRO-3 (they are sharded and gathered a layer at a time, as FSDP2 does).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ CFG = MLPConfig(dim=512, hidden=2048, n_layer=4)
 BATCH = 64
 
 
-def worker(stage: int, piped: bool = False) -> None:
+def worker(stage: int, piped: bool = False, frozen: bool = False) -> None:
     import torch.distributed as dist
 
     import autopar
@@ -41,6 +43,9 @@ def worker(stage: int, piped: bool = False) -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = MLP(CFG)
+    if frozen:  # fine-tuning the top layer alone
+        for layer in model.layers[:-1]:
+            layer.requires_grad_(False)
     x, y = torch.randn(BATCH, CFG.dim), torch.randn(BATCH, CFG.dim)
     world = dist.get_world_size()
     mesh = autopar.Mesh({"pp": 2, "dp": world // 2} if piped else {"dp": world})
@@ -52,8 +57,11 @@ def worker(stage: int, piped: bool = False) -> None:
     tracker = _compat.mem_tracker()
     tracker.track_external(pm, opt)
     with tracker:
+        # (with frozen parameters, through forward: MemTracker's module hooks put a gradient hook on every parameter
+        # the module holds, which a frozen one refuses; its allocations are tracked all the same)
+        step = pm.forward if frozen else pm
         for _ in range(3):
-            pm(lx, ly).backward()
+            step(lx, ly).backward()
             opt.step()
             held = _compat.mem_tracker_current(tracker)  # model state held after the step: params, grads, optimizer
             opt.zero_grad()
@@ -79,9 +87,10 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--worker", type=int, default=None)
     ap.add_argument("--piped", action="store_true")
+    ap.add_argument("--frozen", action="store_true")
     args = ap.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.piped)
+        worker(args.worker, args.piped, args.frozen)
         return
     import tabulate
 
@@ -117,6 +126,21 @@ def main() -> None:
             rows.append([f"ZeRO-{stage}", f"pp rank {k}", f"{p:.2f}", f"{m:.2f}", f"{p / m:.3f}"])
     print(f"\nthe same model on a pipeline, pp=2 x dp={n // 2}, 1F1B over 4 microbatches; MiB per rank (the largest of each pp rank's)")
     print(tabulate.tabulate(rows, headers=["stage", "rank", "predicted peak", "measured peak", "pred/meas"]))
+    rows = []
+    for stage in (0, 1, 3):
+        out = torchrun(__file__, n, f"--worker={stage}", "--frozen")
+        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
+        if line is None:
+            rows.append([f"ZeRO-{stage}", "failed", out.stderr[-400:]])
+            continue
+        r = json.loads(line[len("RESULT "):])
+        m, b = r["measured"], r["breakdown"]
+        rows.append([f"ZeRO-{stage}", f"{r['predicted'] / mib:.2f}", f"{m['total'] / mib:.2f}", f"{r['predicted'] / m['total']:.3f}",
+                     f"{m['held'] / mib:.2f}", " ".join(f"{k}={v / mib:.1f}" for k, v in b.items())])
+    print(f"\nthe same model fine-tuning its top layer ({CFG.n_layer - 1} of {CFG.n_layer} layers frozen: no gradient, no "
+          f"optimizer state; ZeRO-1 leaves them whole, ZeRO-3 shards them); MiB per rank, dp={n}")
+    print(tabulate.tabulate(rows, headers=["stage", "predicted peak", "measured peak", "pred/meas", "held after a step, measured",
+                                           "predicted breakdown"]))
 
 
 if __name__ == "__main__":

@@ -95,7 +95,8 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         # both inside and outside recomputed blocks keeps its weights from forward to backward
         inside, mixed = bucket.weights == "recompute", bucket.weights == "keep"
         with g.inserting_before(use):
-            z = g.call_function(collectives.zero3_gather, (tuple(settled), shapes, levels, linear, others, reduce, pending))
+            z = g.call_function(collectives.zero3_gather, (tuple(settled), shapes, levels, linear, others, reduce, pending),
+                                {"backward": bucket.weights != "forward"})
             block, token = (g.call_function(operator.getitem, (z, k)) for k in (0, 1))
             reads = {j: g.call_function(operator.getitem, (z, 2 + k)) for k, j in enumerate(others)}
         for k, (u, j) in enumerate(uses):  # the same node (its name is the plan's), another target

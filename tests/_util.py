@@ -72,6 +72,9 @@ def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(),
                 mean = sum(float(v) for v in shares.values()) / len(shares)
                 out["loss"] = max(out["loss"], abs(mean - ref_loss.item()))
                 for k, p in reference.named_parameters():
+                    if p.grad is None:  # a frozen parameter: autopar must not give it a gradient either
+                        assert k not in grads, f"{k} has no gradient on one device but one under autopar"
+                        continue
                     out["grad"] = max(out["grad"], float((grads[k] - p.grad).abs().max()))
             opt.step()
             opt.zero_grad()

@@ -89,6 +89,84 @@ def test_each_rank_holds_only_what_its_stage_says(stage):
     assert collections.Counter((c.kind, c.axis, c.bytes, c.phase) for c in log) == priced
 
 
+FROZEN = {  # fine-tuning: the embeddings and the first layer frozen (its linears then have no backward), or the
+    # layers frozen and the embeddings trained (prompt tuning: the frozen layers' backward still runs)
+    "llama-first": ("llama", lambda k: "tok_embeddings" in k or k.startswith("layers.0.")),
+    "gpt-layers": ("gpt", lambda k: k.startswith("h.")),
+}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("case", list(FROZEN))
+def test_frozen_parameters_are_sharded_by_zero3_alone_and_reduce_nothing(case, stage):
+    """A frozen parameter (``requires_grad`` False) has no gradient and no optimizer state, so ZeRO-1/2 leave it
+    whole; ZeRO-3 shards it with its block's bucket (as FSDP2 shards a module's frozen parameters) and gathers it
+    like the others, and nothing is reduce-scattered for it. A layer whose frozen linears' inputs need no gradient
+    is gathered for forward alone ("forward"). The program launches exactly what its plan priced, and trains as one
+    device does."""
+    name, frozen = FROZEN[case]
+
+    def model():
+        m = _model(name)
+        for k, p in m.named_parameters():
+            p.requires_grad_(not frozen(k))
+        return m
+
+    full = {k: p.numel() for k, p in model().named_parameters()}
+    mesh = autopar.Mesh({"dp": 4}, hardware="h100-80gb")
+    with fake_world(mesh.size), _compat.local_tensor_mode(mesh.size):
+        pm = autopar.parallelize(model(), mesh, _inputs(), constraints=[autopar.ZeroPin("*", stage)])
+        with collectives.record() as log:
+            pm(*pm.local_inputs(*_inputs())).backward()
+        held = {k: (p.numel(), p.requires_grad, p.grad) for k, p in pm.named_parameters()}
+    for k, (numel, trainable, grad) in held.items():
+        assert trainable == (not frozen(k)) and (grad is None) == frozen(k), k
+        assert numel == (full[k] if frozen(k) and stage == 1 else full[k] // 4), (k, stage)
+    plan = pm.plan
+    priced = collections.Counter((c.kind, c.axis, c.bytes, c.phase) for c in plan.collectives())
+    assert collections.Counter((c.kind, c.axis, c.bytes, c.phase) for c in log) == priced
+    cold = {n for n, node in plan.nodes.items() if node.op == "param" and frozen(node.path)}
+    in_buckets = {p for b in plan.zero_buckets for p in b.params}
+    assert (cold <= in_buckets) if stage == 3 else not (cold & in_buckets)
+    if stage == 3:
+        weights = {b.name: b.weights for b in plan.zero_buckets}
+        if case == "llama-first":
+            assert weights["zero3[layers.0](dp)"] == "forward"  # gathered once, not again for backward
+            assert not any(c.phase == "backward" and c.where == "zero3[layers.0](dp)" for c in plan.collectives())
+        else:  # every layer frozen: gathered again for backward (its input needs a gradient), reduce-scattered never
+            assert {w for b, w in weights.items() if "h." in b} == {"regather"}
+            assert [c.kind for c in plan.collectives() if c.where == "zero3[h.1](dp)"] == ["all_gather", "all_gather"]
+    r = parity(model(), _inputs(), {"dp": 2}, constraints=[autopar.ZeroPin("*", stage)])
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
+def test_frozen_layers_are_solved_apart_from_trained_ones_and_sharded_when_the_budget_needs_it():
+    """Fine-tuning the top layer of four: the frozen layers are tied to one another and not to the trained one (it
+    holds optimizer state and gradients, they do not), so the ILP prices each as it is -- before, the trained layer
+    was priced as a copy of the frozen first one and a plan 14% over the budget came back. Under a budget that only
+    sharding the frozen weights meets, the solver picks ZeRO-3 for them, and the plan fits."""
+    from autopar.trace import trace
+    from models.mlp import MLP, MLPConfig
+
+    torch.manual_seed(0)
+    model = MLP(MLPConfig(dim=128, hidden=512, n_layer=4))
+    for layer in model.layers[:-1]:
+        layer.requires_grad_(False)
+    inputs = (torch.randn(8, 128), torch.randn(8, 128))
+    ties = {b.fqn: b.tied_to for b in trace(model, inputs).blocks}
+    assert ties == {"layers.0": None, "layers.1": "layers.0", "layers.2": "layers.0", "layers.3": None}
+    mesh = autopar.Mesh({"dp": 4}, hardware="h100-80gb")
+    need = {s: autopar.plan(model, mesh, inputs, constraints=[autopar.ZeroPin("*", s)]).cost.memory_per_device for s in (1, 2, 3)}
+    assert need[3] < min(need[1], need[2])
+    budget = (need[3] + min(need[1], need[2])) / 2
+    plan = autopar.plan(model, mesh, inputs, memory_budget=budget)
+    assert plan.cost.memory_per_device <= budget and plan.zero_stages["layers.0"][0] == 3, (plan.zero_stages, budget)
+    # the ILP's smallest plan is the planner's, to within a bucket's rounding
+    with pytest.raises(autopar.AutoparError) as err:
+        autopar.plan(model, mesh, inputs, constraints=[autopar.ZeroPin("*", 1)], memory_budget=1e5)
+    assert err.value.smallest_budget == pytest.approx(need[1], rel=1e-3)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_shards_of_any_size_are_padded(stage):
     """On 3 ranks most of the tiny GPT's parameters do not divide (a 32-element norm): each rank stores a third

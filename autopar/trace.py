@@ -324,7 +324,7 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
                     if f is not None and f.startswith(bfqn + "."):
                         if a.name.startswith(_PREFIX["CONSTANT_TENSOR"]):
                             return ("const", _NUMBER.sub("", f[len(bfqn) + 1 :]))
-                        return ("param", f[len(bfqn) + 1 :])
+                        return ("param", f[len(bfqn) + 1 :], needs_grad.get(a.name, False))
                     return ("ext",)
                 return repr(a)
 

@@ -155,6 +155,9 @@ def test_frozen_layers_are_solved_apart_from_trained_ones_and_sharded_when_the_b
     inputs = (torch.randn(8, 128), torch.randn(8, 128))
     ties = {b.fqn: b.tied_to for b in trace(model, inputs).blocks}
     assert ties == {"layers.0": None, "layers.1": "layers.0", "layers.2": "layers.0", "layers.3": None}
+    gpt = _model("gpt")  # a frozen first block whose input needs a gradient (the position embedding is trained)
+    gpt.h[0].requires_grad_(False)
+    assert {b.fqn: b.tied_to for b in trace(gpt, _inputs()).blocks} == {"h.0": None, "h.1": None}
     mesh = autopar.Mesh({"dp": 4}, hardware="h100-80gb")
     need = {s: autopar.plan(model, mesh, inputs, constraints=[autopar.ZeroPin("*", s)]).cost.memory_per_device for s in (1, 2, 3)}
     assert need[3] < min(need[1], need[2])

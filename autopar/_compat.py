@@ -25,6 +25,10 @@ def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return wait(_c10d.all_reduce(x.contiguous(), "sum", group_name))
 
 
+def all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return wait(_c10d.all_reduce(x.contiguous(), "max", group_name))
+
+
 def all_reduce_sum_(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """In place: for buffers autopar owns (gradient buckets), so no second copy is alive."""
     return wait(_c10d.all_reduce_(x, "sum", group_name))

@@ -265,6 +265,62 @@ class ParallelModule(nn.Module):
                 out[alias] = out[fqn]
         return out
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Scale every gradient so that the norm of all of them together is at most ``max_norm``, and return that
+        norm before clipping: what ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does on the
+        single-device model (torchtitan's and Megatron's clipping), the same on every rank. Call it after
+        ``loss.backward()`` and before the optimizer's step; ``torch.nn.utils.clip_grad_norm_`` on this module's
+        parameters would take each rank's pieces for the whole and clip replicas apart.
+
+        Each rank adds up its piece of each gradient (a tensor-parallel shard, a ZeRO shard -- zero padding adds
+        nothing --, a pipeline stage's), counting a gradient that several ranks hold whole (data-parallel replicas, a
+        tied embedding on several pp ranks) on one of them only; one all-reduce per mesh axis sums the pieces."""
+        p = float(norm_type)
+        if not p > 0:
+            raise AutoparError(f"clip_grad_norm_: norm_type must be positive (or inf), got {norm_type}")
+        mesh, plan = self._mesh, self._plan
+        pipe = mesh.pipe_axis() if self._pipe is not None else None
+        node_of = {f: n for n, f in self._tg.fqns.items() if self._tg.kinds.get(n) == PARAM}
+        parts = []
+        for fqn, param in self.named_parameters():
+            g = param.grad
+            if g is None:
+                continue
+            node = node_of[fqn]
+            spec = plan.nodes[node].strategy.output
+            split = {a for a in range(mesh.ndim) if isinstance(spec[a], Shard)} | set(self._zero_axes.get(node, ()))
+            whole = tuple(a for a in range(mesh.ndim) if a not in split and a != pipe and mesh.sizes[a] > 1)
+            stage = min(self._pipe.ranks_of[node]) if pipe is not None else 0  # the first pp rank holding it
+
+            def mine(r: int, t: torch.Tensor, whole=whole, stage=stage) -> torch.Tensor:
+                c = mesh.coordinate(r)
+                counted = all(c[a] == 0 for a in whole) and (pipe is None or c[pipe] == stage)
+                return t if counted else torch.zeros_like(t)
+
+            v = g.detach().float().abs()
+            v = v.max() if p == float("inf") else v.pow(p).sum()
+            parts.append(_compat.per_rank(v.reshape(1), mine))
+        if parts:
+            total = torch.cat(parts).max() if p == float("inf") else torch.cat(parts).sum()
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=next(self.parameters()).device)
+        dm = mesh.to_device_mesh() if mesh.size > 1 and dist.is_initialized() else None
+        if dm is not None:
+            reduce = _compat.all_reduce_max if p == float("inf") else _compat.all_reduce_sum
+            for name in mesh.names:
+                if mesh.sizes[mesh.names.index(name)] > 1:
+                    total = reduce(total.reshape(1), dm.get_group(name).group_name).reshape(())
+        norm = total if p == float("inf") else total.pow(1.0 / p)
+        if error_if_nonfinite and not all(bool(torch.isfinite(v)) for v in _compat.local_values(norm).values()):
+            raise AutoparError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
+                               "(a NaN or inf gradient); pass error_if_nonfinite=False to clip anyway")
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad.mul_(coef.to(param.grad.dtype))
+        return norm
+
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full gradients of the parameters that have one, under the model's own FQNs (for checks against one device)."""
         if self._pipe is not None and not self._pipe.sequential:

@@ -45,11 +45,14 @@ def fsdp2_h100(float8: bool = True, **fields):
 
 
 def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(), steps: int = 3, lr: float = 1e-4,
-           hardware: str = "cpu-gloo", plan=None) -> dict:
+           hardware: str = "cpu-gloo", plan=None, clip: float | None = 0.5) -> dict:
     """Train ``model`` with autopar on simulated ranks and a copy on one device; return the largest differences.
+    With ``clip`` both clip their gradients' norm to it each step (``ParallelModule.clip_grad_norm_`` against
+    ``torch.nn.utils.clip_grad_norm_``) before they are compared and stepped.
 
     Keys: loss (max |loss diff| over steps, loss = mean of the ranks' share means), grad (max |grad diff| over
-    steps), param (max |param diff| after ``steps`` AdamW steps), plan.
+    steps, and the largest relative difference of the clipped norms, every rank's), param (max |param diff| after
+    ``steps`` AdamW steps), plan.
     """
     reference = copy.deepcopy(model)
     mesh = autopar.Mesh(axes, hardware=hardware)
@@ -64,10 +67,15 @@ def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(),
         for _ in range(steps):
             loss = pm(*pm.local_inputs(*inputs))
             loss.backward()
+            norm = pm.clip_grad_norm_(clip) if clip is not None else None
             grads = pm.full_grads()
             with ltm.disable():
                 ref_loss = reference(*inputs)
                 ref_loss.backward()
+                if clip is not None:
+                    ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip))
+                    for v in _compat.local_values(norm).values():
+                        out["grad"] = max(out["grad"], abs(float(v) - ref_norm) / max(ref_norm, 1.0))
                 shares = _compat.local_values(loss.detach())
                 mean = sum(float(v) for v in shares.values()) / len(shares)
                 out["loss"] = max(out["loss"], abs(mean - ref_loss.item()))
@@ -104,9 +112,11 @@ def torchrun(module: str, nproc: int, timeout: int = 900) -> list[str]:
     return out.stdout.splitlines()
 
 
-def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-4) -> tuple[float, float, float]:
+def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-4,
+                 clip: float | None = 0.5) -> tuple[float, float, float]:
     """In a torchrun worker: train ``pm`` (a ParallelModule) and ``reference`` (its single-device copy) side by side
-    with AdamW; the largest loss and gradient differences over the steps, and the parameter difference after."""
+    with AdamW, clipping both's gradient norm to ``clip``; the largest loss and gradient differences over the steps
+    (the clipped norms' relative difference among them), and the parameter difference after."""
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     ropt = torch.optim.AdamW(reference.parameters(), lr=lr)
     dl = dg = 0.0
@@ -115,8 +125,12 @@ def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, 
         loss.backward()
         rl = reference(*inputs)
         rl.backward()
+        # gradients clipped alike on both sides (a norm over every rank's pieces, pipeline stages included)
+        norm = float(pm.clip_grad_norm_(clip)) if clip is not None else 0.0
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)) if clip is not None else 0.0
         grads = pm.full_grads()
-        dg = max(dg, max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()))
+        dg = max(dg, abs(norm - ref_norm) / max(ref_norm, 1.0),
+                 max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()))
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))

@@ -3,6 +3,8 @@ parameters after 3 AdamW steps, within 1e-5 in fp32, for the solver's plans and 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -121,6 +123,37 @@ def test_ulysses_style_attention_on_heads_between_sequence_split_layers_matches_
     r = parity(_model("llama"), _inputs(), axes, constraints=pins)
     assert ("all_to_all", "forward") in {(c.kind, c.phase) for c in r["plan"].collectives()}
     assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("axes,pins", [({"dp": 2, "tp": 2}, "megatron+zero3"), ({"pp": 2, "dp": 2}, "pipeline")])
+def test_clip_grad_norm_is_the_single_device_norm_of_every_order(axes, pins):
+    """``clip_grad_norm_`` over tensor-parallel shards, ZeRO-3 flat shards (zero-padded) and data-parallel replicas,
+    or pipeline stages with the embedding tied across them: each order's norm is the one-device model's on every
+    rank, the clipped gradients are its clipped gradients, and a non-finite norm is refused when asked."""
+    import math
+
+    model, inputs = _model("gpt"), _inputs()
+    constraints = (megatron_pins("gpt", axes) + [autopar.ZeroPin("*", 3)] if pins == "megatron+zero3"
+                   else [autopar.PipelinePin("1f1b", 2)])
+    reference = copy.deepcopy(model)
+    reference(*inputs).backward()
+    world = math.prod(axes.values())
+    with fake_world(world), _compat.local_tensor_mode(world) as ltm:
+        pm = autopar.parallelize(model, autopar.Mesh(axes), inputs, constraints=constraints)
+        pm(*pm.local_inputs(*inputs)).backward()
+        for p in (1.0, 3.0, float("inf")):
+            norm = pm.clip_grad_norm_(1e9, norm_type=p)  # nothing clipped: the norm alone
+            with ltm.disable():
+                want = float(torch.nn.utils.get_total_norm([q.grad for q in reference.parameters()], p))
+            assert all(float(v) == pytest.approx(want, rel=1e-5) for v in _compat.local_values(norm).values()), (p, want)
+        pm.clip_grad_norm_(0.1)
+        grads = pm.full_grads()
+        with ltm.disable():
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+            assert max(float((grads[k] - q.grad).abs().max()) for k, q in reference.named_parameters()) < 1e-6
+        next(pm.parameters()).grad[0] = float("nan")
+        with pytest.raises(autopar.AutoparError, match="non-finite"):
+            pm.clip_grad_norm_(1.0, error_if_nonfinite=True)
 
 
 def test_data_parallel_splits_the_batch_and_returns_share_means():

@@ -2,8 +2,8 @@
 
 Launched by ``autopar`` (no arguments) through torch's own launcher:
 ``python -m torch.distributed.run --nproc-per-node 4 -m autopar.demo``. Every rank plans the same model on a
-(dp=2, tp=2) mesh, trains it for a few AdamW steps on its share of each global batch, and also trains a
-single-device copy; rank 0 prints both losses per step and the largest parameter difference at the end.
+(dp=2, tp=2) mesh, trains it for a few AdamW steps on its share of each global batch (gradients clipped to norm 1,
+``ParallelModule.clip_grad_norm_``), and also trains a single-device copy; rank 0 prints both losses per step and the largest parameter difference at the end.
 Exits non-zero when autopar's training differs from single-device training by more than 1e-5.
 """
 
@@ -48,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         ref_loss = reference(x, y)
         ref_loss.backward()
+        norm = float(pmodel.clip_grad_norm_(1.0))  # clipped as torchtitan clips, over every rank's pieces
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0))
         grads = pmodel.full_grads()
-        g = max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters())
+        g = max([abs(norm - ref_norm) / max(ref_norm, 1.0)] + [float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()])
         opt.step()
         opt.zero_grad()
         ref_opt.step()
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         worst_loss, worst_grad = max(worst_loss, d), max(worst_grad, g)
         if rank == 0:
             print(f"step {step}: autopar loss {mean.item():.6f}   single-device loss {ref_loss.item():.6f}   "
-                  f"|loss diff| {d:.1e}   max |grad diff| {g:.1e}", flush=True)
+                  f"|loss diff| {d:.1e}   grad norm {norm:.4f} / {ref_norm:.4f}   max |grad diff| {g:.1e}", flush=True)
     full = pmodel.full_state_dict()
     worst_param = max(float((full[k] - v.detach()).abs().max()) for k, v in reference.named_parameters())
     ok = max(worst_loss, worst_grad, worst_param) <= 1e-5

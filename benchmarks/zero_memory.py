@@ -98,14 +98,18 @@ def main() -> None:
     psi = sum(p.numel() for p in MLP(CFG).parameters())
     paper = {0: 16 * psi, 1: (4 + 4 + 8 / n) * psi, 2: (4 + (4 + 8) / n) * psi, 3: 16 * psi / n}
     mib = 2**20
+    def result(stage: int, *flags: str) -> "tuple[dict | None, str]":
+        """The worker's RESULT line for ``stage`` (None and the end of its stderr if it failed)."""
+        out = torchrun(__file__, n, f"--worker={stage}", *flags)
+        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
+        return (json.loads(line[len("RESULT "):]) if line else None), out.stderr[-400:]
+
     rows = []
     for stage in range(4):
-        out = torchrun(__file__, n, f"--worker={stage}")
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
-        if line is None:
-            rows.append([stage, "failed", out.stderr[-400:], "", "", "", "", ""])
+        r, err = result(stage)
+        if r is None:
+            rows.append([stage, "failed", err, "", "", "", "", ""])
             continue
-        r = json.loads(line[len("RESULT "):])
         m, b = r["measured"], r["breakdown"]
         rows.append([f"ZeRO-{stage}", f"{r['predicted'] / mib:.2f}", f"{m['total'] / mib:.2f}", f"{r['predicted'] / m['total']:.3f}",
                      f"{paper[stage] / mib:.2f}", f"{m['held'] / mib:.2f}",
@@ -115,12 +119,10 @@ def main() -> None:
                                            "model state held after a step, measured", "predicted: peak = state + max(activations, gradients + buffers)"]))
     rows = []
     for stage in (0, 1):
-        out = torchrun(__file__, n, f"--worker={stage}", "--piped")
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
-        if line is None:
-            rows.append([f"ZeRO-{stage}", "failed", out.stderr[-400:]])
+        r, err = result(stage, "--piped")
+        if r is None:
+            rows.append([f"ZeRO-{stage}", "failed", err])
             continue
-        r = json.loads(line[len("RESULT "):])
         for k in range(2):
             p, m = r["predicted"][k] / mib, r["measured"][k] / mib
             rows.append([f"ZeRO-{stage}", f"pp rank {k}", f"{p:.2f}", f"{m:.2f}", f"{p / m:.3f}"])
@@ -128,12 +130,10 @@ def main() -> None:
     print(tabulate.tabulate(rows, headers=["stage", "rank", "predicted peak", "measured peak", "pred/meas"]))
     rows = []
     for stage in (0, 1, 3):
-        out = torchrun(__file__, n, f"--worker={stage}", "--frozen")
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
-        if line is None:
-            rows.append([f"ZeRO-{stage}", "failed", out.stderr[-400:]])
+        r, err = result(stage, "--frozen")
+        if r is None:
+            rows.append([f"ZeRO-{stage}", "failed", err])
             continue
-        r = json.loads(line[len("RESULT "):])
         m, b = r["measured"], r["breakdown"]
         rows.append([f"ZeRO-{stage}", f"{r['predicted'] / mib:.2f}", f"{m['total'] / mib:.2f}", f"{r['predicted'] / m['total']:.3f}",
                      f"{m['held'] / mib:.2f}", " ".join(f"{k}={v / mib:.1f}" for k, v in b.items())])

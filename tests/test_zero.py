@@ -227,6 +227,28 @@ def test_frozen_layers_are_solved_apart_from_trained_ones_and_sharded_when_the_b
     assert err.value.smallest_budget == pytest.approx(need[1], rel=1e-3)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradients_accumulate_over_backward_calls_as_on_one_device(stage):
+    """Gradient accumulation without a pipeline (two forward-backward calls, one optimizer step): each call's
+    reductions add into what the shards (or replicas) hold, so the gradients are the single-device model's sums.
+    (Every call communicates: there is no ``no_sync`` yet.)"""
+    import copy
+
+    model, first = _model("gpt"), _inputs()
+    second = (torch.roll(first[0], 1, 0), torch.roll(first[1], 1, 0))
+    reference = copy.deepcopy(model)
+    axes = {"dp": 2, "tp": 2}
+    with fake_world(4), _compat.local_tensor_mode(4) as ltm:
+        pm = autopar.parallelize(model, autopar.Mesh(axes), first, constraints=megatron_pins("gpt", axes) + [autopar.ZeroPin("*", stage)])
+        for batch in (first, second):
+            pm(*pm.local_inputs(*batch)).backward()
+        grads = pm.full_grads()
+        with ltm.disable():
+            for batch in (first, second):
+                reference(*batch).backward()
+            assert max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()) < 1e-6
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_shards_of_any_size_are_padded(stage):
     """On 3 ranks most of the tiny GPT's parameters do not divide (a 32-element norm): each rank stores a third

@@ -639,9 +639,7 @@ class _Zero3Gather(torch.autograd.Function):
         out: list = [None] * len(block.shapes)
         trainable = [j for j in range(len(block.shapes)) if ctx.needs_input_grad[6 + j]]  # frozen ones reduce nothing
         if trainable:
-            like = next((full[j] for j in trainable if full[j] is not None), None)
-            if like is None:
-                like = next(g for g in full if g is not None)
+            like = next((full[j] for j in trainable if full[j] is not None), block.shards[trainable[0]])  # (dtype, device)
             flat = [full[j].reshape(-1) if full[j] is not None else like.new_zeros(math.prod(block.shapes[j])) for j in trainable]
             for j, g in zip(trainable, scatter_flat(flat, block.levels, ctx.reduce, ctx.pending)):
                 out[j] = g

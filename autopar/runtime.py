@@ -80,7 +80,8 @@ class ParallelModule(nn.Module):
                 src = model.get_parameter(fqn)
                 shard_axes = self._zero_axes.get(name)
                 local = distribute(src.detach(), spec, mesh, shard_axes)
-                self._place(fqn, nn.Parameter(local, requires_grad=src.requires_grad), "param")
+                # a parameter no gradient reaches (read only under torch.no_grad()) is held as frozen, as planned
+                self._place(fqn, nn.Parameter(local, requires_grad=src.requires_grad and name in tg.trainable), "param")
             elif kind == BUFFER:
                 self._place(fqn, distribute(model.get_buffer(fqn).detach(), spec, mesh), "buffer", fqn in persistent)
             elif kind == CONSTANT:

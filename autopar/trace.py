@@ -128,6 +128,8 @@ def requires_grad(tg: TracedGraph) -> dict[str, bool]:
         for n in tg.gm.graph.nodes:
             if n.op == "placeholder":
                 rg[n.name] = n.name in tg.trainable
+            elif n.op == "call_function" and n.target is aten.detach.default:
+                rg[n.name] = False  # (what a ``torch.no_grad()`` block computes: ``_inline_grad_regions``)
             elif n.op == "call_function":
                 val = n.meta.get("val")
                 leaves = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
@@ -187,6 +189,61 @@ def _insert_after(graph: fx.Graph, anchor: fx.Node, target, args: tuple, kwargs:
         if key in anchor.meta:
             node.meta[key] = anchor.meta[key]
     return node
+
+
+def _trainable(gm: fx.GraphModule, kinds: dict, fqns: dict, model: torch.nn.Module) -> set[str]:
+    """The parameters that take a gradient: ``requires_grad``, and read somewhere other than through a detach (a
+    parameter read only inside ``torch.no_grad()`` -- a teacher, an EMA copy -- gets none, as in eager, and is
+    planned as frozen)."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and kinds.get(n.name) == PARAM and model.get_parameter(fqns[n.name]).requires_grad:
+            if any(u.target is not aten.detach.default for u in n.users):
+                out.add(n.name)
+    return out
+
+
+def _inline_grad_regions(gm: fx.GraphModule) -> None:
+    """A ``with torch.no_grad():`` (or ``enable_grad``) block in forward is exported as a submodule called through
+    ``higher_order.wrap_with_set_grad_enabled``; it is inlined here, its tensor inputs detached where gradients are
+    off, so that what it computes takes no gradient, as in eager: the planner sees one flat ATen program."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    g = gm.graph
+    for node in list(g.nodes):
+        if hop is None or node.op != "call_function" or node.target is not hop:
+            continue
+        enabled, attr, *args = node.args
+        sub = getattr(gm, attr.target)
+        env: dict = {}
+        holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        with g.inserting_before(node):
+            for ph, a in zip(holders, args):
+                val = a.meta.get("val") if isinstance(a, fx.Node) else None
+                if not enabled and isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+                    d = g.call_function(aten.detach.default, (a,))
+                    d.meta.update({k: a.meta[k] for k in ("nn_module_stack", "stack_trace") if k in a.meta})
+                    d.meta["val"] = aten.detach.default(val)
+                    a = d
+                env[ph] = a
+            outs = ()
+            for n in sub.graph.nodes:
+                if n.op == "placeholder":
+                    continue
+                if n.op == "output":
+                    outs = pytree.tree_map(lambda v: env[v] if isinstance(v, fx.Node) else v, n.args[0])
+                    continue
+                env[n] = g.node_copy(n, lambda v: env[v])
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                g.erase_node(user)
+        if node.users:
+            raise TraceError(f"internal: a no_grad region's result {node.name} is used whole; please report the model")
+        g.erase_node(node)
+        if not attr.users:
+            g.erase_node(attr)
+            delattr(gm, attr.target)
+    gm.recompile()
 
 
 def _canonicalize(gm: fx.GraphModule) -> None:
@@ -307,7 +364,9 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if n.op == "placeholder":
-            needs_grad[n.name] = bool(getattr(val, "requires_grad", False))
+            needs_grad[n.name] = bool(getattr(val, "requires_grad", False)) and any(u.target is not aten.detach.default for u in n.users)
+        elif n.op == "call_function" and n.target is aten.detach.default:
+            needs_grad[n.name] = False
         elif n.op == "call_function":
             leaves = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
             needs_grad[n.name] = any(v.dtype.is_floating_point for v in leaves) and any(needs_grad.get(a.name, False) for a in n.all_input_nodes)
@@ -928,6 +987,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
     for n in gm.graph.nodes:
         if n.op == "placeholder" and kinds.get(n.name) == INPUT and not isinstance(n.meta.get("val"), torch.Tensor):
             raise TraceError(f"input {n.name!r} is not a tensor; pass non-tensor settings to the model's constructor instead")
+    _inline_grad_regions(gm)
     _canonicalize(gm)
     module_of = {n.name: _module_of(n) for n in gm.graph.nodes}
     for n in gm.graph.nodes:
@@ -944,7 +1004,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
         module_of=module_of,
         blocks=blocks,
         rep=rep,
-        trainable={n for n, k in kinds.items() if k == PARAM and model.get_parameter(fqns[n]).requires_grad},
+        trainable=_trainable(gm, kinds, fqns, model),
         aliases=aliases,
         constants=ex.constants,
         hash=_graph_hash(gm),

@@ -156,6 +156,46 @@ def test_clip_grad_norm_is_the_single_device_norm_of_every_order(axes, pins):
             pm.clip_grad_norm_(1.0, error_if_nonfinite=True)
 
 
+class Distill(torch.nn.Module):
+    """A student trained against a teacher run under ``torch.no_grad()`` in the same forward (distillation, EMA
+    targets): export wraps the block in a higher-order op."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        self.teacher = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+
+    def forward(self, x, y):
+        with torch.no_grad():
+            target = self.teacher(x).softmax(-1)
+        out = self.student(x)
+        return torch.nn.functional.mse_loss(out.softmax(-1), target) + torch.nn.functional.mse_loss(out, y)
+
+
+@pytest.mark.parametrize("axes,zero", [({"dp": 2}, 3), ({"dp": 2, "tp": 2}, None)])
+def test_a_no_grad_block_in_forward_is_inlined_and_takes_no_gradient(axes, zero):
+    """The ``torch.no_grad()`` block is inlined into the planned program with its inputs detached: the teacher's
+    parameters take no gradient (planned as frozen: no reduction, no optimizer state), the student trains as on one
+    device."""
+    from autopar.trace import trace
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g))
+    tg = trace(Distill(), inputs)
+    assert not any("higher_order" in str(n.target) for n in tg.gm.graph.nodes)
+    assert {tg.fqns[n] for n in tg.trainable} == {k for k, _ in Distill().named_parameters() if k.startswith("student.")}
+    torch.manual_seed(0)
+    r = parity(Distill(), inputs, axes, constraints=[autopar.ZeroPin("*", zero)] if zero else [])
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+    plan = r["plan"]
+    assert not any("teacher" in plan.nodes[n].path for b in plan.grad_buckets for n in b.params)  # no gradient to sum
+    if zero:  # the teacher is sharded with the rest, and only the student's gradients are reduce-scattered
+        student = sum(p.numel() * 4 for k, p in Distill().named_parameters() if k.startswith("student."))
+        assert any("teacher" in plan.nodes[n].path for b in plan.zero_buckets for n in b.params)
+        assert sum(c.bytes for c in plan.collectives() if c.kind == "reduce_scatter") == student
+
+
 def test_data_parallel_splits_the_batch_and_returns_share_means():
     r = parity(_model("gpt"), _inputs(batch=8), {"dp": 4}, hardware="h100-80gb")
     plan = r["plan"]

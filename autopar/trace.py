@@ -243,6 +243,15 @@ def _inline_grad_regions(gm: fx.GraphModule) -> None:
         if not attr.users:
             g.erase_node(attr)
             delattr(gm, attr.target)
+    for node in g.nodes:  # any other region export keeps as a higher-order op: say what and where
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            name = getattr(node.target, "_name", str(node.target))
+            where = _module_of(node) or "<root>"
+            fix = ("run the model in one dtype instead (model.to(torch.bfloat16), or a Hardware preset's float8 "
+                   "linears): autopar plans the casts it can see" if "autocast" in name
+                   else "write it without that construct, or report it")
+            raise TraceError(f"the model's forward uses {name} in module '{where}' (node {node.name}), a region autopar "
+                             f"cannot plan yet; {fix}")
     gm.recompile()
 
 

@@ -183,3 +183,21 @@ def test_parallelize_refuses_hardware_that_prices_another_runtime():
     plain = hw.autopar_runtime()
     assert plain.foreign_runtime() == {} and plain.peak_flops == hw.peak_flops and plain.name == hw.name
     assert all(getattr(plain, f) == getattr(get_hardware("cpu-gloo"), f) for f in FOREIGN_RUNTIME)
+
+
+def test_an_autocast_region_in_forward_is_named_with_a_fix():
+    """export keeps ``torch.autocast`` in forward as a higher-order op autopar cannot plan: the error says which
+    construct, in which module, and what to do instead (it said "a non-tensor value NoneType")."""
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = self.proj(x)
+            return h.float().square().mean()
+
+    with pytest.raises(autopar.TraceError, match=r"autocast.*model.to\(torch.bfloat16\)"):
+        autopar.plan(Mixed(), autopar.Mesh({"dp": 2}), (torch.randn(4, 8),))

@@ -25,6 +25,11 @@ def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return wait(_c10d.all_reduce(x.contiguous(), "sum", group_name))
 
 
+def is_higher_order_op(target) -> bool:
+    """Whether an fx node's target is one of torch's higher-order operators (a region export keeps whole)."""
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
 def all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return wait(_c10d.all_reduce(x.contiguous(), "max", group_name))
 

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from autopar import _compat
 from autopar._compat import pytree
 from autopar.errors import TraceError
 
@@ -244,7 +245,7 @@ def _inline_grad_regions(gm: fx.GraphModule) -> None:
             g.erase_node(attr)
             delattr(gm, attr.target)
     for node in g.nodes:  # any other region export keeps as a higher-order op: say what and where
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+        if node.op == "call_function" and _compat.is_higher_order_op(node.target):
             name = getattr(node.target, "_name", str(node.target))
             where = _module_of(node) or "<root>"
             fix = ("run the model in one dtype instead (model.to(torch.bfloat16), or a Hardware preset's float8 "

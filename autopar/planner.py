@@ -296,8 +296,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         # the bucket gathered again with its gradients, or as its gather ends the gathered rows and the parameters
         # cut from them (``zero.zero3_transient``), and the one it launches ahead: in backward the copy before's
         # weights; a bucket gathered for forward alone, the next copy's (taken as its own size)
-        copies_of = sum(group_of[k] == group_of[block, shard_axes] for k in per_block)
-        ahead = per_block[before][1] if before else all_b if weights == "forward" and copies_of > 1 else 0.0
+        ahead = per_block[before][1] if before else all_b if weights == "forward" and zgroups[members[0][0]][1] > 1 else 0.0
         transient = max(transient, 2 * all_b + ahead)
         t_act = max(t_act, 2 * all_b + ahead)
     plan_in = [strategy[n].output for n in problem.order if tg.kinds.get(n) == INPUT]

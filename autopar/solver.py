@@ -616,17 +616,17 @@ class ZeroPin:
     shard: tuple[str, ...] | None = None
 
 
-def zero_groups(tg: TracedGraph, order: list[str], frozen: bool = True) -> dict[str, tuple[str, int]]:
+def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int]]:
     """Parameter -> (group, copies of the group): every parameter, frozen ones too (ZeRO-3 shards them with their
-    group, as FSDP2 does a module's), or with ``frozen=False`` the trainable ones alone. A group is a repeated block
-    (named by its representative copy, so tied copies share one choice) or "rest" (embeddings, head, norms)."""
+    group, as FSDP2 does a module's). A group is a repeated block (named by its representative copy, so tied copies
+    share one choice) or "rest" (embeddings, head, norms)."""
     rep_of = {b.fqn: (b.tied_to or b.fqn) for b in tg.blocks}
     copies: dict[str, int] = {}
     for b in tg.blocks:
         copies[rep_of[b.fqn]] = copies.get(rep_of[b.fqn], 0) + 1
     out: dict[str, tuple[str, int]] = {}
     for n in order:
-        if tg.kinds.get(n) == "param" and (frozen or n in tg.trainable):
+        if tg.kinds.get(n) == "param":
             block = tg.block_of(n)
             g = rep_of[block] if block else "rest"
             out[n] = (g, copies.get(g, 1))

@@ -121,22 +121,27 @@ class TracedGraph:
 
 
 def requires_grad(tg: TracedGraph) -> dict[str, bool]:
-    """Node name -> whether its value needs a gradient: a trainable parameter, or a floating-point value computed
-    from one. Read off the graph once (``tg.memo``): the solver, the planner and ZeRO's pricing all ask."""
+    """Node name -> whether its value needs a gradient (``_grad_flags``). Read off the graph once (``tg.memo``): the
+    solver, the planner and ZeRO's pricing all ask."""
     rg = tg.memo.get("requires_grad")
     if rg is None:
-        rg = {}
-        for n in tg.gm.graph.nodes:
-            if n.op == "placeholder":
-                rg[n.name] = n.name in tg.trainable
-            elif n.op == "call_function" and n.target is aten.detach.default:
-                rg[n.name] = False  # (what a ``torch.no_grad()`` block computes: ``_inline_grad_regions``)
-            elif n.op == "call_function":
-                val = n.meta.get("val")
-                leaves = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
-                floating = any(v.dtype.is_floating_point for v in leaves)
-                rg[n.name] = floating and any(rg.get(a.name, False) for a in n.all_input_nodes)
-        tg.memo["requires_grad"] = rg
+        rg = tg.memo["requires_grad"] = _grad_flags(tg.gm, tg.trainable)
+    return rg
+
+
+def _grad_flags(gm: fx.GraphModule, trainable: set[str]) -> dict[str, bool]:
+    """Node name -> whether its value needs a gradient: a trainable parameter, or a floating-point value computed
+    from one other than through a detach (what a ``torch.no_grad()`` block computes: ``_inline_grad_regions``)."""
+    rg: dict[str, bool] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            rg[n.name] = n.name in trainable
+        elif n.op == "call_function" and n.target is aten.detach.default:
+            rg[n.name] = False
+        elif n.op == "call_function":
+            val = n.meta.get("val")
+            leaves = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
+            rg[n.name] = any(v.dtype.is_floating_point for v in leaves) and any(rg.get(a.name, False) for a in n.all_input_nodes)
     return rg
 
 
@@ -192,16 +197,12 @@ def _insert_after(graph: fx.Graph, anchor: fx.Node, target, args: tuple, kwargs:
     return node
 
 
-def _trainable(gm: fx.GraphModule, kinds: dict, fqns: dict, model: torch.nn.Module) -> set[str]:
-    """The parameters that take a gradient: ``requires_grad``, and read somewhere other than through a detach (a
-    parameter read only inside ``torch.no_grad()`` -- a teacher, an EMA copy -- gets none, as in eager, and is
-    planned as frozen)."""
-    out = set()
-    for n in gm.graph.nodes:
-        if n.op == "placeholder" and kinds.get(n.name) == PARAM and model.get_parameter(fqns[n.name]).requires_grad:
-            if any(u.target is not aten.detach.default for u in n.users):
-                out.add(n.name)
-    return out
+def _trainable(gm: fx.GraphModule, fqns: dict[str, str]) -> set[str]:
+    """The placeholders of parameters that take a gradient: ``requires_grad`` (export's value for the placeholder
+    carries it), and read somewhere other than through a detach (a parameter read only inside ``torch.no_grad()``
+    -- a teacher, an EMA copy -- gets none, as in eager, and is planned as frozen)."""
+    return {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in fqns
+            and getattr(n.meta.get("val"), "requires_grad", False) and any(u.target is not aten.detach.default for u in n.users)}
 
 
 def _inline_grad_regions(gm: fx.GraphModule) -> None:
@@ -370,16 +371,7 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
             by_block.setdefault(b, []).append(node)
     placeholder_of_fqn = {f: n for n, f in fqns.items()}
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    needs_grad: dict[str, bool] = {}  # as ``requires_grad`` has it, from the placeholders' values
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if n.op == "placeholder":
-            needs_grad[n.name] = bool(getattr(val, "requires_grad", False)) and any(u.target is not aten.detach.default for u in n.users)
-        elif n.op == "call_function" and n.target is aten.detach.default:
-            needs_grad[n.name] = False
-        elif n.op == "call_function":
-            leaves = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
-            needs_grad[n.name] = any(v.dtype.is_floating_point for v in leaves) and any(needs_grad.get(a.name, False) for a in n.all_input_nodes)
+    needs_grad = _grad_flags(gm, _trainable(gm, fqns))  # as ``requires_grad`` has it
 
     def signature(bfqn: str, nodes: list[fx.Node]) -> tuple:
         index = {n.name: i for i, n in enumerate(nodes)}
@@ -1014,7 +1006,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
         module_of=module_of,
         blocks=blocks,
         rep=rep,
-        trainable=_trainable(gm, kinds, fqns, model),
+        trainable={n for n in _trainable(gm, fqns) if kinds[n] == PARAM},
         aliases=aliases,
         constants=ex.constants,
         hash=_graph_hash(gm),

@@ -179,15 +179,58 @@ class _KeepFirst(torch.autograd.Function):
         return _compat.per_rank(g, lambda r, t: t.clone() if _coord(r, n, stride) == 0 else torch.zeros_like(t)), None, None, None
 
 
+class Accumulation:
+    """The gradients of backward passes run under ``ParallelModule.no_sync()`` (DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync(False)``): per bucket, its local gradients -- whole, before any reduction --
+    summed over those passes, until the bucket's next backward outside ``no_sync`` adds them to its own and
+    reduces the sum in its usual collectives: one reduction per accumulation window instead of one per backward.
+    Like FSDP2's, a ZeRO-2/3 bucket's held gradients are whole (not shards) while held. One per ParallelModule;
+    ``sync`` is read when a forward runs (its backward follows it)."""
+
+    def __init__(self):
+        self.sync = True
+        self.held: dict[str, list[torch.Tensor | None]] = {}  # bucket key -> its summed local gradients
+
+    def hold(self, key: str, grads: list) -> None:
+        if all(g is None for g in grads):
+            return
+        before = self.held.get(key)
+        if before is None:
+            self.held[key] = list(grads)
+            return
+        self.held[key] = [g if h is None else h if g is None else h + g for h, g in zip(before, grads)]
+
+    def take(self, key: str, grads: list) -> list:
+        """``grads`` plus what the bucket holds, which it no longer does."""
+        before = self.held.pop(key, None)
+        if before is None:
+            return grads
+        return [g if h is None else h if g is None else h + g for h, g in zip(before, grads)]
+
+
 class Pending:
     """A bucket's gradient reduction, launched by its backward and waited by its ``settle`` node's backward.
 
     ``settle`` reads the bucket's parameters earlier in forward than the node that launches the reduction, so
     autograd, which runs the ready node created last first, runs the backward of the ops in between before it: the
-    reduction runs beside them (DDP's and FSDP2's overlap). Each forward makes a new one."""
+    reduction runs beside them (DDP's and FSDP2's overlap). Each forward makes a new one, which also carries the
+    bucket's key in the module's ``Accumulation`` and whether this forward's backward reduces (outside
+    ``no_sync``) or holds its gradients."""
 
-    def __init__(self):
+    def __init__(self, accumulation: Accumulation | None = None, key: str = ""):
         self.buffer: torch.Tensor | None = None  # the last collective's result, launched and not yet waited
+        self.accumulation, self.key = accumulation, key
+        self.sync = accumulation is None or accumulation.sync
+
+    def accumulated(self, grads: list) -> list | None:
+        """A bucket's local gradients with what backward passes under ``no_sync`` held for it added, to reduce
+        now; None when this backward is under ``no_sync`` itself: they are held instead, and nothing reduced."""
+        if self.accumulation is None:
+            return grads
+        if not self.sync:
+            self.accumulation.hold(self.key, grads)
+            return None
+        return self.accumulation.take(self.key, grads)
 
     def launched(self, t: torch.Tensor) -> torch.Tensor:
         self.buffer = t
@@ -251,9 +294,13 @@ class _GradSync(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         axes, groups, pending = ctx.args
+        if pending is not None:
+            grads = pending.accumulated(list(grads))
+            if grads is None:  # under no_sync: held, reduced by a later backward
+                return (None,) * len(ctx.needs_input_grad)
         live = [g for g in grads if g is not None]
         if not live:
-            return (None, None, None) + grads
+            return (None, None, None) + tuple(grads)
         flat = torch.cat([g.reshape(-1) for g in live])  # the bucket: reduced in place, then the gradients' storage
         flat = _last_all_reduce(flat, axes, groups, pending)
         out, pos = [], 0
@@ -317,10 +364,11 @@ def keep_first(x, axis: str, n: int, stride: int, whole: bool = False):
     return _KeepFirst.apply(x, n, stride, whole)
 
 
-def settle(params: tuple) -> tuple:
+def settle(params: tuple, accumulation: Accumulation | None = None, key: str = "") -> tuple:
     """Read a bucket's parameters (or ZeRO shards) before the node that launches its gradient reduction: returns
-    (its ``Pending``, which that node takes, then the parameters); backward waits for the reduction here."""
-    pending = Pending()
+    (its ``Pending``, which that node takes, then the parameters); backward waits for the reduction here.
+    ``accumulation``/``key``: the module's ``Accumulation`` and the bucket's key in it (``no_sync``)."""
+    pending = Pending(accumulation, key)
     return (pending,) + tuple(_Settle.apply(pending, *params))
 
 
@@ -555,6 +603,10 @@ class _ZeroGather(torch.autograd.Function):
         shapes, levels, reduce, pending = ctx.args
         like = next(g for g in grads if g is not None)
         full = [g.reshape(-1) if g is not None else like.new_zeros(math.prod(s)) for g, s in zip(grads, shapes)]
+        if pending is not None:
+            full = pending.accumulated(full)
+            if full is None:  # under no_sync: held, reduced by a later backward
+                return (None,) * (5 + len(shapes))
         return (None, None, None, None, None) + tuple(scatter_flat(full, levels, reduce, pending))
 
 
@@ -641,7 +693,9 @@ class _Zero3Gather(torch.autograd.Function):
         if trainable:
             like = next((full[j] for j in trainable if full[j] is not None), block.shards[trainable[0]])  # (dtype, device)
             flat = [full[j].reshape(-1) if full[j] is not None else like.new_zeros(math.prod(block.shapes[j])) for j in trainable]
-            for j, g in zip(trainable, scatter_flat(flat, block.levels, ctx.reduce, ctx.pending)):
+            if ctx.pending is not None:
+                flat = ctx.pending.accumulated(flat)  # None under no_sync: held, reduced by a later backward
+            for j, g in zip(trainable, scatter_flat(flat, block.levels, ctx.reduce, ctx.pending) if flat is not None else ()):
                 out[j] = g
         return (None,) * 6 + tuple(out)
 

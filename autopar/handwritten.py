@@ -30,8 +30,9 @@ An ``ep`` axis (expert parallelism, Megatron's and DeepSpeed's, carved out of da
 ``ddp``, ``fsdp`` and ``megatron`` ("+ep"): the batch split over it as over dp, every stack of experts
 (``solver.expert_dims``) split along its expert dim on it, the other weights whole there; ZeRO shards over the data
 and ep axes both (the experts over the data axes alone: ``zero.effective``).
-What cannot be realised yet (ZeRO-2/3 with a pipeline, gradient accumulation without one, an ep axis with a
-pipeline) is rejected with an error that says so, never silently ignored.
+What cannot be realised yet (ZeRO-2/3 with a pipeline, gradient accumulation inside a step without one -- a training
+loop accumulates calls under ``ParallelModule.no_sync()`` instead --, an ep axis with a pipeline) is rejected with
+an error that says so, never silently ignored.
 """
 
 from __future__ import annotations
@@ -280,7 +281,8 @@ def handwritten(
         if microbatch_size != local:
             raise NotRealised(
                 f"{strategy}: microbatch_size={microbatch_size} with a per-rank batch of {local} needs gradient accumulation "
-                "over microbatches, which is not realised yet; pass the global batch that gives one microbatch per rank"
+                "over microbatches inside a step, which a plan without a pipeline does not realise; plan the global batch "
+                "that gives one microbatch per rank and accumulate the calls in your loop under pmodel.no_sync()"
             )
     rep_all = "R" * mesh.ndim
     pins: list = []

@@ -4,13 +4,15 @@ In: the traced graph, the Plan, the rewritten GraphModule (passes/), the Mesh (a
 and the user's model (read, never modified: its tensors are copied into local shards).
 Out: an ``nn.Module`` whose parameters are this rank's shards, registered under the model's own FQNs, so an
 ordinary torch optimizer works on it; ``forward(*local_inputs)`` takes this rank's share of the global batch;
-``local_inputs(*global_inputs)`` picks that share; ``full_state_dict()`` gathers full tensors for export.
+``local_inputs(*global_inputs)`` picks that share; ``full_state_dict()`` gathers full tensors for export;
+``clip_grad_norm_`` clips as on one device; ``no_sync()`` accumulates gradients over calls without reducing them.
 
 Under LocalTensorMode every tensor holds the values of all simulated ranks at once; the same code runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import warnings
 
@@ -88,6 +90,11 @@ class ParallelModule(nn.Module):
                 self._constants[fqn] = distribute(tg.constants[fqn].detach(), spec, mesh)
             self._order.append((kind, fqn))
         self._input_shapes = self._local_input_shapes()  # checked on every step: computed once
+        # gradients held by backward passes under no_sync(), reduced with the next one outside it
+        self._accumulation = collectives.Accumulation()
+        from passes._util import takes_accumulation
+
+        self._takes_accumulation = takes_accumulation(gm) if self._pipe is None else False
         self._check_same_plan_everywhere()
         if self._pipe is not None:
             self._pipe.build()
@@ -219,6 +226,8 @@ class ParallelModule(nn.Module):
         if self._pipe is not None:
             return self._pipe.step(flat)
         params = [self._local(k, f) for k, f in self._order]
+        if self._takes_accumulation:  # the program's last input: whether this step's backward reduces (no_sync)
+            flat = [*flat, self._accumulation]
         outs = self._gm.forward(*params, *flat)  # not through __call__: module hooks of trackers would hold every gradient of its inputs
         return pytree.tree_unflatten(list(outs), self._tg.out_spec)
 
@@ -266,6 +275,41 @@ class ParallelModule(nn.Module):
                 out[alias] = out[fqn]
         return out
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation without communication, as DDP's ``no_sync()``: the backward of every forward run
+        inside the block reduces nothing; each bucket's local gradients are held (whole, as FSDP2's under
+        ``set_requires_gradient_sync(False)``: a ZeRO-2/3 model holds whole gradients meanwhile), and the first
+        backward after the block adds them to its own and reduces the sum in its usual collectives -- one
+        reduction per accumulation window::
+
+            for batch in micro[:-1]:
+                with pmodel.no_sync():
+                    pmodel(*batch).backward()
+            pmodel(*micro[-1]).backward()  # reduces all of them
+            pmodel.clip_grad_norm_(1.0); opt.step()
+
+        ``.grad`` is left as it was until that backward. With a pipeline plan the step's one gradient reduction
+        (after its schedule) is what is held."""
+        before = self._accumulation.sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(before)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's switch for ``no_sync``: False holds the gradients of the backward passes of forwards run from
+        now on; True reduces them with the next backward's."""
+        self._accumulation.sync = bool(requires_gradient_sync)
+
+    def _check_nothing_held(self, what: str) -> None:
+        if self._accumulation.held:
+            raise AutoparError(
+                f"{what}: gradients of backward passes run under no_sync() are held and not yet reduced into .grad "
+                f"({len(self._accumulation.held)} buckets); run the window's last forward and backward outside "
+                "no_sync() first")
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Scale every gradient so that the norm of all of them together is at most ``max_norm``, and return that
@@ -277,6 +321,7 @@ class ParallelModule(nn.Module):
         Each rank adds up its piece of each gradient (a tensor-parallel shard, a ZeRO shard -- zero padding adds
         nothing --, a pipeline stage's), counting a gradient that several ranks hold whole (data-parallel replicas, a
         tied embedding on several pp ranks) on one of them only; one all-reduce per mesh axis sums the pieces."""
+        self._check_nothing_held("clip_grad_norm_")
         p = float(norm_type)
         if not p > 0:
             raise AutoparError(f"clip_grad_norm_: norm_type must be positive (or inf), got {norm_type}")
@@ -407,6 +452,7 @@ class _PipelineRun:
         self.held = {n for s in self.mine for n in self.ios[s].params}
         # ZeRO-1 buckets: the members this rank holds (the ranks of one shard group run the same stages)
         self.zero = [(b, tuple(n for n in b.params if n in self.held)) for b in plan.zero_buckets]
+        self.zero_members = {n for _b, members in self.zero for n in members}
         self.whole: dict[str, torch.Tensor] = {}  # FQN -> the step's gathered local parameter
         # placeholders read by stages on more than one pp rank (tied embeddings): pp ranks per parameter
         self.ranks_of: dict[str, tuple[int, ...]] = {}
@@ -491,25 +537,46 @@ class _PipelineRun:
                 self.whole[tg.fqns[n]] = whole.requires_grad_(t.requires_grad)
 
     @torch.no_grad()
-    def _scatter_zero(self) -> None:
-        """The whole gradients reduce-scattered into the shards' ``.grad`` (added to what is there, as autograd
-        accumulates). The whole parameters go first, and each whole gradient once the bucket's buffer holds it:
-        the step's peak stays the schedule's (``zero.pipeline_held``)."""
+    def _scatter_zero(self, sync: bool) -> dict[str, torch.Tensor]:
+        """The whole gradients reduce-scattered, with those that steps under ``no_sync`` held added (not ``sync``:
+        held themselves): placeholder name -> its shard's gradient from this step, for ``finish`` to add to the
+        shard's ``.grad``. The whole parameters go first, and each whole gradient once the bucket's buffer holds
+        it: the step's peak stays the schedule's (``zero.pipeline_held``)."""
         owner, tg = self.owner, self.owner._tg
+        acc, out = owner._accumulation, {}
         for bucket, members in self.zero:
-            live = [n for n in members if self.whole[tg.fqns[n]].grad is not None]
+            live, fulls = [], []
+            for n in members:
+                g = self.whole.pop(tg.fqns[n]).grad
+                g = g.reshape(-1) if g is not None else None
+                if not sync:
+                    acc.hold(f"param:{tg.fqns[n]}", [g])
+                    continue
+                (g,) = acc.take(f"param:{tg.fqns[n]}", [g])
+                if g is not None:
+                    live.append(n)
+                    fulls.append(g)
+                del g
             if not live:
                 continue
             levels, reduce = self._zero_levels(bucket)
-            fulls = [self.whole.pop(tg.fqns[n]).grad.reshape(-1) for n in live]
             grads = collectives.scatter_flat(fulls, levels, reduce)
             for n, g in zip(live, grads):
-                shard = owner._local(PARAM, tg.fqns[n])
-                shard.grad = g.view_as(shard) if shard.grad is None else shard.grad + g.view_as(shard)
+                out[n] = g.view_as(owner._local(PARAM, tg.fqns[n]))
         self.whole = {}
+        return out
 
     def step(self, flat: list):
         owner, m = self.owner, self.m
+        sync = owner._accumulation.sync  # (no_sync is read when the step runs, as in DDP)
+        # the gradients earlier steps left in .grad, set aside: the step's reduction sums this step's alone over
+        # the ranks (summing them again would count a replicated gradient once per replica); added back after it
+        earlier = {}
+        for n in self.held:
+            if owner._tg.kinds[n] == PARAM and n not in self.zero_members:
+                t = owner._local(PARAM, owner._tg.fqns[n])
+                if t.grad is not None:
+                    earlier[owner._tg.fqns[n]], t.grad = t.grad, None
         self._gather_zero()
         if self.sequential:
             chunks = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim > 0 else [t] * m for t in flat]
@@ -529,23 +596,42 @@ class _PipelineRun:
             total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
             dist.broadcast(total, src=self.last_rank, group=self.pp_group)
         anchor = torch.zeros((), requires_grad=True)
-        loss = _PipelineLoss.apply(total, anchor, self.finish)
+        loss = _PipelineLoss.apply(total, anchor, lambda: self.finish(sync, earlier))
         return pytree.tree_unflatten([loss], owner._tg.out_spec)
 
-    def finish(self) -> None:
+    def finish(self, sync: bool, earlier: dict[str, torch.Tensor]) -> None:
         """The gradient communication after the schedule: ZeRO-1's reduce-scatters, the plan's all-reduce buckets
-        over their axes, then tied parameters over the pp ranks that hold them."""
+        over their axes, then tied parameters over the pp ranks that hold them; of this step's gradients and those
+        steps under ``no_sync`` held. Not ``sync`` (under ``no_sync``): nothing; this step's gradients are held.
+        Then the gradients ``earlier`` steps left in ``.grad`` are added back."""
         owner, tg = self.owner, self.owner._tg
+        acc = owner._accumulation
         dm = self.mesh.to_device_mesh()
-        self._scatter_zero()
-        grads = {n: owner._local(tg.kinds[n], tg.fqns[n]).grad for n in self.held if tg.kinds[n] == PARAM}
-        for b in self.plan.grad_buckets:
-            live = [grads[n] for n in b.params if grads.get(n) is not None]
+        grads = self._scatter_zero(sync)  # (the shards' gradients from this step)
+        zero = set(grads)
+        for n in self.held:
+            if tg.kinds[n] != PARAM or n in self.zero_members:
+                continue
+            t = owner._local(PARAM, tg.fqns[n])
+            if not sync:
+                acc.hold(f"param:{tg.fqns[n]}", [t.grad])
+                t.grad = None
+            else:
+                (t.grad,) = acc.take(f"param:{tg.fqns[n]}", [t.grad])
+                grads[n] = t.grad
+        for b in self.plan.grad_buckets if sync else ():
+            live = [grads[n] for n in b.params if grads.get(n) is not None and n not in zero]
             collectives.all_reduce_flat_(live, b.axes, tuple(dm.get_group(a).group_name for a in b.axes))
-        if not self.sequential:
+        if not self.sequential and sync:
             for n, group in sorted(self.tied_groups.items()):
                 if grads.get(n) is not None:
                     collectives.all_reduce_flat_([grads[n]], (self.mesh.names[self.axis],), (group,))
+        for n in zero:  # a shard's gradient from this step, added to what it holds (autograd's accumulation)
+            shard = owner._local(PARAM, tg.fqns[n])
+            shard.grad = grads[n] if shard.grad is None else shard.grad + grads[n]
+        for fqn, g in earlier.items():
+            t = owner._local(PARAM, fqn)
+            t.grad = g if t.grad is None else g + t.grad
 
     def gather(self, which: str) -> dict[str, torch.Tensor]:
         """Full tensors of every parameter (``which="grads"``: their gradients) or persistent buffer, on every rank:

@@ -34,6 +34,28 @@ def spec_of(node: fx.Node, plan) -> Spec:
     return plan.nodes[source(node).name].strategy.output
 
 
+def accumulation_input(graph: fx.Graph) -> fx.Node:
+    """The program's last input: the runtime's ``collectives.Accumulation`` (``ParallelModule.no_sync``), which
+    every bucket's ``settle`` reads. Added by the first pass that asks for it."""
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    for n in places:
+        if is_accumulation(n):
+            return n
+    with graph.inserting_after(places[-1]):
+        node = graph.placeholder("autopar_accumulation")
+    node.meta["autopar"] = "accumulation"
+    return node
+
+
+def is_accumulation(node: fx.Node) -> bool:
+    """``node`` is the program's ``Accumulation`` input: state of the module, like a parameter (no user data)."""
+    return node.op == "placeholder" and node.meta.get("autopar") == "accumulation"
+
+
+def takes_accumulation(gm: fx.GraphModule) -> bool:
+    return any(is_accumulation(n) for n in gm.graph.nodes)
+
+
 def runtime_axes(mesh) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
     """(axis names, sizes, strides in rank order, this rank's process-group name per axis)."""
     names, sizes = mesh.names, mesh.sizes

@@ -18,7 +18,7 @@ from autopar import collectives
 from autopar._compat import pytree
 from autopar.errors import AutoparError
 from autopar.redistribute import Step
-from passes._util import spec_of
+from passes._util import is_accumulation, spec_of
 
 _STEP_OF = {
     collectives.all_gather: lambda a: Step("all_gather", 0, a[1]),
@@ -46,6 +46,9 @@ def local_values(gm: fx.GraphModule, plan, mesh) -> dict[str, object]:
     sharded = {p: b for b in plan.zero_buckets for p in b.params} if plan.pipeline is None else {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
+            if is_accumulation(node):  # the runtime's no_sync state, no tensor
+                env[node.name] = None
+                continue
             val = node.meta["val"]
             shape = spec_of(node, plan).local_shape(tuple(val.shape), mesh.sizes)
             if node.name in sharded:  # a ZeRO flat shard

@@ -8,7 +8,9 @@ as soon as they are all computed and before they reach ``.grad``, so gradient ac
 ``torch.autograd.grad`` stay right). It reads them through the bucket's ``settle`` node, at the start of the
 program: the bucket's last all-reduce, launched by grad_sync's backward, is waited in settle's, which autograd
 runs once nothing created after it is left to run (the ready node created last runs first) -- at the end of
-backward -- so the all-reduce runs beside the rest of backward, as DDP overlaps its buckets.
+backward -- so the all-reduce runs beside the rest of backward, as DDP overlaps its buckets. settle also reads the
+program's last input, the runtime's ``collectives.Accumulation`` (``_util.accumulation_input``): under ``no_sync``
+the bucket's backward holds its gradients there instead of all-reducing them (DDP's ``no_sync``).
 With a pipeline (``plan.pipeline``) nothing: the graph runs once per microbatch, and the runtime reduces the same
 buckets once, after the schedule's last backward.
 """
@@ -20,7 +22,7 @@ import operator
 import torch.fx as fx
 
 from autopar import collectives
-from passes._util import runtime_axes
+from passes._util import accumulation_input, runtime_axes
 
 
 def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
@@ -30,13 +32,14 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     names, _sizes, _strides, groups = runtime_axes(mesh)
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
     position = {n: i for i, n in enumerate(g.nodes)}
+    acc = accumulation_input(g) if plan.grad_buckets else None
     start = next(n for n in g.nodes if n.op != "placeholder")
     for bucket in plan.grad_buckets:
         params = [placeholders[p] for p in bucket.params]
         grps = tuple(groups[names.index(a)] for a in bucket.axes)
         first_use = min((u for p in params for u in p.users), key=lambda u: position[u])
         with g.inserting_before(start):
-            settle = g.call_function(collectives.settle, (tuple(params),))
+            settle = g.call_function(collectives.settle, (tuple(params), acc, f"grad:{bucket.name}"))
             pending, *settled = (g.call_function(operator.getitem, (settle, i)) for i in range(len(params) + 1))
         # read the bucket just before its first use: autograd then runs its backward (the all-reduce) as soon as the
         # bucket's gradients are done, not after the whole backward pass

@@ -20,7 +20,7 @@ import operator
 import torch.fx as fx
 
 from autopar.recompute import Recomputed
-from passes._util import block_members, programs
+from passes._util import block_members, is_accumulation, programs
 
 STATE = ("param", "buffer", "constant")
 
@@ -44,8 +44,10 @@ def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], every: int) 
     for n in nodes:
         if n.op == "call_function" and n.name in members:
             by_block.setdefault(members[n.name], []).append(n)
-    # values that depend on parameters, buffers and constants alone (no user input)
-    static = {n for n in nodes if n.op == "get_attr" or (n.op == "placeholder" and n.name in plan.nodes and plan.nodes[n.name].op in STATE)}
+    # values that depend on parameters, buffers and constants alone (no user input; the runtime's no_sync state is
+    # the module's too)
+    static = {n for n in nodes if n.op == "get_attr" or is_accumulation(n)
+              or (n.op == "placeholder" and n.name in plan.nodes and plan.nodes[n.name].op in STATE)}
     for n in nodes:
         if n.op == "call_function" and n.all_input_nodes and all(a in static for a in n.all_input_nodes):
             static.add(n)

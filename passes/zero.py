@@ -17,7 +17,10 @@ takes that from this one's link (FSDP2's forward prefetch); a ZeRO-3 gather also
 Every bucket's shards are read through its ``settle`` node, placed just before the gather of the bucket before it
 in forward: the last collective of the bucket's gradients is launched by its gather's backward and waited by
 settle's, which autograd runs after that previous bucket's ops' backward (the node created last runs first), so
-each reduction runs beside the next block's backward, with at most one more in flight, as FSDP2's do.
+each reduction runs beside the next block's backward, with at most one more in flight, as FSDP2's do. settle
+also reads the program's last input, the runtime's ``collectives.Accumulation`` (added if missing,
+``_util.accumulation_input``): under ``no_sync`` the bucket's backward holds its whole gradients there instead of
+reducing them, and the next backward outside it reduces them with its own.
 With a pipeline (``plan.pipeline``; ZeRO-1 only) nothing: the graph runs once per microbatch, and the runtime
 gathers the parameters once before the schedule and reduce-scatters their gradients once after it.
 """
@@ -31,7 +34,7 @@ import torch.fx as fx
 from autopar import collectives
 from autopar.errors import AutoparError
 from autopar.zero import linear_weight_users
-from passes._util import runtime_axes
+from passes._util import accumulation_input, runtime_axes
 
 
 
@@ -53,6 +56,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     axes = runtime_axes(mesh)
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
     position = {n: i for i, n in enumerate(g.nodes)}
+    acc = accumulation_input(g) if plan.zero_buckets else None
     start = next(n for n in g.nodes if n.op != "placeholder")
 
     def first_use(bucket) -> fx.Node:
@@ -71,7 +75,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         # backward -- the wait for this bucket's last gradient collective -- once that bucket's ops' backward is done,
         # so the collective runs beside them, and at most one more bucket's is in flight (FSDP2's reduce-scatter)
         with g.inserting_before(previous):
-            settle = g.call_function(collectives.settle, (tuple(params),))
+            settle = g.call_function(collectives.settle, (tuple(params), acc, f"zero:{bucket.name}"))
             pending, *settled = (g.call_function(operator.getitem, (settle, i)) for i in range(len(params) + 1))
         if bucket.stage in (1, 2):
             # gather just before the bucket's first use (ZeRO-2 buckets are blocks: their gathered parameters live

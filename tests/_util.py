@@ -113,18 +113,27 @@ def torchrun(module: str, nproc: int, timeout: int = 900) -> list[str]:
 
 
 def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-4,
-                 clip: float | None = 0.5) -> tuple[float, float, float]:
+                 clip: float | None = 0.5, accumulate: int = 1) -> tuple[float, float, float]:
     """In a torchrun worker: train ``pm`` (a ParallelModule) and ``reference`` (its single-device copy) side by side
     with AdamW, clipping both's gradient norm to ``clip``; the largest loss and gradient differences over the steps
-    (the clipped norms' relative difference among them), and the parameter difference after."""
+    (the clipped norms' relative difference among them), and the parameter difference after. ``accumulate`` > 1:
+    each optimizer step accumulates that many forward-backward calls (the batch rolled by one row each), all but
+    the last under ``pm.no_sync()``."""
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     ropt = torch.optim.AdamW(reference.parameters(), lr=lr)
     dl = dg = 0.0
     for _ in range(steps):
-        loss = pm(*pm.local_inputs(*inputs))
-        loss.backward()
-        rl = reference(*inputs)
-        rl.backward()
+        for k in range(accumulate):
+            batch = tuple(torch.roll(t, k, 0) for t in inputs)
+            with pm.no_sync() if k < accumulate - 1 else contextlib.nullcontext():
+                loss = pm(*pm.local_inputs(*batch))
+                loss.backward()
+            rl = reference(*batch)
+            rl.backward()
+            if k < accumulate - 1:
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))
         # gradients clipped alike on both sides (a norm over every rank's pieces, pipeline stages included)
         norm = float(pm.clip_grad_norm_(clip)) if clip is not None else 0.0
         ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)) if clip is not None else 0.0

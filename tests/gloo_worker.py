@@ -20,7 +20,7 @@ from tests._util import train_beside
 from tests.test_parity import megatron_pins
 
 
-def case(name: str, axes: dict, pins, recompute: str = "none") -> tuple[float, float, float]:
+def case(name: str, axes: dict, pins, recompute: str = "none", accumulate: int = 1) -> tuple[float, float, float]:
     torch.manual_seed(0)
     model = GPT(GPTConfig.tiny()) if name == "gpt" else Llama(LlamaConfig.tiny())
     ref = copy.deepcopy(model)
@@ -28,7 +28,7 @@ def case(name: str, axes: dict, pins, recompute: str = "none") -> tuple[float, f
     x = torch.randint(0, 64, (4, 16), generator=g)
     y = torch.roll(x, -1, 1)
     pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=pins, recompute=recompute)
-    return train_beside(pm, ref, (x, y))
+    return train_beside(pm, ref, (x, y), accumulate=accumulate)
 
 
 def redistributions(axes: dict) -> int:
@@ -134,6 +134,9 @@ def main() -> None:
                 variants.append(("context-parallel", [("*:scaled_dot_product_attention*", "S(2)")]))
             if "dp" in axes and "tp" in axes:
                 variants.append(("zero3+megatron", megatron_pins(name, axes) + [autopar.ZeroPin("*", 3)]))
+                # gradient accumulation: two calls a step, the first under no_sync (its gradients held, reduced by
+                # the second's reduce-scatters, launched and waited beside its backward)
+                variants.append(("zero3+megatron+no_sync", megatron_pins(name, axes) + [autopar.ZeroPin("*", 3)], "none", 2))
             if axes in ({"dp": 2}, {"dp": 4}):
                 variants = [(f"zero{k}", [autopar.ZeroPin("*", k)]) for k in (0, 1, 2, 3)]
                 if world == 2:  # ZeRO-3's gathers for backward come from the recomputation

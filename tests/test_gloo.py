@@ -7,7 +7,7 @@ import pytest
 from tests._util import torchrun
 
 
-@pytest.mark.parametrize("nproc,expected", [(2, 20), (4, 20)])
+@pytest.mark.parametrize("nproc,expected", [(2, 20), (4, 22)])
 def test_real_gloo_processes_match_single_device(nproc, expected):
     lines = torchrun("tests.gloo_worker", nproc)
     # every redistribution between R / S(d) layouts, through real all-gathers, all-to-alls and chunks
@@ -27,5 +27,7 @@ def test_real_gloo_processes_match_single_device(nproc, expected):
         l0, l1, l2, l3, replay, warned = map(float, drop)
         assert l0 == l1 and l2 == l3 and abs(l0 - l2) > 1e-4 and replay == 0.0 and warned == 1, drop
     assert len(rows) == expected, rows
+    # gradient accumulation under no_sync in real processes (ZeRO-3 x tp: held gradients reduce-scattered later)
+    assert nproc == 2 or {r[0] for r in rows if r[2] == "zero3+megatron+no_sync"} == {"gpt", "llama"}, rows
     for name, mesh, variant, dl, dg, dp in rows:
         assert max(float(dl), float(dg), float(dp)) <= 1e-5, (name, mesh, variant, dl, dg, dp)

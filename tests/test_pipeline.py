@@ -322,6 +322,43 @@ def test_zero1_on_a_pipeline_trains_like_one_device(name, axes, pin):
     assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
 
 
+@pytest.mark.parametrize("no_sync", [False, True], ids=["sync", "no_sync"])
+@pytest.mark.parametrize("zero", [0, 1])
+def test_pipeline_steps_accumulate_gradients_as_on_one_device(zero, no_sync):
+    """Gradient accumulation over pipeline steps (three steps, one optimizer step) on dp 2 x pp 2: the gradients
+    are the single-device model's sums. A step reduces its own gradients alone: summing what earlier steps left in
+    ``.grad`` over dp again counted them twice (they were already whole). Under ``no_sync()`` the first two steps
+    reduce nothing and leave ``.grad`` as it was; the third reduces the three steps' sum."""
+    import contextlib
+    import copy
+
+    from autopar import _compat, collectives
+
+    torch.manual_seed(0)
+    model = _gpt(4)
+    reference = copy.deepcopy(model)
+    first = _batch(8)
+    batches = [first] + [(torch.roll(first[0], k, 0), torch.roll(first[1], k, 0)) for k in (1, 2)]
+    axes = {"dp": 2, "pp": 2}
+    with fake_world(4), _compat.local_tensor_mode(4) as ltm:
+        pm = autopar.parallelize(model, autopar.Mesh(axes), first, constraints=[PipelinePin("1f1b", 2), autopar.ZeroPin("*", zero)])
+        assert {z[0] for z in pm.plan.zero_stages.values()} == {zero} and bool(pm.plan.grad_buckets) == (zero == 0)
+        reduced = []
+        for k, batch in enumerate(batches):
+            with collectives.record() as log, (pm.no_sync() if no_sync and k < 2 else contextlib.nullcontext()):
+                pm(*pm.local_inputs(*batch)).backward()
+            reduced.append(sum(c.bytes for c in log if c.axis == "dp" and c.kind != "all_gather"))
+            if no_sync and k < 2:
+                assert all(p.grad is None for p in pm.parameters()), "no_sync left a gradient in .grad"
+        assert reduced[2] > 0 and reduced[:2] == ([0, 0] if no_sync else [reduced[2]] * 2), reduced
+        assert not pm._accumulation.held
+        grads = pm.full_grads()
+        with ltm.disable():
+            for batch in batches:
+                reference(*batch).backward()
+            assert max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()) < 1e-6
+
+
 @pytest.mark.parametrize("axes", [{"pp": 2, "cp": 2, "tp": 2}, {"dp": 2, "pp": 2, "cp": 2}], ids=["pp2xcp2xtp2", "dp2xpp2xcp2"])
 def test_megatron_3d_with_context_parallelism_trains_like_one_device(axes):
     """4-D by hand (Megatron-LM's and torchtitan's pipeline + context + tensor / data parallelism): the stages'

@@ -4,6 +4,7 @@ launches, and the stage the solver picks as the memory budget shrinks (or the in
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pytest
 import torch
@@ -227,24 +228,41 @@ def test_frozen_layers_are_solved_apart_from_trained_ones_and_sharded_when_the_b
     assert err.value.smallest_budget == pytest.approx(need[1], rel=1e-3)
 
 
+@pytest.mark.parametrize("no_sync", [False, True], ids=["sync", "no_sync"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_gradients_accumulate_over_backward_calls_as_on_one_device(stage):
-    """Gradient accumulation without a pipeline (two forward-backward calls, one optimizer step): each call's
-    reductions add into what the shards (or replicas) hold, so the gradients are the single-device model's sums.
-    (Every call communicates: there is no ``no_sync`` yet.)"""
+def test_gradients_accumulate_over_backward_calls_as_on_one_device(stage, no_sync):
+    """Gradient accumulation without a pipeline (four forward-backward calls, one optimizer step), under dp x tp:
+    the gradients are the single-device model's sums. Plainly, each call's reductions add into what the shards (or
+    replicas) hold. Under ``no_sync()`` (DDP's; FSDP2's ``set_requires_gradient_sync``) the first two reduce
+    nothing over dp and leave ``.grad`` as it was; the third reduces the three calls' sum in one step's
+    collectives, to the byte (the fourth's)."""
     import copy
 
     model, first = _model("gpt"), _inputs()
-    second = (torch.roll(first[0], 1, 0), torch.roll(first[1], 1, 0))
+    batches = [first] + [(torch.roll(first[0], k, 0), torch.roll(first[1], k, 0)) for k in (1, 2, 3)]
     reference = copy.deepcopy(model)
     axes = {"dp": 2, "tp": 2}
+
+    def grad_reductions(log):  # the gradients' reductions over dp (tp's are activations' too)
+        return sorted((c.kind, c.bytes) for c in log if c.phase == "backward" and c.axis == "dp" and c.kind != "all_gather")
+
     with fake_world(4), _compat.local_tensor_mode(4) as ltm:
         pm = autopar.parallelize(model, autopar.Mesh(axes), first, constraints=megatron_pins("gpt", axes) + [autopar.ZeroPin("*", stage)])
-        for batch in (first, second):
-            pm(*pm.local_inputs(*batch)).backward()
+        logs = []
+        for k, batch in enumerate(batches):
+            with collectives.record() as log, (pm.no_sync() if no_sync and k < 2 else contextlib.nullcontext()):
+                pm(*pm.local_inputs(*batch)).backward()
+            logs.append(grad_reductions(log))
+            if no_sync and k < 2:
+                assert all(p.grad is None for p in pm.parameters()), "no_sync left a gradient in .grad"
+                with pytest.raises(autopar.AutoparError, match="no_sync"):
+                    pm.clip_grad_norm_(1.0)
+        # a window's reduction is one plain step's (the fourth call's, after the window)
+        assert logs[3] and all(log == (logs[3] if k >= 2 or not no_sync else []) for k, log in enumerate(logs)), logs
+        assert not pm._accumulation.held
         grads = pm.full_grads()
         with ltm.disable():
-            for batch in (first, second):
+            for batch in batches:
                 reference(*batch).backward()
             assert max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()) < 1e-6
 

@@ -98,6 +98,7 @@ class ParallelModule(nn.Module):
         self._check_same_plan_everywhere()
         if self._pipe is not None:
             self._pipe.build()
+        nn.Module.train(self, model.training)  # the mode the program was traced in (the ops are as they were traced)
 
     # --- construction helpers ---------------------------------------------------------------------------------
     def _place(self, fqn: str, t: torch.Tensor, kind: str, persistent: bool = True) -> None:
@@ -275,6 +276,15 @@ class ParallelModule(nn.Module):
                 out[alias] = out[fqn]
         return out
 
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """``nn.Module.train``, and the program follows it: ``pmodel.eval()`` turns the dropout and BatchNorm that
+        training-mode tracing put in into what eval mode does (no masks; running statistics read, not updated), and
+        ``pmodel.train()`` turns them back."""
+        super().train(mode)
+        if getattr(self, "_gm", None) is not None:  # (nn.Module.__init__ sets the mode before the program exists)
+            _set_mode(self._gm, mode, self._tg.fqns)
+        return self
+
     @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation without communication, as DDP's ``no_sync()``: the backward of every forward run
@@ -372,6 +382,61 @@ class ParallelModule(nn.Module):
         if self._pipe is not None and not self._pipe.sequential:
             return self._pipe.gather("grads")
         return {fqn: self._gather_full(fqn, p.grad) for fqn, p in self.named_parameters() if p.grad is not None}
+
+
+_aten = torch.ops.aten
+# ops that act as training does in a program traced in training mode, and what eval mode sets: (index of the
+# argument, its keyword, its value in eval mode)
+_EVAL_ARGS = {
+    _aten.dropout.default: (2, "train", False), _aten.feature_dropout.default: (2, "train", False),
+    _aten.alpha_dropout.default: (2, "train", False), _aten.feature_alpha_dropout.default: (2, "train", False),
+    _aten.native_dropout.default: (2, "train", False), _aten.scaled_dot_product_attention.default: (4, "dropout_p", 0.0),
+    _aten.batch_norm.default: (5, "training", False),
+}
+
+
+def _unchanged(x, *_args, **_kwargs):
+    """What an op that only training does (BatchNorm's ``num_batches_tracked += 1``) becomes in eval mode."""
+    return x
+
+
+def _set_mode(gm: fx.GraphModule, training: bool, fqns: dict[str, str]) -> None:
+    """Make every program in ``gm`` (its stages and recomputed blocks too) act as ``nn.Module.train(training)``
+    says: in eval mode dropout draws nothing (attention's ``dropout_p`` is 0) and BatchNorm normalises by its
+    running statistics, which stay as they are (their ``num_batches_tracked`` too); back in training mode each
+    op is again as it was traced. An op traced in eval mode stays as it is either way: the plan never drew its
+    masks per shard (``passes/reseed_random.py``)."""
+    for program in gm.modules():
+        if not isinstance(program, fx.GraphModule):
+            continue
+        changed = False
+        for node in program.graph.nodes:
+            if node.op != "call_function":
+                continue
+            op, offset = node.target, 0
+            if op is collectives.reseeded:  # (op, shard axes, *the op's args)
+                op, offset = node.args[0], 2
+            if "autopar_traced" in node.meta:  # switched before: back to the traced op, then as ``training`` says
+                node.target, node.args, node.kwargs = node.meta.pop("autopar_traced")
+                changed = True
+            if training:
+                continue
+            bumps = (op in (_aten.add_.Tensor, _aten.add_.Scalar) and isinstance(node.args[0], fx.Node)
+                     and node.args[0].op == "placeholder" and fqns.get(node.args[0].name, "").endswith("num_batches_tracked"))
+            if op not in _EVAL_ARGS and not bumps:
+                continue
+            node.meta["autopar_traced"] = (node.target, node.args, dict(node.kwargs))
+            if bumps:
+                node.target = _unchanged
+            else:
+                i, key, value = _EVAL_ARGS[op]
+                if len(node.args) > offset + i:
+                    node.args = node.args[: offset + i] + (value,) + node.args[offset + i + 1 :]
+                else:
+                    node.kwargs = {**node.kwargs, key: value}
+            changed = True
+        if changed:
+            program.recompile()
 
 
 def _non_persistent(model: nn.Module) -> set[str]:
@@ -567,6 +632,8 @@ class _PipelineRun:
         return out
 
     def step(self, flat: list):
+        if not torch.is_grad_enabled():  # evaluation (a validation loss under torch.no_grad()): forward alone
+            return self.evaluate(flat)
         owner, m = self.owner, self.m
         sync = owner._accumulation.sync  # (no_sync is read when the step runs, as in DDP)
         # the gradients earlier steps left in .grad, set aside: the step's reduction sums this step's alone over
@@ -598,6 +665,27 @@ class _PipelineRun:
         anchor = torch.zeros((), requires_grad=True)
         loss = _PipelineLoss.apply(total, anchor, lambda: self.finish(sync, earlier))
         return pytree.tree_unflatten([loss], owner._tg.out_spec)
+
+    def evaluate(self, flat: list):
+        """The step's loss without a backward (called under ``torch.no_grad()``): each microbatch's forward through
+        the stages (the schedule's ``eval``), nothing reduced, no gradient touched."""
+        owner, m = self.owner, self.m
+        self._gather_zero()
+        if self.sequential:
+            chunks = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim > 0 else [t] * m for t in flat]
+            params = [self._read(kind, f) for kind, f in owner._order]
+            total = sum(self.gm.forward(*params, *[c[k] for c in chunks])[0] / m for k in range(m))
+        else:
+            losses: list = []
+            dummy = torch.zeros(m, device=self.device)
+            if 0 in self.mine:
+                self.schedule.eval(*flat, target=dummy, losses=losses, return_outputs=False)
+            else:
+                self.schedule.eval(target=dummy, losses=losses, return_outputs=False)
+            total = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+            dist.broadcast(total, src=self.last_rank, group=self.pp_group)
+        self.whole = {}  # the step's gathered ZeRO-1 parameters: nothing to scatter
+        return pytree.tree_unflatten([total], owner._tg.out_spec)
 
     def finish(self, sync: bool, earlier: dict[str, torch.Tensor]) -> None:
         """The gradient communication after the schedule: ZeRO-1's reduce-scatters, the plan's all-reduce buckets

@@ -118,7 +118,8 @@ def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, 
     with AdamW, clipping both's gradient norm to ``clip``; the largest loss and gradient differences over the steps
     (the clipped norms' relative difference among them), and the parameter difference after. ``accumulate`` > 1:
     each optimizer step accumulates that many forward-backward calls (the batch rolled by one row each), all but
-    the last under ``pm.no_sync()``."""
+    the last under ``pm.no_sync()``. The loss difference includes a validation loss after training, under
+    ``torch.no_grad()``."""
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     ropt = torch.optim.AdamW(reference.parameters(), lr=lr)
     dl = dg = 0.0
@@ -147,6 +148,11 @@ def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, 
         opt.zero_grad()
         ropt.step()
         ropt.zero_grad()
+    with torch.no_grad():  # a validation loss: forward alone (a pipeline runs its schedule's eval)
+        loss, rl = pm(*pm.local_inputs(*inputs)), reference(*inputs)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))
     full = pm.full_state_dict()
     dp = max(float((full[k] - p.detach()).abs().max()) for k, p in reference.named_parameters())
     return dl, dg, dp

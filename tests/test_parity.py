@@ -196,6 +196,70 @@ def test_a_no_grad_block_in_forward_is_inlined_and_takes_no_gradient(axes, zero)
         assert sum(c.bytes for c in plan.collectives() if c.kind == "reduce_scatter") == student
 
 
+class NormDrop(torch.nn.Module):
+    """A BatchNorm (statistics over the batch, running statistics updated in training) and dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.drop, self.down = (torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32),
+                                                    torch.nn.Dropout(0.3), torch.nn.Linear(32, 16))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.down(self.drop(self.norm(self.up(x)))), y)
+
+
+@pytest.mark.parametrize("name,axes", [("normdrop", {"dp": 2}), ("gpt", {"dp": 2, "tp": 2})])
+def test_eval_mode_turns_off_dropout_and_reads_batchnorms_running_statistics(name, axes):
+    """A program traced in training mode follows ``pmodel.eval()`` as the module would: its validation loss is the
+    single-device model's in eval mode (no dropout masks, attention's included; BatchNorm normalised by its
+    running statistics), the running statistics and ``num_batches_tracked`` stay as they were, and
+    ``pmodel.train()`` draws masks again. Before, eval() changed nothing: dropout stayed on and validation
+    batches were folded into the running statistics."""
+    import warnings
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    if name == "gpt":
+        model = GPT(replace(GPTConfig.tiny(), dropout=0.3))
+        inputs = _inputs()
+    else:
+        model = NormDrop()
+        g = torch.Generator().manual_seed(1)
+        inputs = (torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
+    reference = copy.deepcopy(model)
+    n = 1
+    for v in axes.values():
+        n *= v
+    with fake_world(n), _compat.local_tensor_mode(n) as ltm, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (dropout: masks per shard)
+        pm = autopar.parallelize(model, autopar.Mesh(axes), inputs, constraints=megatron_pins(name, axes) if name == "gpt" else [])
+        local = pm.local_inputs(*inputs)
+        pm(*local).backward()  # a training step: BatchNorm's running statistics move
+        before = {k: v.clone() for k, v in pm.full_state_dict().items()}
+        with ltm.disable():
+            reference(*inputs).backward()
+        pm.eval()
+        assert not pm.training
+        with torch.no_grad():
+            shares = [_compat.local_values(pm(*local)) for _ in range(2)]
+        after = pm.full_state_dict()
+        pm.train()
+        with torch.no_grad():
+            trained = [_compat.local_values(pm(*local)) for _ in range(2)]
+        with ltm.disable():
+            reference.eval()
+            with torch.no_grad():
+                want = float(reference(*inputs))
+            assert all(torch.equal(before[k], after[k]) for k in before), "eval mode changed a buffer"
+            if name == "normdrop":
+                assert float((after["norm.running_mean"] - reference.norm.running_mean).abs().max()) < 1e-6
+                assert int(after["norm.num_batches_tracked"]) == 1
+    for values in shares:  # every rank's share of the batch: their mean is the batch's
+        assert abs(sum(float(v) for v in values.values()) / n - want) < 1e-5, (values, want)
+    means = [sum(float(v) for v in t.values()) / n for t in trained]  # masks again: a new one each call
+    assert means[0] != means[1] and all(abs(m - want) > 1e-6 for m in means), (means, want)
+
+
 def test_data_parallel_splits_the_batch_and_returns_share_means():
     r = parity(_model("gpt"), _inputs(batch=8), {"dp": 4}, hardware="h100-80gb")
     plan = r["plan"]

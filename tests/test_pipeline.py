@@ -359,6 +359,29 @@ def test_pipeline_steps_accumulate_gradients_as_on_one_device(zero, no_sync):
             assert max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()) < 1e-6
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_pipeline_evaluates_under_no_grad(zero):
+    """A validation loss under ``torch.no_grad()`` on a pipeline plan: the microbatches' forward alone (the
+    schedule's ``eval`` in processes), the single-device loss, no gradient and nothing reduced. It ran the
+    schedule's backward before, and failed ("element 0 of tensors does not require grad")."""
+    from autopar import _compat, collectives
+
+    torch.manual_seed(0)
+    model, batch = _gpt(4), _batch(8)
+    with fake_world(4), _compat.local_tensor_mode(4) as ltm:
+        pm = autopar.parallelize(model, autopar.Mesh({"dp": 2, "pp": 2}), batch,
+                                 constraints=[PipelinePin("1f1b", 2), autopar.ZeroPin("*", zero)])
+        with torch.no_grad(), collectives.record() as log:
+            loss = pm(*pm.local_inputs(*batch))
+        assert not loss.requires_grad and all(p.grad is None for p in pm.parameters())
+        assert not [c for c in log if c.phase == "backward" or c.kind in ("all_reduce", "reduce_scatter")], log
+        shares = _compat.local_values(loss)
+        with ltm.disable(), torch.no_grad():
+            want = float(model(*batch))
+    # each dp rank's loss is its rows' (the pp ranks of a replica agree): their mean is the batch's
+    assert abs(sum(float(v) for v in shares.values()) / 4 - want) < 1e-5, (shares, want)
+
+
 @pytest.mark.parametrize("axes", [{"pp": 2, "cp": 2, "tp": 2}, {"dp": 2, "pp": 2, "cp": 2}], ids=["pp2xcp2xtp2", "dp2xpp2xcp2"])
 def test_megatron_3d_with_context_parallelism_trains_like_one_device(axes):
     """4-D by hand (Megatron-LM's and torchtitan's pipeline + context + tensor / data parallelism): the stages'

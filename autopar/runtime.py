@@ -4,7 +4,8 @@ In: the traced graph, the Plan, the rewritten GraphModule (passes/), the Mesh (a
 and the user's model (read, never modified: its tensors are copied into local shards).
 Out: an ``nn.Module`` whose parameters are this rank's shards, registered under the model's own FQNs, so an
 ordinary torch optimizer works on it; ``forward(*local_inputs)`` takes this rank's share of the global batch;
-``local_inputs(*global_inputs)`` picks that share; ``full_state_dict()`` gathers full tensors for export;
+``local_inputs(*global_inputs)`` picks that share; ``full_state_dict()`` gathers full tensors for export and
+``load_full_state_dict`` puts them back;
 ``clip_grad_norm_`` clips as on one device; ``no_sync()`` accumulates gradients over calls without reducing them.
 
 Under LocalTensorMode every tensor holds the values of all simulated ranks at once; the same code runs.
@@ -275,6 +276,39 @@ class ParallelModule(nn.Module):
             if fqn in out:
                 out[alias] = out[fqn]
         return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy a full (single-device) state dict -- ``full_state_dict()``'s, or the model's own ``state_dict()``,
+        saved under any plan or none -- into this rank's shards, in place (an optimizer built on ``parameters()``
+        keeps them): resuming from a consolidated checkpoint, on this mesh and plan. Every rank passes the same
+        values; tied parameters may come under any of their names. ``strict``: every parameter and persistent
+        buffer must be there, and nothing else. Its optimizer state is not loaded (a new optimizer starts
+        afresh)."""
+        tg = self._tg
+        node_of = {f: n for n, f in tg.fqns.items() if tg.kinds.get(n) in (PARAM, BUFFER)}
+        names = {fqn: fqn for fqn in node_of} | {alias: fqn for alias, fqn in tg.aliases.items() if fqn in node_of}
+        wanted = {fqn for fqn, n in node_of.items() if tg.kinds[n] == PARAM or fqn in self._persistent}
+        unknown = sorted(k for k in state if names.get(k) not in wanted)
+        given = {names[k] for k in state if k not in unknown}
+        missing = sorted(wanted - given)
+        if strict and (unknown or missing):
+            raise AutoparError(f"load_full_state_dict: the state dict does not match the model: missing {missing[:5]}"
+                               f"{' ...' if len(missing) > 5 else ''}, unexpected {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; "
+                               "pass the single-device model's state_dict() (or full_state_dict()), or strict=False")
+        held = {fqn for kind, fqn in self._order if kind in (PARAM, BUFFER)}
+        for key, full in state.items():
+            fqn = names.get(key)
+            if fqn not in held or fqn not in wanted:
+                continue  # (another pipeline stage's, or unknown and not strict)
+            n = node_of[fqn]
+            shape = tuple(tg.nodes[n].meta["val"].shape)
+            if tuple(full.shape) != shape:
+                raise AutoparError(f"load_full_state_dict: {key} has shape {list(full.shape)}, but the model's is "
+                                   f"{list(shape)}; load a checkpoint of this model")
+            local = self._local(tg.kinds[n], fqn)
+            spec = self._plan.nodes[n].strategy.output
+            local.copy_(distribute(full.detach().to(local.dtype), spec, self._mesh, self._zero_axes.get(n)))
 
     def train(self, mode: bool = True) -> "ParallelModule":
         """``nn.Module.train``, and the program follows it: ``pmodel.eval()`` turns the dropout and BatchNorm that

@@ -5,8 +5,9 @@ and the user's model (read, never modified: its tensors are copied into local sh
 Out: an ``nn.Module`` whose parameters are this rank's shards, registered under the model's own FQNs, so an
 ordinary torch optimizer works on it; ``forward(*local_inputs)`` takes this rank's share of the global batch;
 ``local_inputs(*global_inputs)`` picks that share; ``full_state_dict()`` gathers full tensors for export and
-``load_full_state_dict`` puts them back;
-``clip_grad_norm_`` clips as on one device; ``no_sync()`` accumulates gradients over calls without reducing them.
+``load_full_state_dict`` puts them back (``full_optimizer_state_dict`` / ``load_full_optimizer_state_dict``: the
+optimizer's state); ``clip_grad_norm_`` clips as on one device; ``no_sync()`` accumulates gradients over calls
+without reducing them; ``eval()`` / ``train()`` switch the program's dropout and BatchNorm.
 
 Under LocalTensorMode every tensor holds the values of all simulated ranks at once; the same code runs.
 """
@@ -309,6 +310,73 @@ class ParallelModule(nn.Module):
             local = self._local(tg.kinds[n], fqn)
             spec = self._plan.nodes[n].strategy.output
             local.copy_(distribute(full.detach().to(local.dtype), spec, self._mesh, self._zero_axes.get(n)))
+
+    @torch.no_grad()
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """``optimizer``'s state (a torch optimizer on ``parameters()``) as the single-device model's optimizer holds
+        it, keyed by FQN as torch.distributed.checkpoint's full optimizer state dict is: ``{"state": {fqn: {key:
+        value}}, "param_groups": [{hyperparameters..., "params": [fqn, ...]}]}``. A state tensor shaped as the
+        parameter's piece (AdamW's moments) is gathered as the parameter is; a scalar (its step) is taken as it
+        is, the same on every rank. On every rank, as ``full_state_dict``."""
+        self._check_nothing_held("full_optimizer_state_dict")
+        tg, params = self._tg, dict(self.named_parameters())
+        fqn_of = {id(p): fqn for fqn, p in params.items()}
+        pipe = self._pipe if self._pipe is not None and not self._pipe.sequential else None
+        sample = next((st for st in optimizer.state.values() if st), {})  # the keys every stepped parameter has
+        nodes, state = tg.nodes, {}
+        for name, kind in tg.kinds.items():  # (in the same order on every rank: a pipeline broadcasts in it)
+            fqn = tg.fqns.get(name)
+            if kind != PARAM or name not in tg.trainable or not sample or (pipe is not None and name not in pipe.ranks_of):
+                continue
+            mine = optimizer.state.get(params[fqn], {}) if fqn in params else None  # None: another pp rank's
+            if mine is not None and not mine:
+                continue  # (a parameter this optimizer does not step)
+            entry = {}
+            for key, like in sorted(sample.items()):
+                v = mine.get(key, like) if mine is not None else like
+                if not (isinstance(v, torch.Tensor) and v.ndim > 0):
+                    entry[key] = v.clone() if isinstance(v, torch.Tensor) else v
+                elif pipe is not None:
+                    entry[key] = pipe.full_of(name, v if mine is not None else None, tuple(nodes[name].meta["val"].shape), v.dtype)
+                else:
+                    entry[key] = self._gather_full(fqn, v)
+            state[fqn] = entry
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, full: dict) -> None:
+        """Put ``full_optimizer_state_dict``'s dict (saved under any plan) into ``optimizer``'s state for this
+        rank's pieces, and its groups' hyperparameters into ``optimizer``'s groups (in order); with
+        ``load_full_state_dict`` a run resumes where it stopped, under this plan."""
+        tg = self._tg
+        node_of = {f: n for n, f in tg.fqns.items() if tg.kinds.get(n) == PARAM}
+        names = {fqn: fqn for fqn in node_of} | {alias: fqn for alias, fqn in tg.aliases.items() if fqn in node_of}
+        saved = {names.get(k, k): v for k, v in full.get("state", {}).items()}
+        unknown = sorted(k for k in saved if k not in node_of)
+        if unknown or len(full.get("param_groups", [])) != len(optimizer.param_groups):
+            raise AutoparError(f"load_full_optimizer_state_dict: the dict does not match this model and optimizer "
+                               f"(unknown parameters {unknown[:5]}, {len(full.get('param_groups', []))} groups saved for "
+                               f"{len(optimizer.param_groups)}); pass full_optimizer_state_dict()'s dict of this model")
+        for group, g in zip(optimizer.param_groups, full["param_groups"]):
+            group.update({k: v for k, v in g.items() if k != "params"})
+        for fqn, p in self.named_parameters():
+            if fqn not in saved:
+                continue
+            n = node_of[fqn]
+            shape = tuple(tg.nodes[n].meta["val"].shape)
+            spec = self._plan.nodes[n].strategy.output
+            entry = {}
+            for key, v in saved[fqn].items():
+                if isinstance(v, torch.Tensor) and v.ndim > 0:
+                    if tuple(v.shape) != shape:
+                        raise AutoparError(f"load_full_optimizer_state_dict: {fqn}'s {key} has shape {list(v.shape)}, "
+                                           f"the parameter {list(shape)}; load a state of this model")
+                    entry[key] = distribute(v.detach(), spec, self._mesh, self._zero_axes.get(n))
+                else:
+                    entry[key] = v.clone() if isinstance(v, torch.Tensor) else v
+            optimizer.state[p] = entry
 
     def train(self, mode: bool = True) -> "ParallelModule":
         """``nn.Module.train``, and the program follows it: ``pmodel.eval()`` turns the dropout and BatchNorm that
@@ -767,16 +835,24 @@ class _PipelineRun:
             if which == "grads" and kind != PARAM:
                 continue
             fqn = tg.fqns[name]
-            src = self.ranks_of[name][0]
             val = nodes[name].meta["val"]
             if kind == BUFFER and fqn not in owner._persistent:
                 continue
+            t = None
             if name in self.held:
                 t = owner._local(kind, fqn)
                 t = t.grad if which == "grads" else t
-                full = owner._gather_full(fqn, t if t is not None else torch.zeros_like(owner._local(kind, fqn)))
-            else:
-                full = torch.empty(tuple(val.shape), dtype=val.dtype, device=self.device)
-            dist.broadcast(full, src=self._rank_at(src), group=self.pp_group)
-            out[fqn] = full
+                t = t if t is not None else torch.zeros_like(owner._local(kind, fqn))
+            out[fqn] = self.full_of(name, t, tuple(val.shape), val.dtype)
         return out
+
+    def full_of(self, name: str, local: torch.Tensor | None, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The full tensor (of ``shape``) laid out as placeholder ``name`` is, whose piece this rank holds as
+        ``local`` (None where its stages do not read ``name``): gathered over the other axes on the first pp rank
+        that holds it, then broadcast over pp. Every rank calls it for the same names in the same order."""
+        if name in self.held:
+            full = self.owner._gather_full(self.owner._tg.fqns[name], local)
+        else:
+            full = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(full, src=self._rank_at(self.ranks_of[name][0]), group=self.pp_group)
+        return full

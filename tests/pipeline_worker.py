@@ -83,12 +83,42 @@ def generators() -> None:
         print(f"PIPE-RNG {int(flags[0])} {int(flags[1])}", flush=True)
 
 
+def checkpoint() -> None:
+    """Resuming a pipeline run under another plan: after a step on dp 2 x pp 2 with ZeRO-1, the full state and
+    optimizer state (gathered over dp, broadcast over pp) load into a differently initialised ZeRO-0 pipeline; one
+    more step on each. Prints ``PIPE-CKPT <largest parameter difference> <optimizer entries>``."""
+    def build(seed: int, zero: int):
+        torch.manual_seed(seed)
+        model = GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=4))
+        pins = [autopar.PipelinePin(schedule="1f1b", microbatches=4), autopar.ZeroPin("*", zero)]
+        pm = autopar.parallelize(model, autopar.Mesh({"dp": 2, "pp": 2}), (x, y), constraints=pins)
+        return pm, torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    y = torch.roll(x, -1, 1)
+    first, opt = build(0, 1)
+    first(*first.local_inputs(x, y)).backward()
+    opt.step()
+    opt.zero_grad()
+    state, ostate = first.full_state_dict(), first.full_optimizer_state_dict(opt)
+    second, opt2 = build(5, 0)
+    second.load_full_state_dict(state)
+    second.load_full_optimizer_state_dict(opt2, ostate)
+    for m, o in ((first, opt), (second, opt2)):
+        m(*m.local_inputs(x, y)).backward()
+        o.step()
+    a, b = first.full_state_dict(), second.full_state_dict()
+    if dist.get_rank() == 0:
+        print(f"PIPE-CKPT {max(float((a[k] - b[k]).abs().max()) for k in a):.3e} {len(ostate['state'])}", flush=True)
+
+
 def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world = dist.get_world_size()
     if world == 4:
         compared()
         generators()
+        checkpoint()
     if world == 2:
         meshes = [({"pp": 2}, 4)]
     else:

@@ -209,10 +209,20 @@ def test_a_full_checkpoint_resumes_under_another_plan(tmp_path):
         local = first.local_inputs(*inputs)
         first(*local).backward()
         opt.step()
-        state = first.full_state_dict()
-        with ltm.disable():  # (simulated ranks agree, checked by the gather: rank 0's values are the checkpoint)
-            torch.save({k: _compat.local_values(v)[0] for k, v in state.items()}, tmp_path / "ckpt.pt")
+        opt.zero_grad()
+        state, ostate = first.full_state_dict(), first.full_optimizer_state_dict(opt)
+        assert set(ostate["state"]) == {k for k, _ in _model("gpt").named_parameters()}
+        assert ostate["param_groups"][0]["lr"] == 1e-3
+
+        def plain(v):  # (simulated ranks agree, checked by the gather: rank 0's values are the checkpoint)
+            return _compat.local_values(v)[0] if isinstance(v, torch.Tensor) else v
+
+        with ltm.disable():
+            torch.save({k: plain(v) for k, v in state.items()}, tmp_path / "ckpt.pt")
+            torch.save({"state": {k: {key: plain(v) for key, v in e.items()} for k, e in ostate["state"].items()},
+                        "param_groups": ostate["param_groups"]}, tmp_path / "optim.pt")
             state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+            ostate = torch.load(tmp_path / "optim.pt", weights_only=True)
             torch.manual_seed(5)
             other = GPT(GPTConfig.tiny())
             untouched = copy.deepcopy(other.state_dict())
@@ -225,6 +235,17 @@ def test_a_full_checkpoint_resumes_under_another_plan(tmp_path):
             assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
             assert all(torch.equal(v, other.state_dict()[k]) for k, v in untouched.items())
         assert all(float(same[0][r]) == pytest.approx(float(same[1][r]), abs=1e-6) for r in same[0])
+        # with the optimizer's state (AdamW's moments, sharded as each plan shards the parameters, and its step)
+        # the next step is the same step: training resumes where it stopped
+        opt2 = torch.optim.AdamW(second.parameters(), lr=1e-4)
+        second.load_full_optimizer_state_dict(opt2, ostate)
+        assert opt2.param_groups[0]["lr"] == 1e-3
+        for m, o in ((first, opt), (second, opt2)):
+            m(*local).backward()
+            o.step()
+        a, b = first.full_state_dict(), second.full_state_dict()
+        with ltm.disable():
+            assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
         with pytest.raises(autopar.AutoparError, match=r"missing \['h.0.attn.c_attn.weight'\]"):
             second.load_full_state_dict({k: v for k, v in state.items() if k != "h.0.attn.c_attn.weight"})
         with pytest.raises(autopar.AutoparError, match="unexpected"):

@@ -278,6 +278,13 @@ class ParallelModule(nn.Module):
                 out[alias] = out[fqn]
         return out
 
+    def _state_names(self, kinds: tuple[str, ...]) -> tuple[dict[str, str], dict[str, str]]:
+        """(FQN -> placeholder name, for the state of ``kinds``; every name a state dict may use -- a tied
+        parameter's other names too -- -> its FQN)."""
+        tg = self._tg
+        node_of = {f: n for n, f in tg.fqns.items() if tg.kinds.get(n) in kinds}
+        return node_of, {fqn: fqn for fqn in node_of} | {alias: fqn for alias, fqn in tg.aliases.items() if fqn in node_of}
+
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Copy a full (single-device) state dict -- ``full_state_dict()``'s, or the model's own ``state_dict()``,
@@ -287,8 +294,7 @@ class ParallelModule(nn.Module):
         buffer must be there, and nothing else. Its optimizer state is not loaded (a new optimizer starts
         afresh)."""
         tg = self._tg
-        node_of = {f: n for n, f in tg.fqns.items() if tg.kinds.get(n) in (PARAM, BUFFER)}
-        names = {fqn: fqn for fqn in node_of} | {alias: fqn for alias, fqn in tg.aliases.items() if fqn in node_of}
+        node_of, names = self._state_names((PARAM, BUFFER))
         wanted = {fqn for fqn, n in node_of.items() if tg.kinds[n] == PARAM or fqn in self._persistent}
         unknown = sorted(k for k in state if names.get(k) not in wanted)
         given = {names[k] for k in state if k not in unknown}
@@ -351,8 +357,7 @@ class ParallelModule(nn.Module):
         rank's pieces, and its groups' hyperparameters into ``optimizer``'s groups (in order); with
         ``load_full_state_dict`` a run resumes where it stopped, under this plan."""
         tg = self._tg
-        node_of = {f: n for n, f in tg.fqns.items() if tg.kinds.get(n) == PARAM}
-        names = {fqn: fqn for fqn in node_of} | {alias: fqn for alias, fqn in tg.aliases.items() if fqn in node_of}
+        node_of, names = self._state_names((PARAM,))
         saved = {names.get(k, k): v for k, v in full.get("state", {}).items()}
         unknown = sorted(k for k in saved if k not in node_of)
         if unknown or len(full.get("param_groups", [])) != len(optimizer.param_groups):
@@ -382,8 +387,9 @@ class ParallelModule(nn.Module):
         """``nn.Module.train``, and the program follows it: ``pmodel.eval()`` turns the dropout and BatchNorm that
         training-mode tracing put in into what eval mode does (no masks; running statistics read, not updated), and
         ``pmodel.train()`` turns them back."""
+        changed = bool(mode) != self.training
         super().train(mode)
-        if getattr(self, "_gm", None) is not None:  # (nn.Module.__init__ sets the mode before the program exists)
+        if changed and getattr(self, "_gm", None) is not None:  # (recompiled only when the mode changes)
             _set_mode(self._gm, mode, self._tg.fqns)
         return self
 

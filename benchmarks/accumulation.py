@@ -1,7 +1,7 @@
 """Gradient accumulation with and without ``no_sync``, measured side by side on gloo ranks.
 
-Run: ``python benchmarks/accumulation.py [--ranks 2] [--calls 4] [--rounds 4]``. A stack of wide linears (many
-gradient bytes per FLOP, so the communication matters) on dp over every rank, pinned to ZeRO-0 (DDP), ZeRO-2 and
+Run: ``python benchmarks/accumulation.py [--ranks 2] [--calls 4] [--rounds 4]``. An MLP of wide linears
+(``models.mlp``, hidden = width: many gradient bytes per FLOP, so the communication matters) on dp over every rank, pinned to ZeRO-0 (DDP), ZeRO-2 and
 ZeRO-3 (FSDP2). Each optimizer step accumulates ``--calls`` forward-backward calls, either each one reducing its own
 gradients ("every call") or all but the last under ``pmodel.no_sync()`` (DDP's, FSDP2's
 ``set_requires_gradient_sync``). The two ways alternate round by round, so load on the machine falls on both. Per
@@ -30,20 +30,10 @@ def worker(rounds: int, calls: int, width: int, layers: int, batch: int) -> None
     import tabulate
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     import autopar
     from autopar import _compat, collectives
-
-    class Wide(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-        def forward(self, x, y):
-            for layer in self.layers:
-                x = torch.relu(layer(x))
-            return torch.nn.functional.mse_loss(x, y)
+    from models.mlp import MLP, MLPConfig
 
     dist.init_process_group("gloo")
     n = dist.get_world_size()
@@ -52,7 +42,8 @@ def worker(rounds: int, calls: int, width: int, layers: int, batch: int) -> None
     rows = []
     for stage in (0, 2, 3):
         torch.manual_seed(0)
-        pm = autopar.parallelize(Wide(), autopar.Mesh({"dp": n}, hardware="cpu-gloo"), batches[0],
+        model = MLP(MLPConfig(dim=width, hidden=width, n_layer=layers // 2))  # (residual blocks of two linears)
+        pm = autopar.parallelize(model, autopar.Mesh({"dp": n}, hardware="cpu-gloo"), batches[0],
                                  constraints=[autopar.ZeroPin("*", stage)])
         local = [pm.local_inputs(*b) for b in batches]
         times: dict[str, list[float]] = {"every call": [], "no_sync": []}

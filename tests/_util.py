@@ -112,6 +112,35 @@ def torchrun(module: str, nproc: int, timeout: int = 900) -> list[str]:
     return out.stdout.splitlines()
 
 
+def accumulate_beside(pm, reference: torch.nn.Module, batches: list, held: int, ltm) -> list[list]:
+    """Under LocalTensorMode (``ltm``): one forward-backward call of ``pm`` per batch, the first ``held`` under
+    ``pm.no_sync()``, and of ``reference`` beside it. Asserts that a call under no_sync leaves ``.grad`` as it was
+    (and clipping then refuses), that nothing is held at the end, and that the gradients are the reference's sums.
+    Returns each call's launched collectives."""
+    from autopar import collectives
+
+    logs = []
+    for k, batch in enumerate(batches):
+        with collectives.record() as log, (pm.no_sync() if k < held else contextlib.nullcontext()):
+            pm(*pm.local_inputs(*batch)).backward()
+        logs.append(log)
+        if k < held:
+            assert all(p.grad is None for p in pm.parameters()), "no_sync left a gradient in .grad"
+            try:
+                pm.clip_grad_norm_(1.0)
+            except autopar.AutoparError as e:
+                assert "no_sync" in str(e), e
+            else:
+                raise AssertionError("clip_grad_norm_ clipped gradients that no_sync still holds")
+    assert not pm._accumulation.held
+    grads = pm.full_grads()
+    with ltm.disable():
+        for batch in batches:
+            reference(*batch).backward()
+        assert max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()) < 1e-6
+    return logs
+
+
 def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, lr: float = 1e-4,
                  clip: float | None = 0.5, accumulate: int = 1) -> tuple[float, float, float]:
     """In a torchrun worker: train ``pm`` (a ParallelModule) and ``reference`` (its single-device copy) side by side

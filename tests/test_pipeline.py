@@ -14,7 +14,7 @@ from autopar import PipelinePin
 from models import build
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from tests._util import fake_world, parity, torchrun
+from tests._util import accumulate_beside, fake_world, parity, torchrun
 
 GiB = 2**30
 
@@ -329,10 +329,9 @@ def test_pipeline_steps_accumulate_gradients_as_on_one_device(zero, no_sync):
     are the single-device model's sums. A step reduces its own gradients alone: summing what earlier steps left in
     ``.grad`` over dp again counted them twice (they were already whole). Under ``no_sync()`` the first two steps
     reduce nothing and leave ``.grad`` as it was; the third reduces the three steps' sum."""
-    import contextlib
     import copy
 
-    from autopar import _compat, collectives
+    from autopar import _compat
 
     torch.manual_seed(0)
     model = _gpt(4)
@@ -343,20 +342,9 @@ def test_pipeline_steps_accumulate_gradients_as_on_one_device(zero, no_sync):
     with fake_world(4), _compat.local_tensor_mode(4) as ltm:
         pm = autopar.parallelize(model, autopar.Mesh(axes), first, constraints=[PipelinePin("1f1b", 2), autopar.ZeroPin("*", zero)])
         assert {z[0] for z in pm.plan.zero_stages.values()} == {zero} and bool(pm.plan.grad_buckets) == (zero == 0)
-        reduced = []
-        for k, batch in enumerate(batches):
-            with collectives.record() as log, (pm.no_sync() if no_sync and k < 2 else contextlib.nullcontext()):
-                pm(*pm.local_inputs(*batch)).backward()
-            reduced.append(sum(c.bytes for c in log if c.axis == "dp" and c.kind != "all_gather"))
-            if no_sync and k < 2:
-                assert all(p.grad is None for p in pm.parameters()), "no_sync left a gradient in .grad"
-        assert reduced[2] > 0 and reduced[:2] == ([0, 0] if no_sync else [reduced[2]] * 2), reduced
-        assert not pm._accumulation.held
-        grads = pm.full_grads()
-        with ltm.disable():
-            for batch in batches:
-                reference(*batch).backward()
-            assert max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()) < 1e-6
+        logs = accumulate_beside(pm, reference, batches, 2 if no_sync else 0, ltm)
+    reduced = [sum(c.bytes for c in log if c.axis == "dp" and c.kind != "all_gather") for log in logs]
+    assert reduced[2] > 0 and reduced[:2] == ([0, 0] if no_sync else [reduced[2]] * 2), reduced
 
 
 @pytest.mark.parametrize("zero", [0, 1])

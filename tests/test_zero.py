@@ -4,7 +4,6 @@ launches, and the stage the solver picks as the memory budget shrinks (or the in
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from autopar import _compat, collectives
 from autopar.cost import optimizer_step_time, wire_bytes
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from tests._util import fake_world, parity
+from tests._util import accumulate_beside, fake_world, parity
 from tests.test_parity import megatron_pins
 
 
@@ -248,23 +247,9 @@ def test_gradients_accumulate_over_backward_calls_as_on_one_device(stage, no_syn
 
     with fake_world(4), _compat.local_tensor_mode(4) as ltm:
         pm = autopar.parallelize(model, autopar.Mesh(axes), first, constraints=megatron_pins("gpt", axes) + [autopar.ZeroPin("*", stage)])
-        logs = []
-        for k, batch in enumerate(batches):
-            with collectives.record() as log, (pm.no_sync() if no_sync and k < 2 else contextlib.nullcontext()):
-                pm(*pm.local_inputs(*batch)).backward()
-            logs.append(grad_reductions(log))
-            if no_sync and k < 2:
-                assert all(p.grad is None for p in pm.parameters()), "no_sync left a gradient in .grad"
-                with pytest.raises(autopar.AutoparError, match="no_sync"):
-                    pm.clip_grad_norm_(1.0)
-        # a window's reduction is one plain step's (the fourth call's, after the window)
-        assert logs[3] and all(log == (logs[3] if k >= 2 or not no_sync else []) for k, log in enumerate(logs)), logs
-        assert not pm._accumulation.held
-        grads = pm.full_grads()
-        with ltm.disable():
-            for batch in batches:
-                reference(*batch).backward()
-            assert max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()) < 1e-6
+        logs = [grad_reductions(log) for log in accumulate_beside(pm, reference, batches, 2 if no_sync else 0, ltm)]
+    # a window's reduction is one plain step's (the fourth call's, after the window)
+    assert logs[3] and all(log == (logs[3] if k >= 2 or not no_sync else []) for k, log in enumerate(logs)), logs
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -3,7 +3,8 @@
 Launched by ``autopar`` (no arguments) through torch's own launcher:
 ``python -m torch.distributed.run --nproc-per-node 4 -m autopar.demo``. Every rank plans the same model on a
 (dp=2, tp=2) mesh, trains it for a few AdamW steps on its share of each global batch (gradients clipped to norm 1,
-``ParallelModule.clip_grad_norm_``), and also trains a single-device copy; rank 0 prints both losses per step and the largest parameter difference at the end.
+``ParallelModule.clip_grad_norm_``), and also trains a single-device copy; rank 0 prints both losses per step, a
+validation loss of both in eval mode under ``torch.no_grad()``, and the largest parameter difference at the end.
 Exits non-zero when autopar's training differs from single-device training by more than 1e-5.
 """
 
@@ -66,8 +67,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"|loss diff| {d:.1e}   grad norm {norm:.4f} / {ref_norm:.4f}   max |grad diff| {g:.1e}", flush=True)
     full = pmodel.full_state_dict()
     worst_param = max(float((full[k] - v.detach()).abs().max()) for k, v in reference.named_parameters())
+    # a validation loss on a batch not trained on, in eval mode (no dropout; BatchNorm would read its statistics)
+    vx = torch.randint(0, DEMO_GPT.vocab_size, (args.batch, DEMO_GPT.block_size), generator=gen)
+    pmodel.eval()
+    reference.eval()
+    with torch.no_grad():
+        val = pmodel(*pmodel.local_inputs(vx, torch.roll(vx, -1, dims=1))).detach().clone()
+        ref_val = reference(vx, torch.roll(vx, -1, dims=1))
+    dist.all_reduce(val)
+    val /= world
+    worst_loss = max(worst_loss, abs(val.item() - ref_val.item()))
     ok = max(worst_loss, worst_grad, worst_param) <= 1e-5
     if rank == 0:
+        print(f"validation (eval mode, no_grad): autopar loss {val.item():.6f}   single-device loss {ref_val.item():.6f}", flush=True)
         print(f"after {args.steps} AdamW steps: max |loss diff| {worst_loss:.1e}, max |grad diff| {worst_grad:.1e}, "
               f"max |parameter diff| {worst_param:.1e} -> "
               + ("equal to single-device training (fp32, 1e-5)" if ok else "DIFFERENT from single-device training"), flush=True)

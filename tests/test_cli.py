@@ -80,4 +80,4 @@ def test_demo_trains_on_local_gloo_ranks_like_one_device():
     out = subprocess.run([sys.executable, "-m", "autopar", "demo", "--nproc", "2", "--steps", "2"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "equal to single-device training" in out.stdout
+    assert "equal to single-device training" in out.stdout and "validation (eval mode, no_grad)" in out.stdout

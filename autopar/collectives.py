@@ -196,7 +196,7 @@ class Accumulation:
             return
         before = self.held.get(key)
         if before is None:
-            self.held[key] = list(grads)
+            self.held[key] = [_own(g) for g in grads]  # (not a view that keeps a larger buffer alive)
             return
         self.held[key] = [g if h is None else h if g is None else h + g for h, g in zip(before, grads)]
 

@@ -407,14 +407,20 @@ class ParallelModule(nn.Module):
             pmodel(*micro[-1]).backward()  # reduces all of them
             pmodel.clip_grad_norm_(1.0); opt.step()
 
-        ``.grad`` is left as it was until that backward. With a pipeline plan the step's one gradient reduction
-        (after its schedule) is what is held."""
+        ``.grad`` is left as it was until that backward, and ``pmodel.zero_grad()`` drops what is held (an
+        abandoned window). With a pipeline plan the step's one gradient reduction (after its schedule) is what is
+        held."""
         before = self._accumulation.sync
         self.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             self.set_requires_gradient_sync(before)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and the gradients ``no_sync`` holds are dropped too."""
+        super().zero_grad(set_to_none)
+        self._accumulation.held.clear()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's switch for ``no_sync``: False holds the gradients of the backward passes of forwards run from

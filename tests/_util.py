@@ -114,11 +114,18 @@ def torchrun(module: str, nproc: int, timeout: int = 900) -> list[str]:
 
 def accumulate_beside(pm, reference: torch.nn.Module, batches: list, held: int, ltm) -> list[list]:
     """Under LocalTensorMode (``ltm``): one forward-backward call of ``pm`` per batch, the first ``held`` under
-    ``pm.no_sync()``, and of ``reference`` beside it. Asserts that a call under no_sync leaves ``.grad`` as it was
-    (and clipping then refuses), that nothing is held at the end, and that the gradients are the reference's sums.
+    ``pm.no_sync()``, and of ``reference`` beside it (after a window abandoned and dropped by ``pm.zero_grad()``).
+    Asserts that a call under no_sync leaves ``.grad`` as it was (and clipping then refuses), that nothing is held
+    at the end, and that the gradients are the reference's sums.
     Returns each call's launched collectives."""
     from autopar import collectives
 
+    if held:  # an abandoned window: pmodel.zero_grad() drops what it held, as it would clear DDP's .grad
+        with pm.no_sync():
+            pm(*pm.local_inputs(*batches[-1])).backward()
+        assert pm._accumulation.held
+        pm.zero_grad()
+        assert not pm._accumulation.held
     logs = []
     for k, batch in enumerate(batches):
         with collectives.record() as log, (pm.no_sync() if k < held else contextlib.nullcontext()):

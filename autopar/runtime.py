@@ -527,14 +527,14 @@ def _set_mode(gm: fx.GraphModule, training: bool, fqns: dict[str, str]) -> None:
         for node in program.graph.nodes:
             if node.op != "call_function":
                 continue
-            op, offset = node.target, 0
-            if op is collectives.reseeded:  # (op, shard axes, *the op's args)
-                op, offset = node.args[0], 2
             if "autopar_traced" in node.meta:  # switched before: back to the traced op, then as ``training`` says
                 node.target, node.args, node.kwargs = node.meta.pop("autopar_traced")
                 changed = True
             if training:
                 continue
+            op, offset = node.target, 0
+            if op is collectives.reseeded:  # (op, shard axes, *the op's args)
+                op, offset = node.args[0], 2
             bumps = (op in (_aten.add_.Tensor, _aten.add_.Scalar) and isinstance(node.args[0], fx.Node)
                      and node.args[0].op == "placeholder" and fqns.get(node.args[0].name, "").endswith("num_batches_tracked"))
             if op not in _EVAL_ARGS and not bumps:

@@ -271,8 +271,9 @@ def test_eval_mode_turns_off_dropout_and_reads_batchnorms_running_statistics(nam
     """A program traced in training mode follows ``pmodel.eval()`` as the module would: its validation loss is the
     single-device model's in eval mode (no dropout masks, attention's included; BatchNorm normalised by its
     running statistics), the running statistics and ``num_batches_tracked`` stay as they were, and
-    ``pmodel.train()`` draws masks again. Before, eval() changed nothing: dropout stayed on and validation
-    batches were folded into the running statistics."""
+    ``pmodel.train()`` draws masks again (and moves the statistics, which a second ``eval()`` then reads, as the
+    module's would). Before, eval() changed nothing: dropout stayed on and validation batches were folded into
+    the running statistics."""
     import warnings
     from dataclasses import replace
 
@@ -304,6 +305,9 @@ def test_eval_mode_turns_off_dropout_and_reads_batchnorms_running_statistics(nam
         pm.train()
         with torch.no_grad():
             trained = [_compat.local_values(pm(*local)) for _ in range(2)]
+        pm.eval()  # and back again
+        with torch.no_grad():
+            again = _compat.local_values(pm(*local))
         with ltm.disable():
             reference.eval()
             with torch.no_grad():
@@ -312,8 +316,15 @@ def test_eval_mode_turns_off_dropout_and_reads_batchnorms_running_statistics(nam
             if name == "normdrop":
                 assert float((after["norm.running_mean"] - reference.norm.running_mean).abs().max()) < 1e-6
                 assert int(after["norm.num_batches_tracked"]) == 1
+            with torch.no_grad():
+                reference.train()  # the two training-mode calls move BatchNorm's statistics on both sides
+                for _ in range(2):
+                    reference(*inputs)
+                reference.eval()
+                want_again = float(reference(*inputs))
     for values in shares:  # every rank's share of the batch: their mean is the batch's
         assert abs(sum(float(v) for v in values.values()) / n - want) < 1e-5, (values, want)
+    assert abs(sum(float(v) for v in again.values()) / n - want_again) < 1e-5, (again, want_again)
     means = [sum(float(v) for v in t.values()) / n for t in trained]  # masks again: a new one each call
     assert means[0] != means[1] and all(abs(m - want) > 1e-6 for m in means), (means, want)
 

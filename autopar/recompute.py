@@ -18,6 +18,7 @@ What each mode keeps is what the cost model counts (``autopar.cost.recomputes``)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -41,6 +42,23 @@ SAVED_OPS = frozenset(
 MATMUL_KERNELS = frozenset(getattr(aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm"))
 
 
+def _replayed(body: fx.GraphModule) -> fx.GraphModule:
+    """The block as its second run (the recomputation) runs it: a BatchNorm in training mode normalises by the
+    batch's statistics again, but with momentum 0 its running statistics stay as the first run left them
+    (1 * r + 0 * batch), so they move once a step, as on one device -- and the op, its saved tensors and its output
+    are the first run's. ``body`` itself when it has no such BatchNorm."""
+    def training_norm(n: fx.Node) -> bool:
+        return n.op == "call_function" and n.target is aten.batch_norm.default and len(n.args) > 6 and n.args[5] is True
+
+    if not any(training_norm(n) for n in body.graph.nodes):
+        return body
+    graph = copy.deepcopy(body.graph)
+    for n in graph.nodes:
+        if training_norm(n):
+            n.args = n.args[:6] + (0.0,) + n.args[7:]
+    return fx.GraphModule(body, graph, class_name=type(body).__name__ + "Replay")
+
+
 class Recomputed(torch.nn.Module):
     """One block of the program, run under activation checkpointing (see the module docstring)."""
 
@@ -51,6 +69,7 @@ class Recomputed(torch.nn.Module):
         if mode not in ("selective", "full"):
             raise ValueError(f"recomputation mode {mode!r}")
         self.body = body
+        self.replay = _replayed(body)
         self.mode = mode
         self.every = int(every)
 
@@ -81,7 +100,7 @@ class Recomputed(torch.nn.Module):
             log = collectives.current_log()
             start = len(log) if log is not None else 0
             try:
-                return self.body(*a)
+                return (self.body if calls[0] == 1 else self.replay)(*a)
             finally:
                 if calls[0] > 1 and log is not None:
                     log[start:] = self._relabel(log[start:])

@@ -263,6 +263,14 @@ class ParallelModule(nn.Module):
                                    "the ranks' replicas have diverged (an autopar runtime bug: please report it with the plan)")
         return first.clone()
 
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """Each parameter's shape on one device, by FQN. A ZeRO-sharded parameter here is a flat 1-D shard (and a
+        tensor-parallel one a piece), so an optimizer's parameter groups chosen by shape -- nanoGPT's weight decay
+        on ``p.dim() >= 2`` -- read it from here: ``[p for n, p in pmodel.named_parameters() if
+        len(pmodel.full_shapes()[n]) >= 2]``."""
+        tg = self._tg
+        return {tg.fqns[n]: tg.nodes[n].meta["val"].shape for n, k in tg.kinds.items() if k == PARAM}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters and persistent buffers under the model's own FQNs (a tied parameter under each
         of its names, as the model's state_dict has it), gathered over the mesh."""

@@ -212,6 +212,9 @@ def test_a_full_checkpoint_resumes_under_another_plan(tmp_path):
         opt.zero_grad()
         state, ostate = first.full_state_dict(), first.full_optimizer_state_dict(opt)
         assert set(ostate["state"]) == {k for k, _ in _model("gpt").named_parameters()}
+        # ZeRO's flat shards are 1-D; the shapes to group an optimizer's parameters by are one device's
+        assert all(p.dim() == 1 for p in first.parameters())
+        assert first.full_shapes() == {k: p.shape for k, p in _model("gpt").named_parameters()}
         assert ostate["param_groups"][0]["lr"] == 1e-3
 
         def plain(v):  # (simulated ranks agree, checked by the gather: rank 0's values are the checkpoint)

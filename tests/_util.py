@@ -184,8 +184,12 @@ def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, 
         opt.zero_grad()
         ropt.step()
         ropt.zero_grad()
-    with torch.no_grad():  # a validation loss: forward alone (a pipeline runs its schedule's eval)
+    pm.eval()  # a validation loss: eval mode, forward alone (a pipeline runs its schedule's eval)
+    reference.eval()
+    with torch.no_grad():
         loss, rl = pm(*pm.local_inputs(*inputs)), reference(*inputs)
+    pm.train()
+    reference.train()
     mean = loss.detach().clone()
     dist.all_reduce(mean)
     dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))

@@ -331,30 +331,29 @@ class ParallelModule(nn.Module):
         it, keyed by FQN as torch.distributed.checkpoint's full optimizer state dict is: ``{"state": {fqn: {key:
         value}}, "param_groups": [{hyperparameters..., "params": [fqn, ...]}]}``. A state tensor shaped as the
         parameter's piece (AdamW's moments) is gathered as the parameter is; a scalar (its step) is taken as it
-        is, the same on every rank. On every rank, as ``full_state_dict``."""
+        is, the same on every rank. On every rank, as ``full_state_dict`` (a pipeline's pp ranks exchange their
+        stages' entries, gathered on the first pp rank that holds each parameter)."""
         self._check_nothing_held("full_optimizer_state_dict")
         tg, params = self._tg, dict(self.named_parameters())
         fqn_of = {id(p): fqn for fqn, p in params.items()}
         pipe = self._pipe if self._pipe is not None and not self._pipe.sequential else None
-        sample = next((st for st in optimizer.state.values() if st), {})  # the keys every stepped parameter has
-        nodes, state = tg.nodes, {}
-        for name, kind in tg.kinds.items():  # (in the same order on every rank: a pipeline broadcasts in it)
+        me = self._mesh.coordinate(dist.get_rank())[pipe.axis] if pipe is not None else None
+        state = {}
+        for name, kind in tg.kinds.items():  # (the same order on every rank of a group: the gathers run in it)
             fqn = tg.fqns.get(name)
-            if kind != PARAM or name not in tg.trainable or not sample or (pipe is not None and name not in pipe.ranks_of):
-                continue
-            mine = optimizer.state.get(params[fqn], {}) if fqn in params else None  # None: another pp rank's
-            if mine is not None and not mine:
-                continue  # (a parameter this optimizer does not step)
-            entry = {}
-            for key, like in sorted(sample.items()):
-                v = mine.get(key, like) if mine is not None else like
-                if not (isinstance(v, torch.Tensor) and v.ndim > 0):
-                    entry[key] = v.clone() if isinstance(v, torch.Tensor) else v
-                elif pipe is not None:
-                    entry[key] = pipe.full_of(name, v if mine is not None else None, tuple(nodes[name].meta["val"].shape), v.dtype)
-                else:
-                    entry[key] = self._gather_full(fqn, v)
-            state[fqn] = entry
+            if kind != PARAM or fqn not in params or (pipe is not None and pipe.ranks_of[name][0] != me):
+                continue  # (a pipeline: another pp rank's, or reported by the first pp rank that holds it)
+            mine = optimizer.state.get(params[fqn])
+            if not mine:
+                continue  # (frozen, or not stepped by this optimizer: alike on every rank that holds it)
+            state[fqn] = {key: self._gather_full(fqn, v) if isinstance(v, torch.Tensor) and v.ndim > 0
+                          else v.clone() if isinstance(v, torch.Tensor) else v for key, v in sorted(mine.items())}
+        if pipe is not None:  # each pp rank reported its stages' parameters: every rank gets them all
+            parts: list = [None] * pipe.p
+            dist.all_gather_object(parts, {k: {key: v.cpu() if isinstance(v, torch.Tensor) else v for key, v in e.items()}
+                                           for k, e in state.items()}, group=pipe.pp_group)
+            merged = {k: e for part in parts for k, e in part.items()}
+            state = {tg.fqns[n]: merged[tg.fqns[n]] for n in tg.kinds if tg.fqns.get(n) in merged}  # (graph order)
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
         return {"state": state, "param_groups": groups}

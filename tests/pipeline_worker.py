@@ -83,13 +83,19 @@ def generators() -> None:
         print(f"PIPE-RNG {int(flags[0])} {int(flags[1])}", flush=True)
 
 
+FROZEN = ("wpe.", "h.0.")
+
+
 def checkpoint() -> None:
-    """Resuming a pipeline run under another plan: after a step on dp 2 x pp 2 with ZeRO-1, the full state and
-    optimizer state (gathered over dp, broadcast over pp) load into a differently initialised ZeRO-0 pipeline; one
-    more step on each. Prints ``PIPE-CKPT <largest parameter difference> <optimizer entries>``."""
+    """Resuming a pipeline run under another plan: after a step on dp 2 x pp 2 with ZeRO-1 (the position
+    embedding and first block frozen), the full state and optimizer state (gathered over dp, exchanged over pp) load
+    into a differently initialised ZeRO-0 pipeline; one more step on each. Prints ``PIPE-CKPT <largest parameter
+    difference> <optimizer entries>``."""
     def build(seed: int, zero: int):
         torch.manual_seed(seed)
         model = GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=4))
+        for n, p in model.named_parameters():  # frozen on the first stage: no optimizer state there
+            p.requires_grad_(not n.startswith(FROZEN))
         pins = [autopar.PipelinePin(schedule="1f1b", microbatches=4), autopar.ZeroPin("*", zero)]
         pm = autopar.parallelize(model, autopar.Mesh({"dp": 2, "pp": 2}), (x, y), constraints=pins)
         return pm, torch.optim.AdamW(pm.parameters(), lr=1e-3)

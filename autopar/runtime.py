@@ -92,11 +92,17 @@ class ParallelModule(nn.Module):
                 self._constants[fqn] = distribute(tg.constants[fqn].detach(), spec, mesh)
             self._order.append((kind, fqn))
         self._input_shapes = self._local_input_shapes()  # checked on every step: computed once
+        # FQN -> placeholder name, and each state's single-device shape (tg.nodes builds a dict on each access)
+        nodes = tg.nodes
+        self._node_of: dict[str, str] = {}
+        for n, f in tg.fqns.items():
+            self._node_of.setdefault(f, n)
+        self._full_shape = {n: tuple(nodes[n].meta["val"].shape) for n in tg.fqns}
         # gradients held by backward passes under no_sync(), reduced with the next one outside it
         self._accumulation = collectives.Accumulation()
         from passes._util import takes_accumulation
 
-        self._takes_accumulation = takes_accumulation(gm) if self._pipe is None else False
+        self._takes_accumulation = takes_accumulation(gm)  # (never a pipeline's: its runtime reduces after the schedule)
         self._check_same_plan_everywhere()
         if self._pipe is not None:
             self._pipe.build()
@@ -238,12 +244,12 @@ class ParallelModule(nn.Module):
     def _gather_full(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
         names, sizes = self._mesh.names, self._mesh.sizes
         dm = self._mesh.to_device_mesh()
-        node = next(n for n, f in self._tg.fqns.items() if f == fqn)
+        node = self._node_of[fqn]
         spec = self._plan.nodes[node].strategy.output
         full = t.detach()
         if node in self._zero_axes:  # a flat ZeRO shard: rebuild the local tensor first
             levels = tuple((names[a], sizes[a], dm.get_group(names[a]).group_name) for a in reversed(self._zero_axes[node]))
-            shape = spec.local_shape(tuple(self._tg.nodes[node].meta["val"].shape), sizes)
+            shape = spec.local_shape(self._full_shape[node], sizes)
             full = collectives.unpadded(collectives.gather_flat([full.reshape(-1)], levels, "forward")[0], shape)
         for a in reversed(range(len(sizes))):
             p = spec[a]
@@ -269,7 +275,7 @@ class ParallelModule(nn.Module):
         on ``p.dim() >= 2`` -- read it from here: ``[p for n, p in pmodel.named_parameters() if
         len(pmodel.full_shapes()[n]) >= 2]``."""
         tg = self._tg
-        return {tg.fqns[n]: tg.nodes[n].meta["val"].shape for n, k in tg.kinds.items() if k == PARAM}
+        return {tg.fqns[n]: torch.Size(self._full_shape[n]) for n, k in tg.kinds.items() if k == PARAM}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters and persistent buffers under the model's own FQNs (a tied parameter under each
@@ -317,7 +323,7 @@ class ParallelModule(nn.Module):
             if fqn not in held or fqn not in wanted:
                 continue  # (another pipeline stage's, or unknown and not strict)
             n = node_of[fqn]
-            shape = tuple(tg.nodes[n].meta["val"].shape)
+            shape = self._full_shape[n]
             if tuple(full.shape) != shape:
                 raise AutoparError(f"load_full_state_dict: {key} has shape {list(full.shape)}, but the model's is "
                                    f"{list(shape)}; load a checkpoint of this model")
@@ -363,7 +369,6 @@ class ParallelModule(nn.Module):
         """Put ``full_optimizer_state_dict``'s dict (saved under any plan) into ``optimizer``'s state for this
         rank's pieces, and its groups' hyperparameters into ``optimizer``'s groups (in order); with
         ``load_full_state_dict`` a run resumes where it stopped, under this plan."""
-        tg = self._tg
         node_of, names = self._state_names((PARAM,))
         saved = {names.get(k, k): v for k, v in full.get("state", {}).items()}
         unknown = sorted(k for k in saved if k not in node_of)
@@ -377,7 +382,7 @@ class ParallelModule(nn.Module):
             if fqn not in saved:
                 continue
             n = node_of[fqn]
-            shape = tuple(tg.nodes[n].meta["val"].shape)
+            shape = self._full_shape[n]
             spec = self._plan.nodes[n].strategy.output
             entry = {}
             for key, v in saved[fqn].items():
@@ -506,14 +511,16 @@ class ParallelModule(nn.Module):
 
 
 _aten = torch.ops.aten
-# ops that act as training does in a program traced in training mode, and what eval mode sets: (index of the
-# argument, its keyword, its value in eval mode)
-_EVAL_ARGS = {
-    _aten.dropout.default: (2, "train", False), _aten.feature_dropout.default: (2, "train", False),
-    _aten.alpha_dropout.default: (2, "train", False), _aten.feature_alpha_dropout.default: (2, "train", False),
-    _aten.native_dropout.default: (2, "train", False), _aten.scaled_dot_product_attention.default: (4, "dropout_p", 0.0),
-    _aten.batch_norm.default: (5, "training", False),
-}
+
+
+def _eval_args() -> dict:
+    """Ops that act as training does in a program traced in training mode, and what eval mode sets: (index of the
+    argument, its keyword, its value in eval mode). Dropout's from ``passes.reseed_random``'s table of them: its
+    ``train`` flag False, or (attention) its probability 0."""
+    from passes.reseed_random import DROPOUTS
+
+    out = {op: (t, "train", False) if t is not None else (i, key, 0.0) for op, (i, key, t) in DROPOUTS.items()}
+    return out | {_aten.batch_norm.default: (5, "training", False)}
 
 
 def _unchanged(x, *_args, **_kwargs):
@@ -527,6 +534,7 @@ def _set_mode(gm: fx.GraphModule, training: bool, fqns: dict[str, str]) -> None:
     running statistics, which stay as they are (their ``num_batches_tracked`` too); back in training mode each
     op is again as it was traced. An op traced in eval mode stays as it is either way: the plan never drew its
     masks per shard (``passes/reseed_random.py``)."""
+    eval_args = _eval_args()
     for program in gm.modules():
         if not isinstance(program, fx.GraphModule):
             continue
@@ -544,13 +552,13 @@ def _set_mode(gm: fx.GraphModule, training: bool, fqns: dict[str, str]) -> None:
                 op, offset = node.args[0], 2
             bumps = (op in (_aten.add_.Tensor, _aten.add_.Scalar) and isinstance(node.args[0], fx.Node)
                      and node.args[0].op == "placeholder" and fqns.get(node.args[0].name, "").endswith("num_batches_tracked"))
-            if op not in _EVAL_ARGS and not bumps:
+            if op not in eval_args and not bumps:
                 continue
             node.meta["autopar_traced"] = (node.target, node.args, dict(node.kwargs))
             if bumps:
                 node.target = _unchanged
             else:
-                i, key, value = _EVAL_ARGS[op]
+                i, key, value = eval_args[op]
                 if len(node.args) > offset + i:
                     node.args = node.args[: offset + i] + (value,) + node.args[offset + i + 1 :]
                 else:
@@ -742,7 +750,7 @@ class _PipelineRun:
                 if g is not None:
                     live.append(n)
                     fulls.append(g)
-                del g
+                del g  # (fulls holds the only reference: scatter_flat frees each gradient as its buffer takes it)
             if not live:
                 continue
             levels, reduce = self._zero_levels(bucket)
@@ -753,9 +761,12 @@ class _PipelineRun:
         return out
 
     def step(self, flat: list):
+        owner = self.owner
         if not torch.is_grad_enabled():  # evaluation (a validation loss under torch.no_grad()): forward alone
-            return self.evaluate(flat)
-        owner, m = self.owner, self.m
+            self._gather_zero()
+            total = self._run(flat, backward=False)
+            self.whole = {}  # the step's gathered ZeRO-1 parameters: nothing to scatter
+            return pytree.tree_unflatten([total], owner._tg.out_spec)
         sync = owner._accumulation.sync  # (no_sync is read when the step runs, as in DDP)
         # the gradients earlier steps left in .grad, set aside: the step's reduction sums this step's alone over
         # the ranks (summing them again would count a replicated gradient once per replica); added back after it
@@ -766,47 +777,33 @@ class _PipelineRun:
                 if t.grad is not None:
                     earlier[owner._tg.fqns[n]], t.grad = t.grad, None
         self._gather_zero()
+        total = self._run(flat, backward=True)
+        anchor = torch.zeros((), requires_grad=True)
+        loss = _PipelineLoss.apply(total, anchor, lambda: self.finish(sync, earlier))
+        return pytree.tree_unflatten([loss], owner._tg.out_spec)
+
+    def _run(self, flat: list, backward: bool) -> torch.Tensor:
+        """The step's microbatches (each input's rows in m chunks) through the stages, forward and, with
+        ``backward``, backward (the schedule's ``step``; without, its ``eval``): the step's loss, the microbatches'
+        mean, on every pp rank."""
+        owner, m = self.owner, self.m
         if self.sequential:
             chunks = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim > 0 else [t] * m for t in flat]
             total = None
             for k in range(m):
                 params = [self._read(kind, f) for kind, f in owner._order]
                 loss = self.gm.forward(*params, *[c[k] for c in chunks])[0] / m
-                loss.backward()
+                if backward:
+                    loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
-        else:
-            losses: list = []
-            dummy = torch.zeros(m, device=self.device)  # the loss is in the last stage's graph; targets ride along
-            if 0 in self.mine:
-                self.schedule.step(*flat, target=dummy, losses=losses, return_outputs=False)
-            else:
-                self.schedule.step(target=dummy, losses=losses, return_outputs=False)
-            total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
-            dist.broadcast(total, src=self.last_rank, group=self.pp_group)
-        anchor = torch.zeros((), requires_grad=True)
-        loss = _PipelineLoss.apply(total, anchor, lambda: self.finish(sync, earlier))
-        return pytree.tree_unflatten([loss], owner._tg.out_spec)
-
-    def evaluate(self, flat: list):
-        """The step's loss without a backward (called under ``torch.no_grad()``): each microbatch's forward through
-        the stages (the schedule's ``eval``), nothing reduced, no gradient touched."""
-        owner, m = self.owner, self.m
-        self._gather_zero()
-        if self.sequential:
-            chunks = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim > 0 else [t] * m for t in flat]
-            params = [self._read(kind, f) for kind, f in owner._order]
-            total = sum(self.gm.forward(*params, *[c[k] for c in chunks])[0] / m for k in range(m))
-        else:
-            losses: list = []
-            dummy = torch.zeros(m, device=self.device)
-            if 0 in self.mine:
-                self.schedule.eval(*flat, target=dummy, losses=losses, return_outputs=False)
-            else:
-                self.schedule.eval(target=dummy, losses=losses, return_outputs=False)
-            total = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
-            dist.broadcast(total, src=self.last_rank, group=self.pp_group)
-        self.whole = {}  # the step's gathered ZeRO-1 parameters: nothing to scatter
-        return pytree.tree_unflatten([total], owner._tg.out_spec)
+            return total
+        losses: list = []
+        dummy = torch.zeros(m, device=self.device)  # the loss is in the last stage's graph; targets ride along
+        run = self.schedule.step if backward else self.schedule.eval
+        run(*(flat if 0 in self.mine else ()), target=dummy, losses=losses, return_outputs=False)
+        total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
+        dist.broadcast(total, src=self.last_rank, group=self.pp_group)
+        return total
 
     def finish(self, sync: bool, earlier: dict[str, torch.Tensor]) -> None:
         """The gradient communication after the schedule: ZeRO-1's reduce-scatters, the plan's all-reduce buckets
@@ -817,7 +814,7 @@ class _PipelineRun:
         acc = owner._accumulation
         dm = self.mesh.to_device_mesh()
         grads = self._scatter_zero(sync)  # (the shards' gradients from this step)
-        zero = set(grads)
+        zero = set(grads)  # (the plan's grad buckets hold none of them: ZeRO-0 parameters only)
         for n in self.held:
             if tg.kinds[n] != PARAM or n in self.zero_members:
                 continue
@@ -829,7 +826,7 @@ class _PipelineRun:
                 (t.grad,) = acc.take(f"param:{tg.fqns[n]}", [t.grad])
                 grads[n] = t.grad
         for b in self.plan.grad_buckets if sync else ():
-            live = [grads[n] for n in b.params if grads.get(n) is not None and n not in zero]
+            live = [grads[n] for n in b.params if grads.get(n) is not None]
             collectives.all_reduce_flat_(live, b.axes, tuple(dm.get_group(a).group_name for a in b.axes))
         if not self.sequential and sync:
             for n, group in sorted(self.tied_groups.items()):
@@ -857,21 +854,12 @@ class _PipelineRun:
             val = nodes[name].meta["val"]
             if kind == BUFFER and fqn not in owner._persistent:
                 continue
-            t = None
             if name in self.held:
                 t = owner._local(kind, fqn)
                 t = t.grad if which == "grads" else t
-                t = t if t is not None else torch.zeros_like(owner._local(kind, fqn))
-            out[fqn] = self.full_of(name, t, tuple(val.shape), val.dtype)
+                full = owner._gather_full(fqn, t if t is not None else torch.zeros_like(owner._local(kind, fqn)))
+            else:
+                full = torch.empty(tuple(val.shape), dtype=val.dtype, device=self.device)
+            dist.broadcast(full, src=self._rank_at(self.ranks_of[name][0]), group=self.pp_group)
+            out[fqn] = full
         return out
-
-    def full_of(self, name: str, local: torch.Tensor | None, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """The full tensor (of ``shape``) laid out as placeholder ``name`` is, whose piece this rank holds as
-        ``local`` (None where its stages do not read ``name``): gathered over the other axes on the first pp rank
-        that holds it, then broadcast over pp. Every rank calls it for the same names in the same order."""
-        if name in self.held:
-            full = self.owner._gather_full(self.owner._tg.fqns[name], local)
-        else:
-            full = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.broadcast(full, src=self._rank_at(self.ranks_of[name][0]), group=self.pp_group)
-        return full

@@ -23,7 +23,7 @@ from passes._util import arg, programs
 
 aten = torch.ops.aten
 # (op, index of its probability argument, its keyword, index of its ``train`` flag or None)
-_DROPOUTS = {
+DROPOUTS = {
     aten.dropout.default: (1, "p", 2), aten.feature_dropout.default: (1, "p", 2), aten.alpha_dropout.default: (1, "p", 2),
     aten.feature_alpha_dropout.default: (1, "p", 2), aten.native_dropout.default: (1, "p", 2),
     aten.scaled_dot_product_attention.default: (4, "dropout_p", None),
@@ -35,8 +35,8 @@ def draws(node: fx.Node) -> bool:
     op = node.target
     if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
-    if op in _DROPOUTS:
-        i, key, train = _DROPOUTS[op]
+    if op in DROPOUTS:
+        i, key, train = DROPOUTS[op]
         p = arg(node, i, key, 0.0)
         on = True if train is None else arg(node, train, "train", True)
         # (native_dropout's train is optional: None drops out, as training does)

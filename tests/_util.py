@@ -159,6 +159,12 @@ def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, 
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     ropt = torch.optim.AdamW(reference.parameters(), lr=lr)
     dl = dg = 0.0
+
+    def loss_diff(loss, rl) -> float:  # the mean of the ranks' shares against the single-device loss
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return abs(mean.item() / dist.get_world_size() - rl.item())
+
     for _ in range(steps):
         for k in range(accumulate):
             batch = tuple(torch.roll(t, k, 0) for t in inputs)
@@ -167,19 +173,13 @@ def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, 
                 loss.backward()
             rl = reference(*batch)
             rl.backward()
-            if k < accumulate - 1:
-                mean = loss.detach().clone()
-                dist.all_reduce(mean)
-                dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))
+            dl = max(dl, loss_diff(loss, rl))
         # gradients clipped alike on both sides (a norm over every rank's pieces, pipeline stages included)
         norm = float(pm.clip_grad_norm_(clip)) if clip is not None else 0.0
         ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)) if clip is not None else 0.0
         grads = pm.full_grads()
         dg = max(dg, abs(norm - ref_norm) / max(ref_norm, 1.0),
                  max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()))
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))
         opt.step()
         opt.zero_grad()
         ropt.step()
@@ -190,9 +190,7 @@ def train_beside(pm, reference: torch.nn.Module, inputs: tuple, steps: int = 3, 
         loss, rl = pm(*pm.local_inputs(*inputs)), reference(*inputs)
     pm.train()
     reference.train()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    dl = max(dl, abs(mean.item() / dist.get_world_size() - rl.item()))
+    dl = max(dl, loss_diff(loss, rl))
     full = pm.full_state_dict()
     dp = max(float((full[k] - p.detach()).abs().max()) for k, p in reference.named_parameters())
     return dl, dg, dp

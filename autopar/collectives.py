@@ -195,17 +195,18 @@ class Accumulation:
         if all(g is None for g in grads):
             return
         before = self.held.get(key)
-        if before is None:
-            self.held[key] = [_own(g) for g in grads]  # (not a view that keeps a larger buffer alive)
-            return
-        self.held[key] = [g if h is None else h if g is None else h + g for h, g in zip(before, grads)]
+        # (its own storage: not a view that keeps a larger buffer alive)
+        self.held[key] = [_own(g) for g in grads] if before is None else _summed(before, grads)
 
     def take(self, key: str, grads: list) -> list:
         """``grads`` plus what the bucket holds, which it no longer does."""
         before = self.held.pop(key, None)
-        if before is None:
-            return grads
-        return [g if h is None else h if g is None else h + g for h, g in zip(before, grads)]
+        return grads if before is None else _summed(before, grads)
+
+
+def _summed(a: list, b: list) -> list:
+    """Two lists of gradients added pairwise (None: no gradient)."""
+    return [y if x is None else x if y is None else x + y for x, y in zip(a, b)]
 
 
 class Pending:

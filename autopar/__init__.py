@@ -13,12 +13,13 @@ from autopar.mesh import Mesh
 from autopar.pipeline import PipelinePin
 from autopar.cluster import Cluster
 from autopar.plan import Plan
+from autopar.precision import MixedPrecision
 from autopar.runtime import ParallelModule
 from autopar.solver import Pin, ZeroPin
 from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 
 __all__ = [
     "parallelize", "plan", "compare", "Comparison", "handwritten", "Mesh", "Plan", "ParallelModule", "Pin", "ZeroPin", "PipelinePin", "Cluster", "Spec", "Strategy", "Shard", "Replicate",
-    "Partial", "Hardware", "Link", "PRESETS", "AutoparError", "TraceError", "MeshError", "ShardingError",
+    "Partial", "Hardware", "Link", "PRESETS", "MixedPrecision", "AutoparError", "TraceError", "MeshError", "ShardingError",
     "InfeasibleError", "PlanMismatchError", "NotRealised",
 ]

@@ -18,6 +18,7 @@ from autopar.errors import AutoparError, MeshError, NotRealised, PlanMismatchErr
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.pipeline import PipelinePin, plan_pipeline, slice_batch
+from autopar.precision import MixedPrecision, cast_inputs, check, compute_twin, priced_mesh as _priced, stamped as _planned
 from autopar.planner import make_plan
 from autopar.runtime import ParallelModule
 from autopar.solver import Pin, ZeroPin
@@ -58,7 +59,8 @@ def _check_budget(memory_budget) -> None:
 
 
 def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, constraints=(), recompute: str = "none",
-         global_batch: int | None = None, seq: int | None = None, cp_in_stages: bool = False) -> Plan:
+         global_batch: int | None = None, seq: int | None = None, cp_in_stages: bool = False,
+         mixed_precision: MixedPrecision | None = None) -> Plan:
     """Plan only: no process group, no real weights needed (a meta-device model plans the same), any mesh size.
 
     On a mesh with a ``pp`` axis the plan also cuts the model into pipeline stages and picks the microbatch count
@@ -68,20 +70,28 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
     Given an ``autopar.Cluster`` instead of a mesh, the mesh itself is searched too (dp x pp x tp, tp within a
     node), with the microbatches, the schedule and the recomputation (``plan.search`` lists what was screened);
     ``cp_in_stages=True`` adds pipelines with context parallelism in their stages (pp x dp x cp x tp) to the search.
-    ``example_inputs`` may then be a function ``(global_batch, seq) -> inputs``."""
+    ``example_inputs`` may then be a function ``(global_batch, seq) -> inputs``.
+
+    ``mixed_precision`` (an ``autopar.MixedPrecision``): plan the model as it runs under it, forward and backward
+    in its param dtype, gradients reduced in its reduce dtype (``autopar.precision``)."""
     from autopar.cluster import Cluster, plan_cluster
 
     _check_budget(memory_budget)
+    check(model, mixed_precision)
     if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
         if global_batch is None:
             raise AutoparError("example_inputs is a function: give global_batch= (and seq=) to build the batch")
         example_inputs = example_inputs(global_batch, seq)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    mp = mixed_precision
+    model, args = compute_twin(model, mp), cast_inputs(args, mp)
     if isinstance(mesh, Cluster):
         if constraints:
             raise AutoparError("constraints pin Specs of one mesh; plan on autopar.Mesh to use them, or leave them out with a Cluster")
         with _compat.no_local_tensor_mode():
-            return plan_cluster(model, args, mesh, memory_budget, cp_in_stages=cp_in_stages)
+            out = plan_cluster(model, args, mesh, memory_budget, cp_in_stages=cp_in_stages)
+            out.mixed_precision = mp  # (the cluster's hardware preset prices the reduction: its grad_reduce_bytes)
+            return out
     if cp_in_stages:
         raise AutoparError("cp_in_stages widens the search over an autopar.Cluster; on a fixed mesh, give it pp and cp axes "
                            "(and handwritten('megatron-3d') pins context parallelism inside the stages)")
@@ -89,16 +99,16 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
     pins, pipe = _split_pins(constraints)
     with _compat.no_local_tensor_mode():
         if mesh.pipe_axis() is not None:
-            return plan_pipeline(model, args, mesh, memory_budget, pins, pipe, recompute=recompute)
+            return _planned(plan_pipeline(model, args, _priced(mesh, mp), memory_budget, pins, pipe, recompute=recompute), mesh, mp)
         if pipe is not None:
             raise AutoparError(f"a PipelinePin needs a mesh with a pp axis larger than 1; mesh {mesh} has none")
         t0 = time.perf_counter()
         tg = trace(model, args)
         t_trace = time.perf_counter() - t0
-        out = make_plan(tg, mesh, memory_budget, pins, recompute)
+        out = make_plan(tg, _priced(mesh, mp), memory_budget, pins, recompute)
         out.timings = {"trace": t_trace, **out.timings}
         out.timings["plan total"] += t_trace
-        return out
+        return _planned(out, mesh, mp)
 
 
 def _split_pins(constraints) -> tuple[list, PipelinePin | None]:
@@ -111,13 +121,22 @@ def _split_pins(constraints) -> tuple[list, PipelinePin | None]:
 
 
 def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory_budget: float | None = None, constraints=(),
-                recompute: str = "none") -> ParallelModule:
+                recompute: str = "none", mixed_precision: MixedPrecision | None = None) -> ParallelModule:
     """Plan (or take ``plan``), rewrite the model into this rank's program, and wrap it in a ParallelModule.
 
     ``recompute`` (none / selective / full), when planning here: the repeated blocks' activations are recomputed
-    in backward (a given ``plan`` carries its own)."""
+    in backward (a given ``plan`` carries its own). ``mixed_precision`` (``autopar.MixedPrecision``): forward and
+    backward in its param dtype, gradients reduced in its reduce dtype, the parameters -- what the optimizer
+    steps -- left in the model's dtype, as FSDP2's MixedPrecisionPolicy (a given ``plan`` carries its own)."""
     mesh = _as_mesh(mesh)
     _check_budget(memory_budget)
+    mp = mixed_precision
+    if plan is not None:
+        if mp is not None and mp != plan.mixed_precision:
+            raise PlanMismatchError(f"mixed_precision={mp} differs from the plan's ({plan.mixed_precision or 'none'}); "
+                                    "leave it out to run the plan's, or re-plan with it")
+        mp = plan.mixed_precision
+    check(model, mp)
     foreign = mesh.hardware.foreign_runtime()
     if foreign:
         what = ", ".join(f"{k}={v}" for k, v in foreign.items())
@@ -130,10 +149,11 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AutoparError("parallelize needs the model's real weights (it is on the meta device); build it on cpu, or use autopar.plan to plan only")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    user_model, model, args = model, compute_twin(model, mp), cast_inputs(args, mp)
     pins, pipe = _split_pins(constraints)
     with _compat.no_local_tensor_mode():
         if plan is None and mesh.pipe_axis() is not None:
-            plan = plan_pipeline(model, args, mesh, memory_budget, pins, pipe, recompute=recompute)
+            plan = _planned(plan_pipeline(model, args, _priced(mesh, mp), memory_budget, pins, pipe, recompute=recompute), mesh, mp)
         elif plan is None and pipe is not None:
             raise AutoparError(f"a PipelinePin needs a mesh with a pp axis larger than 1; mesh {mesh} has none")
         if plan is not None and plan.pipeline is not None:  # the plan describes one microbatch's graph
@@ -145,7 +165,7 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
         else:
             tg = trace(model, args)
         if plan is None:
-            the_plan = make_plan(tg, mesh, memory_budget, pins, recompute)
+            the_plan = _planned(make_plan(tg, _priced(mesh, mp), memory_budget, pins, recompute), mesh, mp)
         else:
             if plan.graph_hash != tg.hash:
                 raise PlanMismatchError(
@@ -159,7 +179,7 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
         gm = passes.run_all(tg.gm, the_plan, mesh)
         the_plan.timings["rewrite"] = time.perf_counter() - t0
     _warn_dropout(tg)
-    return ParallelModule(tg, the_plan, gm, mesh, model)
+    return ParallelModule(tg, the_plan, gm, mesh, user_model)
 
 
 def _warn_dropout(tg) -> None:

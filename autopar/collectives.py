@@ -223,13 +223,14 @@ class Pending:
         self.accumulation, self.key = accumulation, key
         self.sync = accumulation is None or accumulation.sync
 
-    def accumulated(self, grads: list) -> list | None:
+    def accumulated(self, grads: list, dtype: torch.dtype | None = None) -> list | None:
         """A bucket's local gradients with what backward passes under ``no_sync`` held for it added, to reduce
-        now; None when this backward is under ``no_sync`` itself: they are held instead, and nothing reduced."""
+        now; None when this backward is under ``no_sync`` itself: they are held instead (in ``dtype``, mixed
+        precision's reduce dtype, if given), and nothing reduced."""
         if self.accumulation is None:
             return grads
         if not self.sync:
-            self.accumulation.hold(self.key, grads)
+            self.accumulation.hold(self.key, [None if g is None else cast(g, dtype) for g in grads])
             return None
         return self.accumulation.take(self.key, grads)
 
@@ -252,6 +253,30 @@ def _last_all_reduce(flat: torch.Tensor, axes, groups, pending: Pending | None) 
         else:
             flat = _compat.all_reduce_sum_(flat, group)
     return flat
+
+
+def _flat_in(parts: list[torch.Tensor], dtype: torch.dtype | None, dim: int = 0) -> torch.Tensor:
+    """``torch.cat(parts, dim)`` written straight into a buffer of ``dtype`` (None: theirs): one copy, not two."""
+    if dtype is None or all(p.dtype == dtype for p in parts):
+        return torch.cat(parts, dim=dim)
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    return torch.cat(parts, dim=dim, out=parts[0].new_empty(shape, dtype=dtype))
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A floating tensor in ``dtype`` (mixed precision's compute or reduce dtype; None: as it is)."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+
+def _as_masters(grads: list, masters: tuple, pending: Pending | None) -> list:
+    """A bucket's reduced gradients in their parameters' dtypes (mixed precision reduces in another): waited
+    first, as a cast reads the buffer the last collective is still writing."""
+    if all(g is None or g.dtype == m for g, m in zip(grads, masters)):
+        return grads
+    if pending is not None:
+        pending.wait()
+    return [None if g is None else g.to(m) for g, m in zip(grads, masters)]
 
 
 def _own(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -287,39 +312,46 @@ class _GradSync(torch.autograd.Function):
     bucket's ``settle`` waits for them."""
 
     @staticmethod
-    def forward(ctx, axes, groups, pending, *params):
-        ctx.args = (axes, groups, pending)
+    def forward(ctx, axes, groups, pending, dtypes, *params):
+        ctx.args = (axes, groups, pending, dtypes)
+        ctx.masters = tuple(p.dtype for p in params)
         ctx.set_materialize_grads(False)
-        return tuple(p.view_as(p) for p in params)
+        compute = dtypes[0] if dtypes else None
+        outs = tuple(cast(p, compute) for p in params)
+        return tuple(o.view_as(o) if o is p else o for o, p in zip(outs, params))
 
     @staticmethod
     def backward(ctx, *grads):
-        axes, groups, pending = ctx.args
+        axes, groups, pending, dtypes = ctx.args
+        reduce_dtype = dtypes[1] if dtypes else None  # mixed precision: reduced (and held under no_sync) in it
         if pending is not None:
-            grads = pending.accumulated(list(grads))
+            grads = pending.accumulated(list(grads), reduce_dtype)
             if grads is None:  # under no_sync: held, reduced by a later backward
                 return (None,) * len(ctx.needs_input_grad)
         live = [g for g in grads if g is not None]
         if not live:
-            return (None, None, None) + tuple(grads)
-        flat = torch.cat([g.reshape(-1) for g in live])  # the bucket: reduced in place, then the gradients' storage
+            return (None, None, None, None) + tuple(grads)
+        # the bucket: reduced in place, then the gradients' storage (written in the reduce dtype: no second copy)
+        flat = _flat_in([g.reshape(-1) for g in live], reduce_dtype)
         flat = _last_all_reduce(flat, axes, groups, pending)
         out, pos = [], 0
         for g in grads:
             if g is None:
                 out.append(None)
             else:
-                out.append(flat[pos : pos + g.numel()].view_as(g))
+                out.append(flat[pos : pos + g.numel()].view(g.shape))
                 pos += g.numel()
-        return (None, None, None) + tuple(out if pending is not None else (_own(g) for g in out))
+        out = _as_masters(out, ctx.masters, pending)
+        return (None, None, None, None) + tuple(out if pending is not None else (_own(g) for g in out))
 
 
-def all_reduce_flat_(tensors: list[torch.Tensor], axes: tuple[str, ...], groups: tuple[str, ...]) -> None:
+def all_reduce_flat_(tensors: list[torch.Tensor], axes: tuple[str, ...], groups: tuple[str, ...], dtype: torch.dtype | None = None) -> None:
     """Sum ``tensors`` (gradients) over each group as one flat buffer, in place; outside autograd (a pipeline's
-    gradient buckets, reduced after the schedule's last backward)."""
+    gradient buckets, reduced after the schedule's last backward). ``dtype``: the buffer's (mixed precision's
+    reduce dtype; None: the gradients')."""
     if not tensors:
         return
-    flat = _last_all_reduce(torch.cat([t.reshape(-1) for t in tensors]), axes, groups, None)
+    flat = _last_all_reduce(cast(torch.cat([t.reshape(-1) for t in tensors]), dtype), axes, groups, None)
     pos = 0
     for t in tensors:
         t.copy_(flat[pos : pos + t.numel()].view_as(t))
@@ -373,10 +405,13 @@ def settle(params: tuple, accumulation: Accumulation | None = None, key: str = "
     return (pending,) + tuple(_Settle.apply(pending, *params))
 
 
-def grad_sync(params: tuple, axes: tuple[str, ...], groups: tuple[str, ...], pending: Pending | None = None):
+def grad_sync(params: tuple, axes: tuple[str, ...], groups: tuple[str, ...], pending: Pending | None = None,
+              dtypes: tuple | None = None):
     """Read a bucket of parameters; in backward, all-reduce their gradients over ``axes`` (one buffer per axis),
-    the last all-reduce waited by ``pending``'s ``settle`` when there is one, at once when not."""
-    return _GradSync.apply(axes, groups, pending, *params)
+    the last all-reduce waited by ``pending``'s ``settle`` when there is one, at once when not. ``dtypes``: mixed
+    precision's (compute, reduce) dtypes: the parameters are read cast to the first, their gradients reduced in
+    the second and handed on in the parameters' own."""
+    return _GradSync.apply(axes, groups, pending, dtypes, *params)
 
 
 def output_scale(x, fwd: float, bwd: float):
@@ -510,8 +545,9 @@ class Gathering:
     bucket's is launched a bucket ahead of its use, to run beside the compute before it); ``result`` waits for it,
     cuts each segment's rows out of the gathered buffer, and gathers the outer levels (HSDP's), each waited at once."""
 
-    def __init__(self, segments: list[torch.Tensor], levels, phase: str):
+    def __init__(self, segments: list[torch.Tensor], levels, phase: str, dtype: torch.dtype | None = None):
         (axis, n, group), self.outer, self.phase = levels[0], levels[1:], phase
+        segments = [cast(s, dtype) for s in segments]  # mixed precision: shards gathered in the compute dtype
         self.n, self.sizes = n, [s.numel() for s in segments]
         buf = torch.cat(segments) if len(segments) > 1 else segments[0].contiguous()
         self.out = _compat.launch_all_gather_dim0(buf, n, group)  # the concatenated shards go once they are sent
@@ -531,19 +567,20 @@ def gather_flat(segments: list[torch.Tensor], levels, phase: str) -> list[torch.
     return Gathering(segments, levels, phase).result() if levels else segments
 
 
-def scatter_flat(fulls: list[torch.Tensor], levels, reduce, pending: Pending | None = None) -> list[torch.Tensor]:
+def scatter_flat(fulls: list[torch.Tensor], levels, reduce, pending: Pending | None = None, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Transpose of ``gather_flat``: reduce-scatter full flat gradients (padded here as the shards are) outermost
     level first, then all-reduce the shards over ``reduce`` ((axis, group) pairs). ``fulls`` is emptied once the
     bucket's buffer holds them: a caller that keeps no other reference frees each gradient there, not after.
     With ``pending`` the last collective is launched, not waited, and the shards come back as views of its result
-    (``_Settle`` waits for them and copies each out)."""
+    (``_Settle`` waits for them and copies each out). ``dtype``: the buffer's (mixed precision's reduce dtype; None:
+    the gradients'), written as the gradients are gathered into it."""
     fulls[:] = [padded_flat(f, math.prod(n for _a, n, _g in levels)) for f in fulls]
     for step, (axis, n, group) in enumerate(reversed(levels)):
         sizes = [f.numel() // n for f in fulls]
         if len(fulls) == 1:
-            buf = fulls[0].reshape(-1)
+            buf = cast(fulls[0].reshape(-1), dtype)
         else:
-            buf = torch.cat([f.reshape(n, k) for f, k in zip(fulls, sizes)], dim=1).reshape(-1)
+            buf = _flat_in([f.reshape(n, k) for f, k in zip(fulls, sizes)], dtype, dim=1).reshape(-1)
         fulls.clear()
         _note("reduce_scatter", axis, buf, "backward")
         if pending is not None and not reduce and step == len(levels) - 1:
@@ -555,7 +592,7 @@ def scatter_flat(fulls: list[torch.Tensor], levels, reduce, pending: Pending | N
             fulls.append(out[pos : pos + k])
             pos += k
     if reduce:
-        buf = torch.cat(fulls) if len(fulls) > 1 else fulls[0].clone()
+        buf = _flat_in(fulls, dtype) if len(fulls) > 1 else cast(fulls[0], dtype).clone()
         buf = _last_all_reduce(buf, tuple(a for a, _g in reduce), tuple(g for _a, g in reduce), pending)
         sizes = [f.numel() for f in fulls]
         fulls, pos = [], 0
@@ -574,12 +611,12 @@ class Handoff:
         self.following: Gathering | None = None
 
 
-def _take_or_gather(previous, shards: list[torch.Tensor], levels) -> Gathering:
+def _take_or_gather(previous, shards: list[torch.Tensor], levels, dtype: torch.dtype | None) -> Gathering:
     """This bucket's forward gather: the one the bucket before launched for it (``previous.following``), or one
     launched now."""
     gathering = previous.following if previous is not None else None
     if gathering is None:
-        return Gathering(shards, levels, "forward")
+        return Gathering(shards, levels, "forward", dtype)
     previous.following = None
     return gathering
 
@@ -589,26 +626,29 @@ class _ZeroGather(torch.autograd.Function):
     gradient of the bucket is ready)."""
 
     @staticmethod
-    def forward(ctx, shapes, levels, reduce, pending, chain, *shards):
-        ctx.args = (shapes, levels, reduce, pending)
+    def forward(ctx, shapes, levels, reduce, pending, chain, dtypes, *shards):
+        ctx.args = (shapes, levels, reduce, pending, dtypes)
+        ctx.masters = tuple(s.dtype for s in shards)
         ctx.set_materialize_grads(False)
+        compute = dtypes[0] if dtypes else None
         handoff, previous, following, following_levels = chain
-        gathering = _take_or_gather(previous, list(shards), levels) if levels else None
+        gathering = _take_or_gather(previous, list(shards), levels, compute) if levels else None
         if following and following_levels:  # the next bucket's gather, beside this bucket's compute
-            handoff.following = Gathering(list(following), following_levels, "forward")
-        fulls = gathering.result() if gathering is not None else list(shards)
+            handoff.following = Gathering(list(following), following_levels, "forward", compute)
+        fulls = gathering.result() if gathering is not None else [cast(s, compute) for s in shards]
         return tuple(unpadded(f, shape) for f, shape in zip(fulls, shapes))
 
     @staticmethod
     def backward(ctx, *grads):
-        shapes, levels, reduce, pending = ctx.args
+        shapes, levels, reduce, pending, dtypes = ctx.args
         like = next(g for g in grads if g is not None)
         full = [g.reshape(-1) if g is not None else like.new_zeros(math.prod(s)) for g, s in zip(grads, shapes)]
+        reduce_dtype = dtypes[1] if dtypes else None  # mixed precision: reduced (and held under no_sync) in it
         if pending is not None:
-            full = pending.accumulated(full)
+            full = pending.accumulated(full, reduce_dtype)
             if full is None:  # under no_sync: held, reduced by a later backward
-                return (None,) * (5 + len(shapes))
-        return (None, None, None, None, None) + tuple(scatter_flat(full, levels, reduce, pending))
+                return (None,) * (6 + len(shapes))
+        return (None,) * 6 + tuple(_as_masters(scatter_flat(full, levels, reduce, pending, reduce_dtype), ctx.masters, pending))
 
 
 class Zero3Block:
@@ -622,8 +662,10 @@ class Zero3Block:
     ``linear``: the indices of the bucket's parameters used as a linear's weight. Each forward makes a new one:
     nothing is kept from step to step."""
 
-    def __init__(self, shards: tuple, shapes: tuple, levels: tuple, linear: tuple[int, ...], before: "Zero3Block | None" = None):
+    def __init__(self, shards: tuple, shapes: tuple, levels: tuple, linear: tuple[int, ...], before: "Zero3Block | None" = None,
+                 dtype: torch.dtype | None = None):
         self.shards, self.shapes, self.levels, self.linear, self.before = shards, shapes, levels, linear, before
+        self.dtype = dtype  # mixed precision's compute dtype: the shards are cast to it for every gather
         self.weights: dict[int, torch.Tensor] | None = None
         self.ahead: Gathering | None = None  # its linears' weights for backward, launched ahead
         self.following: Gathering | None = None  # the next bucket's forward gather, launched by this one's
@@ -636,7 +678,7 @@ class Zero3Block:
         if self.weights is None:
             gathering, self.ahead = self.ahead, None
             if gathering is None:
-                gathering = Gathering([self.shards[j] for j in self.linear], self.levels, phase)
+                gathering = Gathering([self.shards[j] for j in self.linear], self.levels, phase, self.dtype)
             if phase == "backward" and self.before is not None:  # backward's next, beside this one's backward
                 self.before.prefetch()
             self.weights = {j: unpadded(f, self.shapes[j]) for j, f in zip(self.linear, gathering.result())}
@@ -645,7 +687,7 @@ class Zero3Block:
     def prefetch(self) -> None:
         """Launch the gather of the linears' weights for backward, unless they are here or on their way."""
         if self.weights is None and self.ahead is None and self.linear:
-            self.ahead = Gathering([self.shards[j] for j in self.linear], self.levels, "backward")
+            self.ahead = Gathering([self.shards[j] for j in self.linear], self.levels, "backward", self.dtype)
 
     def release(self) -> None:
         self.weights = None
@@ -666,13 +708,14 @@ class _Zero3Gather(torch.autograd.Function):
     in -- after every linear of the bucket -- and reduce-scatters the bucket's gradients together."""
 
     @staticmethod
-    def forward(ctx, block, others, reduce, pending, chain, anchor, *shards):
-        ctx.block, ctx.others, ctx.reduce, ctx.pending = block, others, reduce, pending
+    def forward(ctx, block, others, reduce, pending, chain, anchor, reduce_dtype, *shards):
+        ctx.block, ctx.others, ctx.reduce, ctx.pending, ctx.reduce_dtype = block, others, reduce, pending, reduce_dtype
+        ctx.masters = tuple(s.dtype for s in shards)
         ctx.set_materialize_grads(False)
         previous, following, following_levels = chain
-        gathering = _take_or_gather(previous, list(shards), block.levels)
+        gathering = _take_or_gather(previous, list(shards), block.levels, block.dtype)
         if following:  # the next bucket's gather, beside this bucket's compute
-            block.following = Gathering(list(following), following_levels, "forward")
+            block.following = Gathering(list(following), following_levels, "forward", block.dtype)
         fulls = [unpadded(f, shape) for f, shape in zip(gathering.result(), block.shapes)]
         block.hold({j: fulls[j] for j in block.linear})
         token = shards[0].new_zeros(0)
@@ -690,15 +733,18 @@ class _Zero3Gather(torch.autograd.Function):
             if g is not None:
                 full[j] = g if full[j] is None else full[j] + g
         out: list = [None] * len(block.shapes)
-        trainable = [j for j in range(len(block.shapes)) if ctx.needs_input_grad[6 + j]]  # frozen ones reduce nothing
+        trainable = [j for j in range(len(block.shapes)) if ctx.needs_input_grad[7 + j]]  # frozen ones reduce nothing
         if trainable:
             like = next((full[j] for j in trainable if full[j] is not None), block.shards[trainable[0]])  # (dtype, device)
             flat = [full[j].reshape(-1) if full[j] is not None else like.new_zeros(math.prod(block.shapes[j])) for j in trainable]
-            if ctx.pending is not None:
-                flat = ctx.pending.accumulated(flat)  # None under no_sync: held, reduced by a later backward
-            for j, g in zip(trainable, scatter_flat(flat, block.levels, ctx.reduce, ctx.pending) if flat is not None else ()):
-                out[j] = g
-        return (None,) * 6 + tuple(out)
+            if ctx.pending is not None:  # None under no_sync: held (in mixed precision's reduce dtype), reduced later
+                flat = ctx.pending.accumulated(flat, ctx.reduce_dtype)
+            if flat is not None:
+                shards = scatter_flat(flat, block.levels, ctx.reduce, ctx.pending, ctx.reduce_dtype)
+                shards = _as_masters(shards, tuple(ctx.masters[j] for j in trainable), ctx.pending)
+                for j, g in zip(trainable, shards):
+                    out[j] = g
+        return (None,) * 7 + tuple(out)
 
 
 class _BeforeBackward(torch.autograd.Function):
@@ -751,20 +797,23 @@ class _Zero3BlockLinear(torch.autograd.Function):
 
 
 def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple, pending: Pending | None = None,
-                previous: "Zero3Block | Handoff | None" = None, following: tuple = (), following_levels: tuple = ()):
+                previous: "Zero3Block | Handoff | None" = None, following: tuple = (), following_levels: tuple = (),
+                dtypes: tuple | None = None):
     """A ZeRO-1/2 bucket: all-gather the shards into whole local parameters; backward reduce-scatters (and
     all-reduces over ``reduce``) their gradients, the last collective waited by ``pending``'s ``settle`` if given.
     Returns the whole parameters, then the bucket's ``Handoff``. ``previous``: the link of the bucket forward
     gathered before (its ``Handoff`` or ``Zero3Block``), whose gather launched this one's (None: the first);
-    ``following``: the next bucket's shards (and their ``following_levels``), whose gather this one launches."""
+    ``following``: the next bucket's shards (and their ``following_levels``), whose gather this one launches.
+    ``dtypes``: mixed precision's (compute, reduce) dtypes, or None."""
     handoff = Handoff()
     chain = (handoff, previous, tuple(following), following_levels)
-    return tuple(_ZeroGather.apply(shapes, levels, reduce, pending, chain, *shards)) + (handoff,)
+    return tuple(_ZeroGather.apply(shapes, levels, reduce, pending, chain, dtypes, *shards)) + (handoff,)
 
 
 def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, others: tuple, reduce: tuple = (),
                  pending: Pending | None = None, previous: "Zero3Block | Handoff | None" = None, following: tuple = (),
-                 following_levels: tuple = (), before: "Zero3Block | None" = None, backward: bool = True):
+                 following_levels: tuple = (), before: "Zero3Block | None" = None, backward: bool = True,
+                 dtypes: tuple | None = None):
     """A ZeRO-3 bucket: one all-gather of its shards (per level). Returns (its ``Zero3Block``, the token its
     linears take, the whole parameters at ``others``); backward reduce-scatters the bucket's gradients once (the
     last collective waited by ``pending``'s ``settle`` if given). ``previous``: the block of the bucket forward
@@ -772,13 +821,14 @@ def zero3_gather(shards: tuple, shapes: tuple, levels: tuple, linear: tuple, oth
     (and their ``following_levels``), whose gather this one launches; ``before``: the block whose backward gather
     this one's launches. A bucket of frozen parameters alone whose linears have a backward (``backward``: the
     plan's weights are not "forward") gets an anchor that needs a gradient, so that its backward -- which drops
-    the weights gathered again -- runs once its linears' have."""
-    block = Zero3Block(tuple(shards), tuple(shapes), levels, tuple(linear), before)
+    the weights gathered again -- runs once its linears' have. ``dtypes``: mixed precision's (compute, reduce)
+    dtypes, or None."""
+    block = Zero3Block(tuple(shards), tuple(shapes), levels, tuple(linear), before, dtypes[0] if dtypes else None)
     chain = (previous, tuple(following), following_levels)
     anchor = None
     if backward and linear and torch.is_grad_enabled() and not any(s.requires_grad for s in shards):
         anchor = shards[0].new_zeros(0).requires_grad_()
-    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, pending, chain, anchor, *shards))
+    return (block,) + tuple(_Zero3Gather.apply(block, tuple(others), reduce, pending, chain, anchor, dtypes[1] if dtypes else None, *shards))
 
 
 def before_backward(blocks: tuple, outs: tuple) -> tuple:

@@ -229,17 +229,30 @@ def handwritten(
     traced=None,
     traces: dict | None = None,
     blocks_per_stage: tuple[int, ...] | None = None,
+    mixed_precision=None,
 ) -> Plan:
     """The Plan of a hand-written strategy (see the module docstring); raises for what is not realised yet.
 
     ``traced``: the model's TracedGraph when the caller has one already (tracing a large model takes seconds);
-    ``traces``: with a pipeline, a cache of microbatch traces (rows -> TracedGraph) shared by several plans."""
+    ``traces``: with a pipeline, a cache of microbatch traces (rows -> TracedGraph) shared by several plans.
+    ``mixed_precision`` (``autopar.MixedPrecision``): the strategy as it runs under that policy (``traced`` and
+    ``traces`` are then the policy's traces)."""
     from autopar.api import _as_mesh, _check_budget
     from autopar.planner import make_plan
     from autopar import _compat
     from autopar.trace import trace
 
     mesh = _as_mesh(mesh)
+    if mixed_precision is not None:  # the same strategy on the model as it computes, priced as it reduces
+        from autopar.precision import cast_inputs, check, compute_twin, priced_mesh, stamped
+
+        check(model, mixed_precision)
+        plan = handwritten(compute_twin(model, mixed_precision), priced_mesh(mesh, mixed_precision), cast_inputs(example_inputs, mixed_precision),
+                           strategy, microbatch_size=microbatch_size, schedule=schedule, virtual_stages=virtual_stages,
+                           sequence_parallel=sequence_parallel, recompute=recompute, zero=zero, tp=tp, pp=pp, dp=dp,
+                           microbatches=microbatches, memory_budget=memory_budget, traced=traced, traces=traces,
+                           blocks_per_stage=blocks_per_stage)
+        return stamped(plan, mesh, mixed_precision)
     _check_budget(memory_budget)
     strategy = strategy.lower()
     if strategy not in STRATEGIES:

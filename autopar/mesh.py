@@ -115,6 +115,13 @@ class Mesh:
         inner._spans = {n: self.spans_nodes(n) for i, n in enumerate(self.names) if i != a}
         return inner
 
+    def with_hardware(self, hardware: "Hardware") -> "Mesh":
+        """The same axes, links and node spans on other hardware (a runtime field changed: ``mixed_precision``'s
+        reduce dtype prices gradients as they are reduced)."""
+        other = Mesh(dict(self.axes), hardware)
+        other._spans = self._spans
+        return other
+
     def coordinate(self, rank: int) -> tuple[int, ...]:
         return tuple((rank // self.stride(a)) % s for a, s in enumerate(self.sizes))
 

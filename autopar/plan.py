@@ -20,6 +20,7 @@ import tabulate as _tabulate
 from autopar.cost import VIEW_OPS
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.mesh import Mesh
+from autopar.precision import MixedPrecision
 from autopar.spec import Partial, Shard, Spec, Strategy
 
 # 2: ``whole_grads`` (parameters read only as P keep whole gradients there; their buckets leave those axes out):
@@ -232,6 +233,7 @@ class Plan:
     label: str = "auto"  # "auto", or the hand-written strategy it realises (e.g. "megatron(sp)")
     pipeline: PipelinePlan | None = None  # stages and schedule on the pp axis; nodes then describe one microbatch
     recompute: str = "none"  # activation recomputation of the repeated blocks: none / selective / full
+    mixed_precision: MixedPrecision | None = None  # compute and gradient-reduction dtypes (None: the model's own)
     search: list = field(default_factory=list, compare=False, repr=False)  # cluster planning: the screened candidates
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -288,14 +290,18 @@ class Plan:
                 f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (pipeline {pp.label}: schedule {pp.step_time * 1e3:.3f}, "
                 f"bubble {100 * pp.bubble:.1f}%, gradient sync + optimizer step {pp.sync_time * 1e3:.3f})  |  MFU {100 * c.mfu:.1f}%  |  "
                 f"peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}  |  inputs {self.input_spec}"
-                f"  |  solver {self.solver_status}"
+                f"{self._precision_text()}  |  solver {self.solver_status}"
             )
         return (
             f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (compute {c.compute_time * 1e3:.3f} with the optimizer step "
             f"{c.optimizer_time * 1e3:.3f}, comm {c.comm_time * 1e3:.3f})"
             f"  |  MFU {100 * c.mfu:.1f}%  |  peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}"
-            f"  |  inputs {self.input_spec}{'' if self.recompute == 'none' else '  |  recompute ' + self.recompute}  |  solver {self.solver_status}"
+            f"  |  inputs {self.input_spec}{'' if self.recompute == 'none' else '  |  recompute ' + self.recompute}"
+            f"{self._precision_text()}  |  solver {self.solver_status}"
         )
+
+    def _precision_text(self) -> str:
+        return "" if self.mixed_precision is None else f"  |  mixed precision {self.mixed_precision}"
 
     def groups_table(self) -> str:
         """Each parameter group's ZeRO stage and its memory: held all step, and its gradients at the end of backward."""
@@ -450,6 +456,7 @@ class Plan:
             "solver_status": self.solver_status,
             "label": self.label,
             "recompute": self.recompute,
+            "mixed_precision": self.mixed_precision.to_json() if self.mixed_precision is not None else None,
             "cost": {
                 "step_time": self.cost.step_time,
                 "mfu": self.cost.mfu,
@@ -514,6 +521,7 @@ class Plan:
             solver_status=d.get("solver_status", "optimal"),
             label=d.get("label", "auto"),
             recompute=d.get("recompute", "none"),
+            mixed_precision=MixedPrecision.from_json(d["mixed_precision"]) if d.get("mixed_precision") else None,
             pipeline=PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") else None,
         )
 

@@ -28,6 +28,7 @@ from autopar._compat import pytree
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.mesh import Mesh
 from autopar.plan import Plan
+from autopar.precision import cast_inputs
 from autopar.spec import Shard, Spec
 from autopar.trace import BUFFER, CONSTANT, INPUT, PARAM, TracedGraph
 
@@ -71,11 +72,15 @@ class ParallelModule(nn.Module):
         self._order: list[tuple[str, str]] = []  # (kind, FQN or constant name), in graph placeholder order
         self._zero_axes = {p: tuple(mesh.names.index(a) for a in b.shard_axes) for b in plan.zero_buckets for p in b.params}
         self._constants: dict[str, torch.Tensor] = {}
+        self._dtype: dict[str, torch.dtype] = {}  # FQN -> the dtype the model holds it in
         self._pipe = _PipelineRun(self, plan, gm, mesh) if plan.pipeline is not None else None
         held = self._pipe.held if self._pipe is not None else None
         persistent = {n for n, _ in model.named_buffers()} - _non_persistent(model)
         self._persistent = persistent
         for name, kind in tg.kinds.items():
+            if kind in (PARAM, BUFFER):  # (the graph's may differ: a parameter's is mixed precision's compute dtype)
+                fqn = tg.fqns[name]
+                self._dtype[fqn] = (model.get_parameter(fqn) if kind == PARAM else model.get_buffer(fqn)).dtype
             if kind == INPUT or (held is not None and name not in held):
                 continue
             fqn = tg.fqns[name]
@@ -232,6 +237,7 @@ class ParallelModule(nn.Module):
                     f"input {k} ({name}) has shape {list(t.shape)}, but this rank's share of the planned global batch "
                     f"{list(planned)} under {s} is {list(want)}; pass pmodel.local_inputs(*global_batch), or re-plan for this batch size"
                 )
+        flat = cast_inputs(flat, self._plan.mixed_precision)  # the program computes in its param dtype (FSDP2 casts too)
         if self._pipe is not None:
             return self._pipe.step(flat)
         params = [self._local(k, f) for k, f in self._order]
@@ -648,6 +654,8 @@ class _PipelineRun:
         self.zero = [(b, tuple(n for n in b.params if n in self.held)) for b in plan.zero_buckets]
         self.zero_members = {n for _b, members in self.zero for n in members}
         self.whole: dict[str, torch.Tensor] = {}  # FQN -> the step's gathered local parameter
+        mp = plan.mixed_precision  # the dtypes ZeRO-1 gathers in and gradients are reduced in (None: their own)
+        self.compute, self.reduce = (mp.param_dtype, mp.reduce) if mp is not None else (None, None)
         # placeholders read by stages on more than one pp rank (tied embeddings): pp ranks per parameter
         self.ranks_of: dict[str, tuple[int, ...]] = {}
         for s, io in enumerate(self.ios):
@@ -724,10 +732,12 @@ class _PipelineRun:
                 continue
             levels, _ = self._zero_levels(bucket)
             shards = [owner._local(PARAM, tg.fqns[n]) for n in members]
-            fulls = collectives.gather_flat([t.detach().reshape(-1) for t in shards], levels, "forward")
+            # under mixed precision gathered in the compute dtype, and held in the parameters' own, so that the
+            # microbatches' gradients accumulate in it (the stages cast what they read: passes/mixed_precision.py)
+            fulls = collectives.gather_flat([collectives.cast(t.detach().reshape(-1), self.compute) for t in shards], levels, "forward")
             for n, t, full in zip(members, shards, fulls):
                 # each segment has its own storage (gather_flat copies it out of the gathered rows)
-                whole = collectives.unpadded(full, local_shape(self.plan, nodes[n], self.mesh)).detach()
+                whole = collectives.unpadded(full, local_shape(self.plan, nodes[n], self.mesh)).detach().to(t.dtype)
                 self.whole[tg.fqns[n]] = whole.requires_grad_(t.requires_grad)
 
     @torch.no_grad()
@@ -754,9 +764,10 @@ class _PipelineRun:
             if not live:
                 continue
             levels, reduce = self._zero_levels(bucket)
-            grads = collectives.scatter_flat(fulls, levels, reduce)
+            grads = collectives.scatter_flat(fulls, levels, reduce, dtype=self.reduce)  # (mixed precision's reduce dtype)
             for n, g in zip(live, grads):
-                out[n] = g.view_as(owner._local(PARAM, tg.fqns[n]))
+                shard = owner._local(PARAM, tg.fqns[n])
+                out[n] = g.view_as(shard).to(shard.dtype)
         self.whole = {}
         return out
 
@@ -827,11 +838,11 @@ class _PipelineRun:
                 grads[n] = t.grad
         for b in self.plan.grad_buckets if sync else ():
             live = [grads[n] for n in b.params if grads.get(n) is not None]
-            collectives.all_reduce_flat_(live, b.axes, tuple(dm.get_group(a).group_name for a in b.axes))
+            collectives.all_reduce_flat_(live, b.axes, tuple(dm.get_group(a).group_name for a in b.axes), self.reduce)
         if not self.sequential and sync:
             for n, group in sorted(self.tied_groups.items()):
                 if grads.get(n) is not None:
-                    collectives.all_reduce_flat_([grads[n]], (self.mesh.names[self.axis],), (group,))
+                    collectives.all_reduce_flat_([grads[n]], (self.mesh.names[self.axis],), (group,), self.reduce)
         for n in zero:  # a shard's gradient from this step, added to what it holds (autograd's accumulation)
             shard = owner._local(PARAM, tg.fqns[n])
             shard.grad = grads[n] if shard.grad is None else shard.grad + grads[n]
@@ -859,7 +870,7 @@ class _PipelineRun:
                 t = t.grad if which == "grads" else t
                 full = owner._gather_full(fqn, t if t is not None else torch.zeros_like(owner._local(kind, fqn)))
             else:
-                full = torch.empty(tuple(val.shape), dtype=val.dtype, device=self.device)
+                full = torch.empty(tuple(val.shape), dtype=owner._dtype.get(fqn, val.dtype), device=self.device)
             dist.broadcast(full, src=self._rank_at(self.ranks_of[name][0]), group=self.pp_group)
             out[fqn] = full
         return out

@@ -249,8 +249,9 @@ def _inline_grad_regions(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and _compat.is_higher_order_op(node.target):
             name = getattr(node.target, "_name", str(node.target))
             where = _module_of(node) or "<root>"
-            fix = ("run the model in one dtype instead (model.to(torch.bfloat16), or a Hardware preset's float8 "
-                   "linears): autopar plans the casts it can see" if "autocast" in name
+            fix = ("give parallelize mixed_precision=autopar.MixedPrecision(torch.bfloat16, torch.float32) instead "
+                   "(FSDP2's policy: bf16 compute, fp32 masters and reduction), or run the model in one dtype: autopar "
+                   "plans the casts it can see" if "autocast" in name
                    else "write it without that construct, or report it")
             raise TraceError(f"the model's forward uses {name} in module '{where}' (node {node.name}), a region autopar "
                              f"cannot plan yet; {fix}")

@@ -88,10 +88,11 @@ def rope_tables(head_dim: int, seq: int, theta: float) -> tuple[torch.Tensor, to
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: ``(B, H, T, D)``; cos, sin: ``(T, D)``."""
+    """x: ``(B, H, T, D)``; cos, sin: ``(T, D)``. The result is in x's dtype: rotated in the tables' (fp32 buffers
+    under bf16 mixed precision, as torchtitan's RoPE), then cast back, so attention reads q, k and v alike."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):

@@ -11,13 +11,14 @@ import copy
 
 import torch.fx as fx
 
-from passes import (causal_offsets, check_local, grad_sync, insert_collectives, localize_shapes, output_adapter, recompute, reseed_random,
-                    split_stages, zero)
+from passes import (causal_offsets, check_local, grad_sync, insert_collectives, localize_shapes, mixed_precision, output_adapter, recompute,
+                    reseed_random, split_stages, zero)
 
 PASSES = [
     insert_collectives.run,  # redistributions between producers and consumers, as the plan priced them
     zero.run,  # ZeRO-sharded parameters stored as flat shards, gathered where they are used
     grad_sync.run,  # gradient all-reduce of parameters replicated over an axis
+    mixed_precision.run,  # parameters read in the compute dtype (those zero and grad_sync read, by them)
     localize_shapes.run,  # shape arguments rewritten from global to local
     output_adapter.run,  # outputs handed to the user as a rank's share; gradients seeded to match
     check_local.run,  # every local shape matches the plan (fails loudly, before any collective runs)

@@ -93,3 +93,9 @@ def block_members(plan) -> dict[str, str]:
     fqns = [b for b, _ in plan.blocks]
     found = {name: block_of_path(n.path, fqns) for name, n in plan.nodes.items() if n.op not in PLACEHOLDER_KINDS}
     return {name: b for name, b in found.items() if b is not None}
+
+
+def precision_dtypes(plan) -> tuple | None:
+    """Mixed precision's (compute, reduce) dtypes for the plan's parameters, or None (``plan.mixed_precision``)."""
+    mp = plan.mixed_precision
+    return None if mp is None else (mp.param_dtype, mp.reduce)

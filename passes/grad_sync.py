@@ -10,7 +10,9 @@ program: the bucket's last all-reduce, launched by grad_sync's backward, is wait
 runs once nothing created after it is left to run (the ready node created last runs first) -- at the end of
 backward -- so the all-reduce runs beside the rest of backward, as DDP overlaps its buckets. settle also reads the
 program's last input, the runtime's ``collectives.Accumulation`` (``_util.accumulation_input``): under ``no_sync``
-the bucket's backward holds its gradients there instead of all-reducing them (DDP's ``no_sync``).
+the bucket's backward holds its gradients there instead of all-reducing them (DDP's ``no_sync``). Under
+``plan.mixed_precision`` grad_sync reads the parameters cast to its param dtype and reduces their gradients in its
+reduce dtype.
 With a pipeline (``plan.pipeline``) nothing: the graph runs once per microbatch, and the runtime reduces the same
 buckets once, after the schedule's last backward.
 """
@@ -22,7 +24,7 @@ import operator
 import torch.fx as fx
 
 from autopar import collectives
-from passes._util import accumulation_input, runtime_axes
+from passes._util import accumulation_input, precision_dtypes, runtime_axes
 
 
 def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
@@ -34,6 +36,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     position = {n: i for i, n in enumerate(g.nodes)}
     acc = accumulation_input(g) if plan.grad_buckets else None
     start = next(n for n in g.nodes if n.op != "placeholder")
+    dtypes = precision_dtypes(plan)
     for bucket in plan.grad_buckets:
         params = [placeholders[p] for p in bucket.params]
         grps = tuple(groups[names.index(a)] for a in bucket.axes)
@@ -44,7 +47,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         # read the bucket just before its first use: autograd then runs its backward (the all-reduce) as soon as the
         # bucket's gradients are done, not after the whole backward pass
         with g.inserting_before(first_use):
-            s = g.call_function(collectives.grad_sync, (tuple(settled), bucket.axes, grps, pending))
+            s = g.call_function(collectives.grad_sync, (tuple(settled), bucket.axes, grps, pending), {"dtypes": dtypes})
             reads = [g.call_function(operator.getitem, (s, i)) for i in range(len(params))]
         for p, r in zip(params, reads):
             p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not settle)

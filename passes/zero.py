@@ -21,6 +21,8 @@ each reduction runs beside the next block's backward, with at most one more in f
 also reads the program's last input, the runtime's ``collectives.Accumulation`` (added if missing,
 ``_util.accumulation_input``): under ``no_sync`` the bucket's backward holds its whole gradients there instead of
 reducing them, and the next backward outside it reduces them with its own.
+Under ``plan.mixed_precision`` every gather casts the shards to its param dtype before it sends them, and the
+gradients are reduce-scattered in its reduce dtype.
 With a pipeline (``plan.pipeline``; ZeRO-1 only) nothing: the graph runs once per microbatch, and the runtime
 gathers the parameters once before the schedule and reduce-scatters their gradients once after it.
 """
@@ -34,7 +36,7 @@ import torch.fx as fx
 from autopar import collectives
 from autopar.errors import AutoparError
 from autopar.zero import linear_weight_users
-from passes._util import accumulation_input, runtime_axes
+from passes._util import accumulation_input, precision_dtypes, runtime_axes
 
 
 
@@ -58,6 +60,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     position = {n: i for i, n in enumerate(g.nodes)}
     acc = accumulation_input(g) if plan.zero_buckets else None
     start = next(n for n in g.nodes if n.op != "placeholder")
+    dtypes = precision_dtypes(plan)
 
     def first_use(bucket) -> fx.Node:
         return min((u for p in bucket.params for u in placeholders[p].users), key=lambda u: position[u])
@@ -81,7 +84,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             # gather just before the bucket's first use (ZeRO-2 buckets are blocks: their gathered parameters live
             # from their block's forward on, and their backward reduce-scatters as soon as the block is done)
             with g.inserting_before(use):
-                z = g.call_function(collectives.zero_gather, (tuple(settled), shapes, levels, reduce, pending))
+                z = g.call_function(collectives.zero_gather, (tuple(settled), shapes, levels, reduce, pending), {"dtypes": dtypes})
                 reads = [g.call_function(operator.getitem, (z, i)) for i in range(len(params) + 1)]
             for p, r in zip(params, reads):
                 p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not settle)
@@ -100,7 +103,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         inside, mixed = bucket.weights == "recompute", bucket.weights == "keep"
         with g.inserting_before(use):
             z = g.call_function(collectives.zero3_gather, (tuple(settled), shapes, levels, linear, others, reduce, pending),
-                                {"backward": bucket.weights != "forward"})
+                                {"backward": bucket.weights != "forward", "dtypes": dtypes})
             block, token = (g.call_function(operator.getitem, (z, k)) for k in (0, 1))
             reads = {j: g.call_function(operator.getitem, (z, 2 + k)) for k, j in enumerate(others)}
         for k, (u, j) in enumerate(uses):  # the same node (its name is the plan's), another target

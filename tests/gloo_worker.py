@@ -16,18 +16,21 @@ import torch.distributed as dist
 import autopar
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from tests._util import train_beside
+from tests._util import MixedPrecisionReference, train_beside
 from tests.test_parity import megatron_pins
 
 
-def case(name: str, axes: dict, pins, recompute: str = "none", accumulate: int = 1) -> tuple[float, float, float]:
+def case(name: str, axes: dict, pins, recompute: str = "none", accumulate: int = 1, mp=None) -> tuple[float, float, float]:
+    """``mp``: train an fp64 model under that mixed precision (fp32 compute), beside one device under it."""
     torch.manual_seed(0)
     model = GPT(GPTConfig.tiny()) if name == "gpt" else Llama(LlamaConfig.tiny())
-    ref = copy.deepcopy(model)
+    if mp is not None:
+        model = model.double()
+    ref = copy.deepcopy(model) if mp is None else MixedPrecisionReference(copy.deepcopy(model), mp)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 64, (4, 16), generator=g)
     y = torch.roll(x, -1, 1)
-    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=pins, recompute=recompute)
+    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=pins, recompute=recompute, mixed_precision=mp)
     return train_beside(pm, ref, (x, y), accumulate=accumulate)
 
 
@@ -137,10 +140,16 @@ def main() -> None:
                 # gradient accumulation: two calls a step, the first under no_sync (its gradients held, reduced by
                 # the second's reduce-scatters, launched and waited beside its backward)
                 variants.append(("zero3+megatron+no_sync", megatron_pins(name, axes) + [autopar.ZeroPin("*", 3)], "none", 2))
+                # mixed precision: fp32 compute on fp64 masters, gradients reduced in fp32 -- each bucket's last
+                # reduction waited before its cast to fp64 reads it -- and held in fp32 under no_sync
+                variants.append(("zero3+megatron+mp+no_sync", megatron_pins(name, axes) + [autopar.ZeroPin("*", 3)], "none", 2,
+                                 autopar.MixedPrecision(torch.float32)))
             if axes in ({"dp": 2}, {"dp": 4}):
                 variants = [(f"zero{k}", [autopar.ZeroPin("*", k)]) for k in (0, 1, 2, 3)]
                 if world == 2:  # ZeRO-3's gathers for backward come from the recomputation
                     variants.append(("zero3+selective-ac", [autopar.ZeroPin("*", 3)], "selective"))
+                    # mixed precision through DDP's all-reduce buckets (fp32 compute and reduce, fp64 masters)
+                    variants.append(("zero0+mp", [autopar.ZeroPin("*", 0)], "none", 1, autopar.MixedPrecision(torch.float32)))
             if "dp_shard" in axes:
                 variants = [("hsdp-zero3", [autopar.ZeroPin("*", 3, ("dp_shard",))])]
             if "cp" in axes:  # FSDP + CP: the balanced attention's query swaps (send / recv), ZeRO-3 sharded over cp

@@ -199,5 +199,5 @@ def test_an_autocast_region_in_forward_is_named_with_a_fix():
                 h = self.proj(x)
             return h.float().square().mean()
 
-    with pytest.raises(autopar.TraceError, match=r"autocast.*model.to\(torch.bfloat16\)"):
+    with pytest.raises(autopar.TraceError, match=r"autocast.*mixed_precision=autopar.MixedPrecision\(torch.bfloat16"):
         autopar.plan(Mixed(), autopar.Mesh({"dp": 2}), (torch.randn(4, 8),))

@@ -28,8 +28,9 @@ Models:
 - the optimizer: AdamW steps the elements a rank stores (its ZeRO shard, ``zero.param_cost``) once a step on the
   compute stream, memory-bound: ``Hardware.optimizer_step_bytes`` per element (``optimizer_step_time``).
 - memory, in three kinds: state held all step (parameters and AdamW state: two moments in the parameter's
-  dtype, or for 16-bit parameters the ZeRO paper's 12 bytes of fp32 master copy and moments; buffers; inputs),
-  gradients, and activations kept for backward (what autograd saves, found by running each op once on fake
+  dtype, or for 16-bit parameters, trained in mixed precision, an fp32 master copy and moments, 12 bytes, and
+  their gradients fp32: ``master_bytes``; buffers; inputs),
+  gradients (reduced in ``Hardware.grad_reduce_bytes`` where given), and activations kept for backward (what autograd saves, found by running each op once on fake
   tensors: kept outputs, scaled to the local share, and the op's own kept intermediates; a redistributed input
   an op keeps counts at its redistributed size, ``kept_redistribution``). The peak of a step
   is state + max(activations, gradients): activations peak as backward starts, gradients as it ends.
@@ -205,11 +206,14 @@ class NodeCost:
         return self.state + self.grad + self.act
 
 
-def optimizer_bytes(dtype: torch.dtype) -> int:
-    """AdamW's bytes per parameter element: two moments in the parameter's dtype, or, for a 16-bit parameter
-    trained in mixed precision, an fp32 master copy and two fp32 moments (the ZeRO paper's 12)."""
+def master_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of the copy the optimizer steps and of the gradient it reads: the parameter's own dtype,
+    or for a 16-bit parameter trained in mixed precision fp32's (``autopar.MixedPrecision``'s master parameters
+    and ``.grad``, FSDP2's fp32 shards and gradients, Megatron-LM's main parameters and main grads). A parameter's
+    stored copy and its two AdamW moments are ``3 * master_bytes``. (A 16-bit one's compute copy, alive from forward
+    to its last backward, is not priced: where stage 0 peaks, as backward ends, it is gone.)"""
     isz = itemsize(dtype)
-    return 2 * isz if isz >= 4 else 12
+    return isz if isz >= 4 else 4
 
 
 def flat_copy_time(nbytes: float, hw: Hardware) -> float:
@@ -453,7 +457,8 @@ class CostModel:
         isz = itemsize(meta.dtype)
         if kind == "param" and trainable:
             comm = grad_sync_bandwidth_time(spec, meta, self.mesh)
-            return NodeCost(0.0, comm, float(local * (isz + optimizer_bytes(meta.dtype))), float(local * isz), 0.0, 0.0)
+            m = master_bytes(meta.dtype)  # (as zero.param_cost's stage 0)
+            return NodeCost(0.0, comm, float(local * 3 * m), float(local * m), 0.0, 0.0)
         if kind == "input":  # each rank loads its share of the batch: a whole batch per rank costs more
             return NodeCost(local * isz / self.hw.input_bandwidth, 0.0, float(local * isz), 0.0, 0.0, 0.0)
         return NodeCost(0.0, 0.0, float(local * isz), 0.0, 0.0, 0.0)

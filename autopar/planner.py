@@ -239,9 +239,11 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if stage == 2 and block in later:
             hide_buckets.add(zname)
         add(gather_priced(full, shard_axes, mesh, "forward") + scatter_priced(full, shard_axes, rest, mesh, problem.meta[members[0]].dtype), zname)
-        if stage == 2:  # a bucket's full gradients: beside the other buckets' gathered parameters as backward
-            transient = max(transient, full)  # starts, and beside the gradients as it ends
-            t_act = max(t_act, full)
+        if stage == 2:  # a bucket's full gradients (their flat copy, in the reduce dtype): beside the other buckets'
+            # gathered parameters as backward starts, and beside the gradients as it ends
+            rf = mesh.hardware.reduce_factor(problem.meta[members[0]].dtype)
+            transient = max(transient, full * rf)
+            t_act = max(t_act, full * rf)
     # ZeRO-3: the runtime gathers a block's parameters (or the rest) as one bucket (``passes/zero.py``): for forward,
     # the linears' weights again for backward (``zero.zero3_traffic``; a recomputed block's as its backward starts,
     # for its recomputation to read and keep), all gradients reduce-scattered together. A bucket with linears both in
@@ -297,7 +299,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         # cut from them (``zero.zero3_transient``), and the one it launches ahead: in backward the copy before's
         # weights; a bucket gathered for forward alone, the next copy's (taken as its own size)
         ahead = per_block[before][1] if before else all_b if weights == "forward" and zgroups[members[0][0]][1] > 1 else 0.0
-        transient = max(transient, 2 * all_b + ahead)
+        rf = mesh.hardware.reduce_factor(problem.meta[members[0][0]].dtype) if trainable else 1.0
+        transient = max(transient, (1 + max(rf, 1.0)) * all_b + ahead)  # gradients and their flat copy
         t_act = max(t_act, 2 * all_b + ahead)
     plan_in = [strategy[n].output for n in problem.order if tg.kinds.get(n) == INPUT]
     input_spec = plan_in[0] if plan_in else Spec.replicated(mesh.ndim)

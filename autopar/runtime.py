@@ -656,6 +656,8 @@ class _PipelineRun:
         self.whole: dict[str, torch.Tensor] = {}  # FQN -> the step's gathered local parameter
         mp = plan.mixed_precision  # the dtypes ZeRO-1 gathers in and gradients are reduced in (None: their own)
         self.compute, self.reduce = (mp.param_dtype, mp.reduce) if mp is not None else (None, None)
+        self.main: dict[str, torch.Tensor] = {}  # under mixed precision: FQN -> a ZeRO-1 parameter's main gradient
+        self.whole_of_zero = {owner._tg.fqns[n] for _b, members in self.zero for n in members}
         # placeholders read by stages on more than one pp rank (tied embeddings): pp ranks per parameter
         self.ranks_of: dict[str, tuple[int, ...]] = {}
         for s, io in enumerate(self.ios):
@@ -737,8 +739,39 @@ class _PipelineRun:
             fulls = collectives.gather_flat([collectives.cast(t.detach().reshape(-1), self.compute) for t in shards], levels, "forward")
             for n, t, full in zip(members, shards, fulls):
                 # each segment has its own storage (gather_flat copies it out of the gathered rows)
-                whole = collectives.unpadded(full, local_shape(self.plan, nodes[n], self.mesh)).detach().to(t.dtype)
-                self.whole[tg.fqns[n]] = whole.requires_grad_(t.requires_grad)
+                whole = collectives.unpadded(full, local_shape(self.plan, nodes[n], self.mesh)).detach()
+                self.whole[tg.fqns[n]] = self._compute_leaf(whole, t, tg.fqns[n])
+
+    def _compute_leaf(self, whole: torch.Tensor, master: torch.Tensor, fqn: str) -> torch.Tensor:
+        """The leaf the stages read for a parameter this step. Under mixed precision it is in the compute dtype
+        (cast once a step, not per microbatch), and each microbatch's gradient is added to an fp32 (the master's
+        dtype) main gradient as it lands (Megatron-LM's main_grad): to ``.grad`` of a ZeRO-0 master, to
+        ``self.main`` of a ZeRO-1 shard's whole parameter, which ``_scatter_zero`` reduce-scatters."""
+        leaf = whole.requires_grad_(master.requires_grad)
+        if self.compute is None or not master.requires_grad:
+            return leaf
+        main, zero1 = self.main, fqn in self.whole_of_zero
+
+        def accumulate(w: torch.Tensor) -> None:
+            g, w.grad = w.grad, None
+            if zero1:
+                main[fqn] = g.to(master.dtype) if fqn not in main else main[fqn].add_(g)
+            else:
+                master.grad = g.to(master.dtype) if master.grad is None else master.grad.add_(g)
+
+        leaf.register_post_accumulate_grad_hook(accumulate)
+        return leaf
+
+    def _cast_params(self) -> None:
+        """Under mixed precision: this step's compute-dtype leaves of the ZeRO-0 parameters this rank holds."""
+        if self.compute is None:
+            return
+        owner, tg = self.owner, self.owner._tg
+        for n in self.held:
+            if tg.kinds[n] == PARAM and n not in self.zero_members:
+                t = owner._local(PARAM, tg.fqns[n])
+                if t.is_floating_point():
+                    self.whole[tg.fqns[n]] = self._compute_leaf(t.detach().to(self.compute), t, tg.fqns[n])
 
     @torch.no_grad()
     def _scatter_zero(self, sync: bool) -> dict[str, torch.Tensor]:
@@ -751,7 +784,8 @@ class _PipelineRun:
         for bucket, members in self.zero:
             live, fulls = [], []
             for n in members:
-                g = self.whole.pop(tg.fqns[n]).grad
+                w = self.whole.pop(tg.fqns[n])
+                g = w.grad if self.compute is None else self.main.pop(tg.fqns[n], None)
                 g = g.reshape(-1) if g is not None else None
                 if not sync:
                     acc.hold(f"param:{tg.fqns[n]}", [g])
@@ -775,6 +809,7 @@ class _PipelineRun:
         owner = self.owner
         if not torch.is_grad_enabled():  # evaluation (a validation loss under torch.no_grad()): forward alone
             self._gather_zero()
+            self._cast_params()
             total = self._run(flat, backward=False)
             self.whole = {}  # the step's gathered ZeRO-1 parameters: nothing to scatter
             return pytree.tree_unflatten([total], owner._tg.out_spec)
@@ -788,6 +823,7 @@ class _PipelineRun:
                 if t.grad is not None:
                     earlier[owner._tg.fqns[n]], t.grad = t.grad, None
         self._gather_zero()
+        self._cast_params()
         total = self._run(flat, backward=True)
         anchor = torch.zeros((), requires_grad=True)
         loss = _PipelineLoss.apply(total, anchor, lambda: self.finish(sync, earlier))

@@ -808,6 +808,7 @@ def solve(
         for s in range(nstrat[r]):
             gs = P_.grad_spec(n, lambda v: P_.strategy(v, s))  # its Spec, whole where its gradient is (``grad_spec``)
             base_busy, base_comm, base_def, b, synced, per = zero_facts(gs, P_.meta[n], copies, zuses[n])
+            rf = mesh.hardware.reduce_factor(P_.meta[n].dtype)  # gradients' buffers in the reduce dtype
             t_lin[r][s] += base_busy * sync_w(g)  # copies and the optimizer's step run on the compute stream: the critical path
             t_ovl[r][s] += base_comm * sync_w(g)  # its stage-0 gradient sync, overlappable (others: their deltas in zdelta)
             t_hide[r][s] += base_def * sync_w(g) * (n in hides)
@@ -816,10 +817,10 @@ def solve(
             for k, (stage, delta, gb) in enumerate(per):
                 if gb is not None:
                     bucket_sets.setdefault((r, s, g, k), set()).add(gb)
-                if stage == 0 and synced:
-                    buck[k][0] += 2 * b / copies
+                if stage == 0 and synced:  # (the flat buffer in the reduce dtype, as the plan prices it: ``price``)
+                    buck[k][0] += 2 * b * rf / copies
                 elif stage in (2, 3):
-                    buck[k][1] += b / copies if stage == 2 else zero3_transient(b, copies, zuses[n])
+                    buck[k][1] += b * rf / copies if stage == 2 else zero3_transient(b, copies, zuses[n], rf)
                 if k == 0:
                     continue
                 d = row[k]

@@ -10,16 +10,23 @@ the e elements it stores under stage 0, its e/n shard under stages 1-3) of one p
 per group.
 
 How each stage runs (passes/zero.py, autopar/collectives.py) and what it holds, per parameter of e elements of
-itemsize p with AdamW state of o bytes per element, sharded n ways (the ZeRO paper's Psi = e):
+itemsize p, sharded n ways (the ZeRO paper's Psi = e); m bytes per element of the stored copy the optimizer steps
+and of its gradient (``cost.master_bytes``: p, or 4 for a 16-bit parameter trained in mixed precision), each
+AdamW moment m too; r bytes per element of the reduction's buffer (p, or ``Hardware.grad_reduce_bytes``):
 
 | stage | held all step      | + as backward starts | + as backward ends               | communication over the shard axes     |
 |-------|--------------------|----------------------|----------------------------------|---------------------------------------|
-| 0     | e(p + o)           | -                    | e p (gradients)                  | all-reduce                            |
-| 1     | e p/n + e o/n      | e p (gathered)       | 2 e p + e p/n (full gradients,   | all-gather (forward) + reduce-scatter |
-|       |                    |                      | their flat copy, the shard)      |                                       |
-| 2     | e p/n + e o/n      | e p (gathered)       | e p/n (+ one bucket)             | all-gather + reduce-scatter per bucket |
-| 3     | e (p + o)/n        | (one bucket at a     | e p/n (+ one bucket, twice)      | all-gather forward and again in       |
+| 0     | 3 e m              | -                    | e m (gradients)                  | all-reduce                            |
+| 1     | 3 e m/n            | e p (gathered)       | e p + e r + e m/n (full          | all-gather (forward) + reduce-scatter |
+|       |                    |                      | gradients, their flat copy, the  |                                       |
+|       |                    |                      | shard)                           |                                       |
+| 2     | 3 e m/n            | e p (gathered)       | e m/n (+ one bucket)             | all-gather + reduce-scatter per bucket |
+| 3     | 3 e m/n            | (one bucket at a     | e m/n (+ one bucket, twice)      | all-gather forward and again in       |
 |       |                    | time)                |                                  | backward + reduce-scatter: 1.5x bytes |
+
+For fp32 (p = m = r = 4) that is 16 bytes per parameter at stage 0, the ZeRO paper's; for bf16 under
+``autopar.MixedPrecision(torch.bfloat16, torch.float32)`` the fp32 master, moments and gradients (16 bytes) and the
+bf16 gathered parameters, as FSDP2's mixed precision holds them.
 
 Stage 3 runs per bucket (``collectives.zero3_gather``; a repeated block's parameters, or the rest, as FSDP2 wraps
 them): one all-gather of the bucket for forward, one more of its linears' weights for backward (a linear keeps no
@@ -50,7 +57,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from autopar.cost import collective_time, grad_sync_axes, itemsize, optimizer_bytes, optimizer_step_time, run_kind, wire_bytes
+from autopar.cost import collective_time, grad_sync_axes, itemsize, master_bytes, optimizer_step_time, run_kind, wire_bytes
 from autopar.mesh import Mesh
 from autopar.spec import Partial, Replicate, Spec
 from autopar.strategies import TensorMeta
@@ -158,7 +165,7 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     """
     opt = effective(opt, spec, mesh, frozen(uses))
     p = itemsize(meta.dtype)
-    o = optimizer_bytes(meta.dtype)
+    m = master_bytes(meta.dtype)  # a 16-bit parameter's master copy, AdamW state and gradient are fp32's (3m + m)
     e = math.prod(spec.local_shape(meta.shape, mesh.sizes))
     b = e * p
     synced = grad_sync_axes(spec, mesh)
@@ -180,53 +187,56 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     # parameter is written whole by each gather
     copies_bytes = {0: 2 * b, 1: 3 * b, 2: 3 * b, 3: 2 * b}[opt.stage] if synced or opt.stage else 0.0
     step = optimizer_time(opt, spec, meta, mesh)
-    if opt.stage == 0:
-        wire = b * mesh.hardware.reduce_factor(meta.dtype)
+    rf = mesh.hardware.reduce_factor(meta.dtype)  # gradients may be reduced in a wider dtype than the parameter's
+    if opt.stage == 0:  # (as ``CostModel.placeholder`` prices it; a 16-bit parameter's compute copy: ``master_bytes``)
+        wire = b * rf
         last = bw("all_reduce", wire, synced[-1]) if synced else 0.0
-        return ZeroCost(e * (p + o), 0.0, b, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm + step, step, last)
+        return ZeroCost(3 * m * e, 0.0, m * e, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm + step, step, last)
     n = shard_factor(opt, mesh)
     rest = tuple(a for a in synced if a not in opt.shard_axes)
-    rf = mesh.hardware.reduce_factor(meta.dtype)  # gradients may be reduced in a wider dtype than the parameter's
     on_shard = sum(bw("all_reduce", rf * b / n, a) for a in rest)
     gathers, scatters = zero3_traffic(uses) if opt.stage == 3 else (1, 1)
     comm = sum(gathers * bw("all_gather", b, a) + scatters * bw("reduce_scatter", rf * b, a) for a in opt.shard_axes) + on_shard
     busy = copies_bytes / hbm + step
-    if opt.stage == 1:  # full gradients and their flat copy meet the reduced shard at the end (the flat copy is
-        # freed before the shard is copied out: ``collectives.scatter_flat``)
-        return ZeroCost(b / n + e * o / n, b, 2 * b + b / n, 0.0, comm, busy, step)
+    if opt.stage == 1:  # full gradients and their flat copy (in the reduce dtype) meet the reduced shard at the end
+        # (the flat copy is freed before the shard is copied out: ``collectives.scatter_flat``)
+        return ZeroCost(3 * m * e / n, b, b + rf * b + m * e / n, 0.0, comm, busy, step)
     if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
         # the collective launched last, as ``scatter_priced`` orders them (reduce-scatters outermost first, then
         # the shard's all-reduces); only ZeRO-2's is waited for later (``ZeroCost.deferred``)
         last = bw("all_reduce", rf * b / n, rest[-1]) if rest else bw("reduce_scatter", rf * b, opt.shard_axes[-1])
-        return ZeroCost(b / n + e * o / n, b, b / n, b / copies, comm, busy, step, last)
+        return ZeroCost(3 * m * e / n, b, m * e / n, rf * b / copies, comm, busy, step, last)
     # one bucket (a group copy) at a time: its gathered weights and their gradients, or those and the flat buffer
     # they are reduce-scattered from once the weights are dropped; and, a linear's weight of a group of several
     # copies, the copy before's gathered ahead for its backward (``ZeroBucket.prefetch``)
-    return ZeroCost(e * (p + o) / n, 0.0, b / n, zero3_transient(b, copies, uses), comm, busy, step)
+    return ZeroCost(3 * m * e / n, 0.0, m * e / n, zero3_transient(b, copies, uses, rf), comm, busy, step)
 
 
-def zero3_transient(b: float, copies: int, uses: tuple[str, ...]) -> float:
+def zero3_transient(b: float, copies: int, uses: tuple[str, ...], rf: float = 1.0) -> float:
     """Bytes a ZeRO-3 parameter of ``b`` local bytes adds to its group's one-at-a-time buffer, per copy of the group:
-    its bucket gathered again with its gradients, or as a gather ends its gathered rows beside the parameters cut
-    out of them (2b either way, frozen or not), and if a linear takes it as its weight and the group has more copies
-    (a repeated block), that weight of the copy before, which the runtime gathers ahead beside this copy's backward,
-    or for a linear with no backward ("forward") the next copy's, gathered ahead in forward (b)."""
-    return (2 + (copies > 1 and ("linear" in uses or "forward" in uses))) * b / copies
+    its bucket's gradients and the flat buffer they are reduce-scattered from, in the reduce dtype (``rf`` bytes per
+    byte: ``Hardware.reduce_factor``), or as a gather ends its gathered rows beside the parameters cut out of them
+    (2b, frozen or not), and if a linear takes it as its weight and the group has more copies (a repeated block),
+    that weight of the copy before, which the runtime gathers ahead beside this copy's backward, or for a linear
+    with no backward ("forward") the next copy's, gathered ahead in forward (b)."""
+    return (1 + max(rf, 1.0) + (copies > 1 and ("linear" in uses or "forward" in uses))) * b / copies
 
 
 def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:
     """Bytes one trainable parameter holds all step on a pipeline, whose microbatches accumulate whole gradients
-    until the last backward: stage 0, e (p + o) + e p; stage 1 (Megatron's distributed optimizer, gathered once a
-    step: ``autopar.runtime``), the shard and its optimizer state, e p/n + e o/n, beside the gathered parameter and
-    its gradient, 2 e p. Stages 2 and 3 do not run on a pipeline (their savings need gradients reduced as they are
-    made, once per step here)."""
+    until the last backward: stage 0, 3 e m + e m (the stored copy, its moments and its gradient: ``param_cost``'s
+    state and gradient); stage 1 (Megatron's distributed optimizer, gathered once a step: ``autopar.runtime``), the
+    shard and its optimizer state, 3 e m/n, beside the gathered parameter, e p, and its gradient, e m (a 16-bit
+    parameter's main gradient, fp32, as Megatron-LM's main_grad and autopar's mixed precision accumulate it).
+    Stages 2 and 3 do not run on a pipeline (their savings need gradients reduced as they are made, once per step
+    here). (A 16-bit ZeRO-0 parameter's compute copy, cast once a step, is not priced.)"""
     opt = effective(opt, spec, mesh) if opt.stage in (0, 1) else ZeroOption(0)
     e = math.prod(spec.local_shape(meta.shape, mesh.sizes))
-    p, o = itemsize(meta.dtype), optimizer_bytes(meta.dtype)
+    p, m = itemsize(meta.dtype), master_bytes(meta.dtype)
     if opt.stage == 0:
-        return e * (p + o) + e * p
+        return 4 * e * m
     n = shard_factor(opt, mesh)
-    return e * (p + o) / n + 2 * e * p
+    return 3 * e * m / n + e * p + e * m
 
 
 def pipeline_sync_priced(opt: ZeroOption, full: float, wire: float, rest: tuple[int, ...], mesh: Mesh) -> list:

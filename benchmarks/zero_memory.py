@@ -11,8 +11,10 @@ end (so the peak, not the resting state, carries them).
 Then the same model on a pipeline (pp=2 x dp=nproc/2, 1F1B over 4 microbatches) under ZeRO-0 and ZeRO-1 (the
 distributed optimizer: shards gathered once a step, gradients reduce-scattered after the last microbatch): each
 pp rank's predicted peak (``plan.pipeline.rank_memory``) beside the largest measured on its ranks.
-Last, fine-tuning: all layers but the top one frozen, under ZeRO-0, ZeRO-1 (the frozen layers stay whole: they have
+Then fine-tuning: all layers but the top one frozen, under ZeRO-0, ZeRO-1 (the frozen layers stay whole: they have
 no gradient or optimizer state to shard) and ZeRO-3 (they are sharded and gathered a layer at a time, as FSDP2 does).
+Last, mixed precision (``autopar.MixedPrecision(torch.bfloat16, torch.float32)``, torchtitan's): the fp32 model
+computing in bf16 with fp32 master parameters, gradients and AdamW state, stages 0-3 (and on the pipeline above).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ CFG = MLPConfig(dim=512, hidden=2048, n_layer=4)
 BATCH = 64
 
 
-def worker(stage: int, piped: bool = False, frozen: bool = False) -> None:
+def worker(stage: int, piped: bool = False, frozen: bool = False, mixed: bool = False) -> None:
     import torch.distributed as dist
 
     import autopar
@@ -50,7 +52,8 @@ def worker(stage: int, piped: bool = False, frozen: bool = False) -> None:
     world = dist.get_world_size()
     mesh = autopar.Mesh({"pp": 2, "dp": world // 2} if piped else {"dp": world})
     pins = [autopar.ZeroPin("*", stage)] + ([autopar.PipelinePin("1f1b", 4)] if piped else [])
-    pm = autopar.parallelize(model, mesh, (x, y), constraints=pins)
+    mp = autopar.MixedPrecision(torch.bfloat16, torch.float32) if mixed else None
+    pm = autopar.parallelize(model, mesh, (x, y), constraints=pins, mixed_precision=mp)
     del model
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)
     lx, ly = pm.local_inputs(x, y)
@@ -88,9 +91,10 @@ def main() -> None:
     ap.add_argument("--worker", type=int, default=None)
     ap.add_argument("--piped", action="store_true")
     ap.add_argument("--frozen", action="store_true")
+    ap.add_argument("--mixed", action="store_true")
     args = ap.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.piped, args.frozen)
+        worker(args.worker, args.piped, args.frozen, args.mixed)
         return
     import tabulate
 
@@ -118,30 +122,35 @@ def main() -> None:
     print(tabulate.tabulate(rows, headers=["stage", "predicted peak", "measured peak", "pred/meas", "model state, ZeRO paper",
                                            "model state held after a step, measured", "predicted: peak = state + max(activations, gradients + buffers)"]))
     rows = []
-    for stage in (0, 1):
-        r, err = result(stage, "--piped")
+    for stage, *flags in ((0,), (1,), (0, "--mixed"), (1, "--mixed")):
+        r, err = result(stage, "--piped", *flags)
+        label = f"ZeRO-{stage}" + (" bf16/fp32" if flags else "")
         if r is None:
-            rows.append([f"ZeRO-{stage}", "failed", err])
+            rows.append([label, "failed", err])
             continue
         for k in range(2):
             p, m = r["predicted"][k] / mib, r["measured"][k] / mib
-            rows.append([f"ZeRO-{stage}", f"pp rank {k}", f"{p:.2f}", f"{m:.2f}", f"{p / m:.3f}"])
-    print(f"\nthe same model on a pipeline, pp=2 x dp={n // 2}, 1F1B over 4 microbatches; MiB per rank (the largest of each pp rank's)")
+            rows.append([label, f"pp rank {k}", f"{p:.2f}", f"{m:.2f}", f"{p / m:.3f}"])
+    print(f"\nthe same model on a pipeline, pp=2 x dp={n // 2}, 1F1B over 4 microbatches (bf16/fp32: under mixed precision); "
+          "MiB per rank (the largest of each pp rank's)")
     print(tabulate.tabulate(rows, headers=["stage", "rank", "predicted peak", "measured peak", "pred/meas"]))
-    rows = []
-    for stage in (0, 1, 3):
-        r, err = result(stage, "--frozen")
-        if r is None:
-            rows.append([f"ZeRO-{stage}", "failed", err])
-            continue
-        m, b = r["measured"], r["breakdown"]
-        rows.append([f"ZeRO-{stage}", f"{r['predicted'] / mib:.2f}", f"{m['total'] / mib:.2f}", f"{r['predicted'] / m['total']:.3f}",
-                     f"{m['held'] / mib:.2f}", " ".join(f"{k}={v / mib:.1f}" for k, v in b.items())])
-    print(f"\nthe same model fine-tuning its top layer ({CFG.n_layer - 1} of {CFG.n_layer} layers frozen: no gradient, no "
-          f"optimizer state; ZeRO-1 leaves them whole, ZeRO-3 shards them); MiB per rank, dp={n}")
-    print(tabulate.tabulate(rows, headers=["stage", "predicted peak", "measured peak", "pred/meas", "held after a step, measured",
-                                           "predicted breakdown"]))
+    def held_table(stages, flag: str, title: str) -> None:
+        rows = []
+        for stage in stages:
+            r, err = result(stage, flag)
+            if r is None:
+                rows.append([f"ZeRO-{stage}", "failed", err])
+                continue
+            m, b = r["measured"], r["breakdown"]
+            rows.append([f"ZeRO-{stage}", f"{r['predicted'] / mib:.2f}", f"{m['total'] / mib:.2f}", f"{r['predicted'] / m['total']:.3f}",
+                         f"{m['held'] / mib:.2f}", " ".join(f"{k}={v / mib:.1f}" for k, v in b.items())])
+        print(f"\nthe same model {title}; MiB per rank, dp={n}")
+        print(tabulate.tabulate(rows, headers=["stage", "predicted peak", "measured peak", "pred/meas", "held after a step, measured",
+                                               "predicted breakdown"]))
 
+    held_table((0, 1, 3), "--frozen", f"fine-tuning its top layer ({CFG.n_layer - 1} of {CFG.n_layer} layers frozen: no gradient, "
+               "no optimizer state; ZeRO-1 leaves them whole, ZeRO-3 shards them)")
+    held_table(range(4), "--mixed", "under mixed precision (bf16 compute, fp32 reduction, fp32 master parameters and AdamW state)")
 
 if __name__ == "__main__":
     main()

@@ -135,6 +135,22 @@ def test_gradients_held_under_no_sync_are_reduced_once_in_the_reduce_dtype(stage
     assert reduced[0] == reduced[1] == [] and reduced[2]
 
 
+def test_a_pipeline_accumulates_fp32_main_gradients_over_steps_under_no_sync():
+    """On dp2 x pp2 with ZeRO-1 the stages read bf16-like compute copies (fp32 here, of fp64 masters) made once a
+    step, and each microbatch's gradient is added to an fp64 main gradient as it lands (Megatron-LM's main_grad):
+    three steps, the first two under no_sync, give one device's sums."""
+    model, first = _model("gpt", 4), _inputs(8)
+    reference = MixedPrecisionReference(copy.deepcopy(model), FP32_IN_FP64)
+    batches = [first] + [tuple(torch.roll(t, k, 0) for t in first) for k in (1, 2)]
+    with fake_world(4), _compat.local_tensor_mode(4) as ltm:
+        pm = autopar.parallelize(model, autopar.Mesh({"dp": 2, "pp": 2}), first, constraints=[PipelinePin("1f1b", 2), autopar.ZeroPin("*", 1)],
+                                 mixed_precision=FP32_IN_FP64)
+        logs = accumulate_beside(pm, reference, batches, 2, ltm)
+        assert {p.grad.dtype for p in pm.parameters()} == {torch.float64} and not pm._pipe.main
+    reduced = [sum(c.bytes for c in log if c.axis == "dp" and c.kind != "all_gather") for log in logs]
+    assert reduced[:2] == [0, 0] and reduced[2] > 0, reduced
+
+
 def test_the_users_model_is_left_as_it_was_and_the_plan_says_its_policy():
     model = _model("gpt")
     before = {k: v.clone() for k, v in model.state_dict().items()}

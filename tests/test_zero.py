@@ -395,8 +395,8 @@ def test_the_cheapest_stage_that_fits_is_chosen_as_the_budget_shrinks():
     # ZeRO-1 beats plain data parallelism here: the same bytes on the wire (reduce-scatter + all-gather against an
     # all-reduce), and each rank runs AdamW on its eighth of the parameters, not on all of them (Megatron's
     # distributed optimizer). The gap is that step's 7/8, less the runtime's one extra copy of the parameters
-    state = pinned[0].memory_breakdown["state"]  # bf16 parameters + fp32 master and moments: 14 bytes an element
-    elements = state / 14
+    state = pinned[0].memory_breakdown["state"]  # bf16 parameters' fp32 master and moments: 12 bytes an element
+    elements = state / 12
     saved = optimizer_step_time(elements * 7 / 8, mesh.hardware) - elements * 2 / (mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency)
     assert pinned[0].step_time - pinned[1].step_time == pytest.approx(saved, rel=0.1)
     # and the plan says how long its step takes: all elements under ZeRO-0, an eighth under ZeRO-1
@@ -410,13 +410,14 @@ def test_the_cheapest_stage_that_fits_is_chosen_as_the_budget_shrinks():
     assert free.zero_stages["h.0"][0] == 1 and free.zero_stages["rest"][0] in (1, 3)
     assert free.cost.step_time <= pinned[1].step_time * (1 + 1e-9)
     for k in range(4):
-        # the blocks hold most of the parameters: their group takes the fastest stage that fits; the rest may stop
-        # earlier, or take ZeRO-3 (as fast as ZeRO-1 for it: see above)
+        # the blocks hold most of the parameters: their group takes the fastest stage that fits, or one faster
+        # still where the rest's ZeRO-3 leaves it room (the rest may stop earlier, or take ZeRO-3: as fast as ZeRO-1
+        # for it, see above)
         budget = pinned[k].memory_per_device * 1.0001
         chosen = _regime_plan(mesh, 8, memory_budget=budget)
         want = fastest(budget)
-        rest = chosen.zero_stages["rest"][0]
-        assert chosen.zero_stages["h.0"][0] == want and (rest <= want or rest == 3), (k, chosen.zero_stages)
+        blocks, rest = chosen.zero_stages["h.0"][0], chosen.zero_stages["rest"][0]
+        assert (blocks == want or (rest == 3 and pinned[blocks].step_time < pinned[want].step_time)) and (rest <= want or rest == 3), (k, chosen.zero_stages)
         assert chosen.cost.step_time <= pinned[want].step_time * (1 + 1e-9)  # never slower than all groups at it
     with pytest.raises(autopar.InfeasibleError) as e:
         _regime_plan(mesh, 8, memory_budget=pinned[3].memory_per_device * 0.5)

@@ -179,7 +179,21 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
         gm = passes.run_all(tg.gm, the_plan, mesh)
         the_plan.timings["rewrite"] = time.perf_counter() - t0
     _warn_dropout(tg)
+    _warn_sixteen_bit(user_model, mp)
     return ParallelModule(tg, the_plan, gm, mesh, user_model)
+
+
+def _warn_sixteen_bit(model, mp) -> None:
+    """Say so when 16-bit parameters train without mixed precision: the plan priced them as mixed precision holds
+    them (fp32 master copy, moments and gradients: ``cost.master_bytes``), twice what they hold."""
+    low = next((f for f, p in model.named_parameters() if p.requires_grad and p.is_floating_point() and p.dtype.itemsize < 4), None)
+    if mp is None and low is not None:
+        warnings.warn(
+            f"autopar: parameter {low} is {model.get_parameter(low).dtype} and no mixed_precision is given, so the "
+            "parameters train in 16 bits (the optimizer steps them, its state in their dtype), while the plan prices "
+            "16-bit parameters as mixed precision holds them (fp32 master copy, moments and gradients): about twice "
+            "their memory. For mixed precision keep the model in float32 and pass "
+            "mixed_precision=autopar.MixedPrecision(torch.bfloat16, torch.float32)", stacklevel=3)
 
 
 def _warn_dropout(tg) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -191,3 +192,14 @@ def test_a_handwritten_strategy_runs_under_the_policy_as_priced():
         with collectives.record() as log:
             pm(*pm.local_inputs(*x)).backward()
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in log) == collections.Counter((c.kind, c.axis, c.bytes) for c in hw.collectives())
+
+
+def test_sixteen_bit_parameters_without_the_policy_are_warned_about():
+    """A bf16 model without mixed_precision trains in bf16 (its AdamW state too), which the plan does not price
+    (it prices 16-bit parameters as mixed precision holds them): parallelize says so, and what to do."""
+    with fake_world(2), _compat.local_tensor_mode(2):
+        with pytest.warns(UserWarning, match="wte.weight is torch.bfloat16 and no mixed_precision is given.*MixedPrecision"):
+            autopar.parallelize(_model("gpt", dtype=torch.bfloat16), autopar.Mesh({"dp": 2}), _inputs())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            autopar.parallelize(_model("gpt", dtype=torch.float32), autopar.Mesh({"dp": 2}), _inputs(), mixed_precision=BF16)

@@ -601,13 +601,15 @@ def _step_sums(uc: UnitCosts, U: int) -> list[float]:
 def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple, outer: int = 0) -> UnitCosts:
     """``uc`` with every parameter under ZeRO-1 over dp on a pipeline (``zero.pipeline_held``): of its ZeRO-0
     bytes, 4 e m (``cost.master_bytes``), the stored parameter and its optimizer state, 3 e m, sharded dp ways, the
-    gathered parameter (e p, its local bytes) and its accumulated gradient (e m) whole. ``outer``: with expert parallelism, the dp ranks outside ep, over which alone a
+    gathered parameter (e p, its local bytes) -- or once it is dropped its gradient's flat copy in the reduce dtype
+    (its ``grad_wire``) -- and its accumulated gradient (e m) whole. ``outer``: with expert parallelism, the dp ranks outside ep, over which alone a
     parameter split on ep (a stack of experts: its gradient not summed over the proxy's axis 0) shards. Memoised
     on the profile beside ``uc`` (``at``: its key there)."""
     key = ("zero1", dp, outer) + at
     if key not in prof.memo:
         n_of = lambda axes: dp if not outer or 0 in axes else outer  # noqa: E731
-        params = {n: (uu, sg if n in uc.frozen else 0.75 * sg / n_of(axes) + local + 0.25 * sg, local, axes, e)
+        params = {n: (uu, sg if n in uc.frozen else 0.75 * sg / n_of(axes) + max(local, uc.grad_wire.get(n, local)) + 0.25 * sg,
+                      local, axes, e)
                   for n, (uu, sg, local, axes, e) in uc.params.items()}  # (a frozen parameter stays whole)
         step = {n: t / n_of(uc.params[n][3]) for n, t in uc.step.items()}  # a rank steps its shard alone
         prof.memo[key] = dataclasses.replace(uc, params=params, flat=[], step=step)  # no ZeRO-0 buckets left

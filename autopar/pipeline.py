@@ -26,7 +26,7 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
 4. For each schedule (GPipe, 1F1B, interleaved 1F1B with ``v`` stages per rank where the blocks divide), the cuts
    minimise the slowest stage subject to every rank's memory (state + the larger of: in-flight microbatches x
    activations + what one unit's backward brings -- its recomputed activations, and a gradient before it is
-   accumulated --; the flat copy of its largest gradient bucket, after the last backward; <= budget): bisection on
+   accumulated --; the flat copy of its ZeRO-0 gradients, after the last backward; <= budget): bisection on
    the slowest stage's time, with a greedy packing as the feasibility test (exact for contiguous cuts, since a
    shorter run of units never needs more time or memory). The schedule is then
    simulated (``autopar.schedule``): the step is the simulated timeline plus the gradient all-reduce after it
@@ -186,8 +186,9 @@ class UnitCosts:
     # parameter -> bytes its gradient puts on the wire when summed: its local bytes in the dtype the runtime reduces
     # in (``Hardware.reduce_factor``: Megatron-LM's fp32 main grads); the local bytes where absent
     grad_wire: dict[str, float] = dataclasses.field(default_factory=dict)
-    # per unit, its largest gradient bucket of ZeRO-0 parameters (one block's, per set of sync axes): the runtime
-    # all-reduces a bucket as one flat copy after the last backward, when the activations are gone (``runtime``)
+    # per unit, its largest gradient bucket of ZeRO-0 parameters (per set of sync axes), in the reduce dtype: after the
+    # last backward, when the activations are gone, the runtime all-reduces a rank's ZeRO-0 gradients as one flat
+    # copy (per axis: ``_sync_buckets``), the sum of its units' (``runtime``)
     flat: list[float] = dataclasses.field(default_factory=list)
     # parameter -> seconds of the optimizer's step of what a rank stores of it (its local elements, a ZeRO-1 shard of
     # them: ``zero.optimizer_time``), run once a step after the gradient sync
@@ -266,7 +267,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         step[n] = 0.0 if cold else optimizer_time(opt, spec, meta, inner)
         grad_wire[n] = 0.0 if cold else local * inner.hardware.reduce_factor(meta.dtype)
         if axes and n not in zero:
-            buckets[min(uu), tuple(axes)] = buckets.get((min(uu), tuple(axes)), 0.0) + local
+            buckets[min(uu), tuple(axes)] = buckets.get((min(uu), tuple(axes)), 0.0) + grad_wire[n]  # (in the reduce dtype)
     # bytes crossing each boundary: a value produced in unit a and read in unit b crosses boundaries a+1 .. b
     diff = [0] * (U + 1)
     grad = [False] * (U + 1)
@@ -338,7 +339,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     rank_act = [0.0] * p
     rank_back = [0.0] * p  # what one unit's backward brings (``UnitCosts.back``), alive while it runs
     back = uc.back()
-    rank_flat = [0.0] * p  # its largest gradient bucket's flat copy, after the last backward
+    rank_flat = [0.0] * p  # its ZeRO-0 gradients' flat copy, after the last backward (one buffer for the rank)
     sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
     zero_bytes: list[dict[tuple, list[float]]] = [dict() for _ in range(p)]  # (option, rest axes) -> [bytes, wire]
     ranks_of: dict[str, set[int]] = {}
@@ -373,8 +374,8 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         rank_state[r] += state
         rank_act[r] += a / v
         rank_back[r] = max(rank_back[r], max(back[i:j], default=0.0))
-        rank_flat[r] = max(rank_flat[r], max(uc.flat[i:j], default=0.0))
-    # activations peak in the schedule, a bucket's flat copy once they are gone (``cost.peak_memory``)
+        rank_flat[r] += sum(uc.flat[i:j])
+    # activations peak in the schedule, the sync's flat copy once they are gone (``cost.peak_memory``)
     memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r], rank_flat[r]) for r in range(p))
     sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) + copied[r] + stepped[r] for r in range(p)]
     for name, rs in ranks_of.items():
@@ -451,7 +452,7 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
             while j < last:  # (conditionals, not max(): this loop runs for every bisection step of every candidate)
                 nt, ns, na = tt + t[j], mm_state + st[j], mm_act + act[j]
                 nr = back[j] if back[j] > mm_back else mm_back
-                nf = flat[j] if flat[j] > mm_flat else mm_flat
+                nf = mm_flat + flat[j]
                 held = fl * na / v + nr
                 held = ns + (nf if nf > held else held)
                 if j > i and (nt > limit or held > cap):
@@ -484,12 +485,14 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
 
 def _sums(uc: UnitCosts, st: list[float]) -> tuple:
     """What ``_rank_memory`` reads of a stage in O(1): running sums of the units' state and activations, and the
-    largest of a run of units' backward transients (``UnitCosts.back``) and gradient buckets (``flat``). Memoised
-    on ``uc`` for its own ``unit_state``."""
+    largest of a run of units' backward transients (``UnitCosts.back``), and the sum of their gradient buckets
+    (``flat``: the rank all-reduces its stages' ZeRO-0 gradients through one flat buffer). Memoised on ``uc`` for its
+    own ``unit_state``."""
     def made() -> tuple:  # None: no backward transient, no bucket
         back = uc.back()
+        flat = _prefix(uc.flat)
         return (_prefix(st), _prefix(uc.act), _range_max(back) if any(back) else None,
-                _range_max(uc.flat) if any(uc.flat) else None)
+                (lambda i, j: flat[j] - flat[i]) if any(uc.flat) else None)
 
     if uc.memo.get(("state", len(st))) is not st:
         return made()
@@ -525,8 +528,8 @@ def _prefix(xs: list[float]) -> list[float]:
 def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, v: int, flights: list[int],
                  sums: "tuple | None" = None) -> list[float]:
     """Each pipeline rank's bytes: its stages' parameter state, and the larger of ``flights`` microbatches of their
-    activations with the largest transient one of its units' backward brings (``UnitCosts.back``), and its largest
-    gradient bucket's flat copy after the last backward. ``sums``: ``_sums(uc, st)``, when the caller prices many
+    activations with the largest transient one of its units' backward brings (``UnitCosts.back``), and the flat
+    copy its gradient sync makes of its ZeRO-0 gradients after the last backward. ``sums``: ``_sums(uc, st)``, when the caller prices many
     cuts."""
     sums = sums or _sums(uc, st)
     return [_one_rank(sums, starts, r, U, p, v, flights[r]) for r in range(p)]
@@ -539,7 +542,8 @@ def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: i
 
 
 def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, float, float]:
-    """A stage of units i..j-1: its (parameter state, activations / v, largest backward transient, largest bucket)."""
+    """A stage of units i..j-1: its (parameter state, activations / v, largest backward transient, its gradients'
+    flat copy)."""
     ps, pa, backs, flat = sums
     return (ps[j] - ps[i], (pa[j] - pa[i]) / v, backs(i, j) if backs is not None else 0.0,
             flat(i, j) if flat is not None else 0.0)
@@ -547,16 +551,15 @@ def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, flo
 
 def _held(stages, flight: int) -> float:
     """A rank's bytes from its stages' ``_stage_bytes`` (in stage order): the state, and the larger of ``flight``
-    microbatches of activations with the largest backward transient and the largest gradient bucket. (Conditionals,
-    not max(): the mesh search runs this for every move of every refined cut.)"""
+    microbatches of activations with the largest backward transient and its stages' gradients' flat copy (one
+    buffer for the rank). (Conditionals, not max(): the mesh search runs this for every move of every refined cut.)"""
     state = act = back = bucket = 0.0
     for a, b, c, d in stages:
         state += a
         act += b
         if c > back:
             back = c
-        if d > bucket:
-            bucket = d
+        bucket += d
     held = flight * act + back
     return state + (bucket if bucket > held else held)
 

@@ -226,8 +226,9 @@ def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> 
     """Bytes one trainable parameter holds all step on a pipeline, whose microbatches accumulate whole gradients
     until the last backward: stage 0, 3 e m + e m (the stored copy, its moments and its gradient: ``param_cost``'s
     state and gradient); stage 1 (Megatron's distributed optimizer, gathered once a step: ``autopar.runtime``), the
-    shard and its optimizer state, 3 e m/n, beside the gathered parameter, e p, and its gradient, e m (a 16-bit
-    parameter's main gradient, fp32, as Megatron-LM's main_grad and autopar's mixed precision accumulate it).
+    shard and its optimizer state, 3 e m/n, beside its gradient, e m (a 16-bit parameter's main gradient, fp32, as
+    Megatron-LM's main_grad and autopar's mixed precision accumulate it), and the gathered parameter, e p, or once
+    it is dropped the gradient's flat copy in the reduce dtype, e p rf (``Hardware.reduce_factor``).
     Stages 2 and 3 do not run on a pipeline (their savings need gradients reduced as they are made, once per step
     here). (A 16-bit ZeRO-0 parameter's compute copy, cast once a step, is not priced.)"""
     opt = effective(opt, spec, mesh) if opt.stage in (0, 1) else ZeroOption(0)
@@ -236,7 +237,7 @@ def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> 
     if opt.stage == 0:
         return 4 * e * m
     n = shard_factor(opt, mesh)
-    return 3 * e * m / n + e * p + e * m
+    return 3 * e * m / n + e * p * max(1.0, mesh.hardware.reduce_factor(meta.dtype)) + e * m
 
 
 def pipeline_sync_priced(opt: ZeroOption, full: float, wire: float, rest: tuple[int, ...], mesh: Mesh) -> list:

@@ -5,6 +5,10 @@ Out: local tensors. Each op is an autograd Function whose backward is the transp
 (``autopar.redistribute`` lists the pairs), so ``loss.backward()`` on the rewritten program computes exactly the
 local gradients of the sharded computation.
 
+Under mixed precision (``plan.mixed_precision``; the gathers' and ``grad_sync``'s ``dtypes``) the ops that read
+parameters cast them to the compute dtype (a shard before it is gathered), write gradients into their reduction's
+flat buffer in the reduce dtype, and hand them back in the parameters' dtype.
+
 They run the same way in real processes (gloo, NCCL) and under LocalTensorMode (many ranks in one process):
 rank-dependent steps read the rank through ``_compat.per_rank``. ``record()`` counts every collective launched,
 forward and backward, for the test that the program runs exactly the collectives its plan priced.

@@ -734,8 +734,8 @@ class _PipelineRun:
                 continue
             levels, _ = self._zero_levels(bucket)
             shards = [owner._local(PARAM, tg.fqns[n]) for n in members]
-            # under mixed precision gathered in the compute dtype, and held in the parameters' own, so that the
-            # microbatches' gradients accumulate in it (the stages cast what they read: passes/mixed_precision.py)
+            # under mixed precision gathered and held in the compute dtype, the gradients summed into fp32 main
+            # gradients (``_compute_leaf``)
             fulls = collectives.gather_flat([collectives.cast(t.detach().reshape(-1), self.compute) for t in shards], levels, "forward")
             for n, t, full in zip(members, shards, fulls):
                 # each segment has its own storage (gather_flat copies it out of the gathered rows)

@@ -7,6 +7,7 @@ Out: a Plan, or a ParallelModule ready to train on this rank. The user's model i
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 
@@ -18,7 +19,8 @@ from autopar.errors import AutoparError, MeshError, NotRealised, PlanMismatchErr
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.pipeline import PipelinePin, plan_pipeline, slice_batch
-from autopar.precision import MixedPrecision, cast_inputs, check, compute_twin, priced_mesh as _priced, stamped as _planned
+from autopar.precision import (MixedPrecision, cast_inputs, check, compute_twin, priced_hardware, priced_mesh as _priced,
+                               stamped as _planned)
 from autopar.planner import make_plan
 from autopar.runtime import ParallelModule
 from autopar.solver import Pin, ZeroPin
@@ -88,9 +90,11 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
     if isinstance(mesh, Cluster):
         if constraints:
             raise AutoparError("constraints pin Specs of one mesh; plan on autopar.Mesh to use them, or leave them out with a Cluster")
+        if mp is not None:  # the policy's reduce dtype prices the reduction, not the preset's grad_reduce_bytes
+            mesh = dataclasses.replace(mesh, hardware=priced_hardware(mesh.hw(), mp))
         with _compat.no_local_tensor_mode():
             out = plan_cluster(model, args, mesh, memory_budget, cp_in_stages=cp_in_stages)
-            out.mixed_precision = mp  # (the cluster's hardware preset prices the reduction: its grad_reduce_bytes)
+            out.mixed_precision = mp
             return out
     if cp_in_stages:
         raise AutoparError("cp_in_stages widens the search over an autopar.Cluster; on a fixed mesh, give it pp and cp axes "
@@ -186,8 +190,10 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
 def _warn_sixteen_bit(model, mp) -> None:
     """Say so when 16-bit parameters train without mixed precision: the plan priced them as mixed precision holds
     them (fp32 master copy, moments and gradients: ``cost.master_bytes``), twice what they hold."""
+    if mp is not None:
+        return
     low = next((f for f, p in model.named_parameters() if p.requires_grad and p.is_floating_point() and p.dtype.itemsize < 4), None)
-    if mp is None and low is not None:
+    if low is not None:
         warnings.warn(
             f"autopar: parameter {low} is {model.get_parameter(low).dtype} and no mixed_precision is given, so the "
             "parameters train in 16 bits (the optimizer steps them, its state in their dtype), while the plan prices "

@@ -17,7 +17,6 @@ computed. Tensor-parallel collectives inside the program move ``param_dtype`` va
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from torch import nn
 
 from autopar._compat import pytree
 from autopar.errors import AutoparError
+from autopar.trace import shallow_copy
 
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _BY_NAME = {**{v: k for k, v in _SHORT.items()}, **{str(k).replace("torch.", ""): k for k in _SHORT}}
@@ -82,7 +82,7 @@ def check(model: nn.Module, mp: MixedPrecision | None) -> None:
 
 
 def compute_twin(model: nn.Module, mp: MixedPrecision | None) -> nn.Module:
-    """``model`` as it computes under ``mp``: each module copied shallowly with its own parameter and child dicts,
+    """``model`` as it computes under ``mp``: each module a ``trace.shallow_copy`` (dicts of its own),
     each floating parameter a ``param_dtype`` copy (a tied parameter one copy), everything else shared. The model
     itself is not modified. Without ``mp``: the model."""
     if mp is None:
@@ -98,10 +98,9 @@ def compute_twin(model: nn.Module, mp: MixedPrecision | None) -> nn.Module:
 
     def own(m: nn.Module) -> nn.Module:
         if id(m) not in copies:
-            c = copy.copy(m)
-            copies[id(m)] = c
-            c._parameters = {k: None if p is None else twin(p) for k, p in m._parameters.items()}
-            c._modules = {k: None if s is None else own(s) for k, s in m._modules.items()}
+            c = copies[id(m)] = shallow_copy(m)  # (its own buffer dict too: export's swaps stay on the copy)
+            c._parameters.update({k: twin(p) for k, p in m._parameters.items() if p is not None})
+            c._modules.update({k: own(s) for k, s in m._modules.items() if s is not None})
         return copies[id(m)]
 
     return own(model)
@@ -117,9 +116,15 @@ def cast_inputs(args, mp: MixedPrecision | None):
 def priced_mesh(mesh, mp: MixedPrecision | None):
     """The mesh a plan under ``mp`` is priced on: gradients reduced in its reduce dtype (the traced graph's
     parameters are in its param dtype; ``Hardware.grad_reduce_bytes`` prices a wider reduction)."""
-    if mp is None or mp.reduce == mp.param_dtype:
+    if mp is None:
         return mesh
-    return mesh.with_hardware(dataclasses.replace(mesh.hardware, grad_reduce_bytes=mp.reduce.itemsize))
+    return mesh.with_hardware(priced_hardware(mesh.hardware, mp))
+
+
+def priced_hardware(hw, mp: MixedPrecision):
+    """``hw`` reducing gradients in ``mp``'s reduce dtype: the policy, not a preset's ``grad_reduce_bytes``, says
+    what the runtime reduces in."""
+    return dataclasses.replace(hw, grad_reduce_bytes=mp.reduce.itemsize)
 
 
 def stamped(plan, mesh, mp: MixedPrecision | None):

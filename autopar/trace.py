@@ -577,20 +577,24 @@ def _layer_container(model: torch.nn.Module) -> tuple[str, int] | None:
     return max(found, key=lambda f: f[1]) if found else None
 
 
+def shallow_copy(m: torch.nn.Module) -> torch.nn.Module:
+    """``m`` copied with child, parameter and buffer dicts of its own (the tensors and children shared), so what
+    export swaps in and out on the copy -- or what the caller puts in its dicts -- never reaches ``m``."""
+    c = copy.copy(m)
+    for key in ("_modules", "_parameters", "_buffers"):
+        c.__dict__[key] = dict(m.__dict__[key])
+    c.__dict__["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
+    return c
+
+
 def _truncated(model: torch.nn.Module, path: str, keep: int) -> torch.nn.Module:
     """A shallow copy of ``model`` whose container at ``path`` holds only its first ``keep`` layers.
 
-    The root, every module on the way to the container and the container are copied with dicts of their own, so
-    export's temporary swaps of parameters on these copies and the shorter container never reach the user's model;
-    every other module (the layers kept among them) is the user's own object.
+    The root, every module on the way to the container and the container are ``shallow_copy``'d, so export's
+    temporary swaps of parameters on these copies and the shorter container never reach the user's model; every
+    other module (the layers kept among them) is the user's own object.
     """
-    def own(m: torch.nn.Module) -> torch.nn.Module:
-        c = copy.copy(m)
-        for key in ("_modules", "_parameters", "_buffers"):
-            c.__dict__[key] = dict(m.__dict__[key])
-        c.__dict__["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
-        return c
-
+    own = shallow_copy
     root = parent = own(model)
     *outer, last = path.split(".")
     for name in outer:

@@ -203,3 +203,31 @@ def test_sixteen_bit_parameters_without_the_policy_are_warned_about():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             autopar.parallelize(_model("gpt", dtype=torch.float32), autopar.Mesh({"dp": 2}), _inputs(), mixed_precision=BF16)
+
+
+def test_the_compute_twin_has_dicts_of_its_own_so_nothing_done_to_it_reaches_the_model():
+    from autopar.precision import compute_twin
+
+    model = _model("llama")
+    twin = compute_twin(model, BF16)
+    pairs = list(zip(model.modules(), twin.modules()))
+    assert all(a is not b and a._buffers is not b._buffers and a._parameters is not b._parameters for a, b in pairs)
+    twin.layers[0].register_buffer("probe", torch.zeros(1))  # what export's swaps do, on the copy
+    twin.layers[0].attention.wq.weight = torch.nn.Parameter(torch.zeros(1))
+    assert "probe" not in dict(model.named_buffers()) and model.layers[0].attention.wq.weight.dtype == torch.float64
+
+
+def test_a_cluster_plan_prices_the_reduction_in_the_policys_reduce_dtype_not_the_presets():
+    """The cluster search traces the model as the policy computes it, and its meshes reduce in the policy's reduce
+    dtype whatever the hardware preset says (``h100-80gb`` gives none, torchtitan's preset fp32)."""
+    from autopar.cluster import Cluster
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=4096, block_size=256, n_layer=4, n_head=8, n_embd=256))
+    x = torch.empty(16, 256, dtype=torch.long, device="meta")
+    plans = {mp: autopar.plan(model, Cluster(1, 8, "h100-80gb"), (x, x), mixed_precision=mp)
+             for mp in (BF16, autopar.MixedPrecision(torch.bfloat16))}
+    assert {mp: p.mesh.hardware.grad_reduce_bytes for mp, p in plans.items()} == {BF16: 4, autopar.MixedPrecision(torch.bfloat16): 2}
+    wide, narrow = (plans[BF16].collectives(), plans[autopar.MixedPrecision(torch.bfloat16)].collectives())
+    reduced = [sum(c.bytes for c in log if c.kind in ("all_reduce", "reduce_scatter") and c.axis == "dp") for log in (wide, narrow)]
+    assert reduced[1] > 0 and reduced[0] == 2 * reduced[1], reduced

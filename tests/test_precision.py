@@ -231,3 +231,23 @@ def test_a_cluster_plan_prices_the_reduction_in_the_policys_reduce_dtype_not_the
     wide, narrow = (plans[BF16].collectives(), plans[autopar.MixedPrecision(torch.bfloat16)].collectives())
     reduced = [sum(c.bytes for c in log if c.kind in ("all_reduce", "reduce_scatter") and c.axis == "dp") for log in (wide, narrow)]
     assert reduced[1] > 0 and reduced[0] == 2 * reduced[1], reduced
+
+
+def test_reduced_gradients_are_cast_to_their_masters_only_after_their_reduction_lands():
+    """The cast reads the buffer the bucket's last collective writes. In one process (LocalTensorMode) collectives
+    finish before they return, so this stands in for an asynchronous one: its result lands when it is waited."""
+
+    class Landing(collectives.Pending):
+        def wait(self):
+            if self.buffer is not None:
+                self.buffer.copy_(torch.arange(6.0))
+            super().wait()
+
+    for masters, waited in (((torch.float64,) * 2, True), ((torch.float32,) * 2, False)):
+        pending, flat = Landing(), torch.zeros(6)
+        pending.launched(flat)
+        out = collectives._as_masters([flat[:2], flat[2:]], masters, pending)
+        assert [g.dtype for g in out] == list(masters)
+        # a cast waits for its values; without one the views are handed on, and their bucket's settle waits
+        assert [g.tolist() for g in out] == ([[0, 1], [2, 3, 4, 5]] if waited else [[0, 0], [0, 0, 0, 0]])
+        assert (pending.buffer is None) == waited

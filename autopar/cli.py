@@ -4,9 +4,12 @@
   trains a small GPT on 4 local gloo ranks (launched with torch's own launcher) and shows its loss equals
   single-device training.
 - ``autopar plan MODEL --mesh dp=8,tp=8 --hardware h100-80gb [--batch B] [--seq S] [--memory-budget GiB]
-  [--dtype bf16] [--json FILE] [--explain NAME]``: plan only (MODEL: a registry name or ``module:callable``).
-  ``--cluster 192x8`` instead of ``--mesh``: search the mesh too (dp x pp x tp, microbatches, recomputation).
-- ``autopar compare MODEL --mesh ... [--plans auto,megatron,fsdp]``: autopar's plan next to hand-written ones.
+  [--dtype bf16] [--mixed-precision bf16/fp32] [--json FILE] [--explain NAME]``: plan only (MODEL: a registry
+  name or ``module:callable``). ``--cluster 192x8`` instead of ``--mesh``: search the mesh too (dp x pp x tp,
+  microbatches, recomputation). ``--mixed-precision PARAM[/REDUCE]``: plan the model (then fp32 unless ``--dtype``
+  says otherwise) as it trains under ``autopar.MixedPrecision(PARAM, REDUCE)``.
+- ``autopar compare MODEL --mesh ... [--plans auto,megatron,fsdp] [--mixed-precision ...]``: autopar's plan next to
+  hand-written ones.
 - ``autopar demo [--nproc 4] [--steps 5]``: only the distributed half of the main job.
 """
 
@@ -49,6 +52,19 @@ def _load_model(spec: str, dtype, context: int | None = None):
             return out
         raise SystemExit(f"autopar: {spec} must return (model, inputs(batch, seq))")
     raise SystemExit(f"autopar: unknown model {spec!r}; known: {', '.join(models.REGISTRY)} (or module:callable)")
+
+
+def _policy(args):
+    """``--mixed-precision PARAM[/REDUCE]`` as an ``autopar.MixedPrecision`` (None without it)."""
+    import autopar
+
+    text = getattr(args, "mixed_precision", None)
+    if not text:
+        return None
+    parts = text.split("/")
+    if len(parts) > 2:
+        raise SystemExit(f"autopar: --mixed-precision wants PARAM or PARAM/REDUCE, like bf16/fp32; got {text!r}")
+    return autopar.MixedPrecision(*parts)
 
 
 def _plan_verbose(model, mesh, inputs, budget):
@@ -96,10 +112,10 @@ def cmd_plan_cluster(args) -> int:
     model, inputs = _load_model(args.model, DTYPES[args.dtype], getattr(args, "context", None))
     nodes, gpus = _parse_cluster(args.cluster)
     cluster = autopar.Cluster(nodes, gpus, args.hardware)
-    print(f"planning {args.model} on {cluster} ({cluster.devices} devices; global batch {args.batch} x seq {args.seq}, {args.dtype}): "
+    print(f"planning {args.model} on {cluster} ({cluster.devices} devices; global batch {args.batch} x seq {args.seq}, {_dtypes(args)}): "
           "searching dp x pp x tp and dp x cp x tp (a mixture of experts: dp x ep too), microbatches, schedule, recomputation ...", flush=True)
     budget = args.memory_budget * 2**30 if args.memory_budget else None
-    plan = autopar.plan(model, cluster, inputs(args.batch, args.seq), memory_budget=budget)
+    plan = autopar.plan(model, cluster, inputs(args.batch, args.seq), memory_budget=budget, mixed_precision=_policy(args))
     print(plan.table())
     print("\nscreened (best first):")
     print(search_table(plan))
@@ -116,21 +132,26 @@ def cmd_plan(args) -> int:
 
     if getattr(args, "cluster", None):
         return cmd_plan_cluster(args)
-    dtype = DTYPES[args.dtype]
+    from autopar.precision import cast_inputs, check, compute_twin, priced_mesh, stamped
+
+    dtype, mp = DTYPES[args.dtype], _policy(args)
     t0 = time.perf_counter()
     model, inputs = _load_model(args.model, dtype, getattr(args, "context", None))
     mesh = autopar.Mesh(_parse_mesh(args.mesh), hardware=args.hardware)
-    print(f"planning {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {args.dtype})", flush=True)
+    print(f"planning {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {_dtypes(args)})", flush=True)
     budget = args.memory_budget * 2**30 if args.memory_budget else None
     batch = inputs(args.batch, args.seq)
     traces: dict = {}
+    check(model, mp)
+    twin, priced = compute_twin(model, mp), priced_mesh(mesh, mp)  # the model as it computes under the policy
     if mesh.pipe_axis() is not None:
         from autopar.pipeline import plan_pipeline
 
         print("  tracing one microbatch per candidate count, solving each stage's plan, cutting stages ...", flush=True)
-        plan, tg = plan_pipeline(model, batch, mesh, budget, [], traces=traces), None
+        plan, tg = plan_pipeline(twin, cast_inputs(batch, mp), priced, budget, [], traces=traces), None
     else:
-        plan, tg = _plan_verbose(model, mesh, batch, budget)
+        plan, tg = _plan_verbose(twin, priced, cast_inputs(batch, mp), budget)
+    plan = stamped(plan, mesh, mp)
     print(plan.table())
     if args.explain:
         print()
@@ -142,7 +163,8 @@ def cmd_plan(args) -> int:
     others = _handwritten_for(mesh) if not getattr(args, "no_compare", False) else []
     if others:
         print("\ncompared with hand-written strategies on the same mesh (predicted):")
-        print(autopar.compare(model, mesh, batch, plans=[plan] + others, memory_budget=budget, measure=False, traced=tg, traces=traces).table())
+        print(autopar.compare(model, mesh, batch, plans=[plan] + others, memory_budget=budget, measure=False, traced=tg, traces=traces,
+                              mixed_precision=mp).table())
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -155,10 +177,17 @@ def cmd_compare(args) -> int:
     plans = [p.strip() for p in args.plans.split(",")] if args.plans else ["auto"] + [p for p in _handwritten_for(mesh)]
     budget = args.memory_budget * 2**30 if args.memory_budget else None
     t0 = time.perf_counter()
-    print(f"comparing plans for {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {args.dtype}) ...", flush=True)
-    print(autopar.compare(model, mesh, inputs(args.batch, args.seq), plans=plans, memory_budget=budget).table())
+    print(f"comparing plans for {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {_dtypes(args)}) ...", flush=True)
+    print(autopar.compare(model, mesh, inputs(args.batch, args.seq), plans=plans, memory_budget=budget,
+                          mixed_precision=_policy(args)).table())
     print(f"compared in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _dtypes(args) -> str:
+    """The model's dtype, and the policy it computes under if one is given."""
+    mp = _policy(args)
+    return args.dtype if mp is None else f"{args.dtype} parameters, {mp}"
 
 
 def _free_port() -> int:
@@ -201,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default="h100-80gb")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per data-parallel (or expert-parallel) rank; with pp, 8 x pp per rank)")
     p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {DEFAULT_SEQ}, or the model's context if shorter; longer than a known model's context, it extends it)")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="the model's parameters (default bf16; fp32 with --mixed-precision)")
+    p.add_argument("--mixed-precision", default=None, metavar="PARAM[/REDUCE]",
+                   help="train under autopar.MixedPrecision: compute in PARAM, reduce gradients in REDUCE (default PARAM), e.g. bf16/fp32")
     p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's memory)")
     p.add_argument("--json", default=None, help="write the plan as JSON to this file")
     p.add_argument("--explain", default=None, help="explain the choice for this parameter, module or node")
@@ -211,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--hardware", default="h100-80gb")
     c.add_argument("--batch", type=int, default=None)
     c.add_argument("--seq", type=int, default=None)
-    c.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    c.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="the model's parameters (default bf16; fp32 with --mixed-precision)")
+    c.add_argument("--mixed-precision", default=None, metavar="PARAM[/REDUCE]",
+                   help="train under autopar.MixedPrecision: compute in PARAM, reduce gradients in REDUCE (default PARAM), e.g. bf16/fp32")
     c.add_argument("--memory-budget", type=float, default=None)
     c.add_argument("--plans", default=None, help="comma-separated: auto, ddp, fsdp, megatron, ... (default: those that apply)")
     d = sub.add_parser("demo", help="train a small GPT on local gloo ranks next to single-device training")
@@ -220,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from autopar.errors import AutoparError
 
+    if args.cmd in ("plan", "compare") and args.dtype is None:  # the master copy a policy steps is fp32
+        args.dtype = "fp32" if args.mixed_precision else "bf16"
     for flag in ("batch", "seq"):  # a zero-row or zero-token example would fail deep in tracing, or plan nothing
         value = getattr(args, flag, None)
         if value is not None and value < 1:

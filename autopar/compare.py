@@ -37,6 +37,7 @@ class Row:
 class Comparison:
     mesh: Mesh
     rows: list[Row]
+    mixed_precision: object = None  # the autopar.MixedPrecision every row was planned and run under (None: none)
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -69,44 +70,59 @@ class Comparison:
                 else:
                     line += [""] * 7
             rows.append(line)
-        text = f"mesh {self.mesh}\n" + _tabulate.tabulate(rows, headers=head, tablefmt="simple")
+        policy = "" if self.mixed_precision is None else f"  |  mixed precision {self.mixed_precision}"
+        text = f"mesh {self.mesh}{policy}\n" + _tabulate.tabulate(rows, headers=head, tablefmt="simple")
         return text + ("\nnot applicable:\n" + "\n".join(notes) if notes else "")
 
 
-def _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces: dict) -> tuple[str, Plan]:
+def _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces: dict, mp) -> tuple[str, Plan]:
+    """``entry``'s plan under the policy ``mp``; ``traced`` / ``traces``: of the model as it computes under it."""
     from autopar.handwritten import handwritten
     from autopar.planner import make_plan
+    from autopar.precision import cast_inputs, compute_twin, priced_mesh, stamped
 
     if isinstance(entry, Plan):
+        if entry.mixed_precision != mp:
+            raise AutoparError(f"plan {entry.label} was made under mixed precision {entry.mixed_precision or 'none'}, "
+                               f"the comparison runs under {mp or 'none'}: give compare the plan's policy, or re-plan")
         return entry.label, entry
     if entry == "auto":
         if mesh.pipe_axis() is not None:
             from autopar.pipeline import plan_pipeline
 
-            return "auto", plan_pipeline(model, inputs, mesh, memory_budget, [], traces=traces)
-        return "auto", make_plan(traced, mesh, memory_budget)
+            p = plan_pipeline(compute_twin(model, mp), cast_inputs(inputs, mp), priced_mesh(mesh, mp), memory_budget, [], traces=traces)
+        else:
+            p = make_plan(traced, priced_mesh(mesh, mp), memory_budget)
+        return "auto", stamped(p, mesh, mp)
     name, knobs = (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
-    p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, traces=traces, **knobs)
+    p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, traces=traces,
+                    mixed_precision=mp, **knobs)
     return p.label, p
 
 
 def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, memory_budget: float | None = None,
             steps: int = 10, warmup: int = 3, measure: bool | None = None, lr: float = 1e-4, traced=None,
-            traces: dict | None = None) -> Comparison:
+            traces: dict | None = None, mixed_precision=None) -> Comparison:
     """Plan (and, under torchrun, run) each entry of ``plans``; see the module docstring. ``traced``: the model's
     TracedGraph if the caller has it (the model is traced once for all the plans either way); ``traces``: with a
-    pipeline, the microbatch traces the caller has (rows -> TracedGraph)."""
+    pipeline, the microbatch traces the caller has (rows -> TracedGraph). ``mixed_precision``
+    (``autopar.MixedPrecision``): every plan made, priced and run under that policy (``traced`` and ``traces``
+    then of the model as it computes under it: ``precision.compute_twin``), the single device it is measured
+    against trained under it too, and the ``torch:fsdp`` row given FSDP2's ``MixedPrecisionPolicy``."""
     import torch.distributed as dist
 
     from autopar import _compat
     from autopar.api import _as_mesh
+    from autopar.precision import cast_inputs, check, compute_twin
     from autopar.trace import trace
 
     mesh = _as_mesh(mesh)
+    mp = mixed_precision
+    check(model, mp)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if traced is None and mesh.pipe_axis() is None:  # a pipeline plans one microbatch: each plan traces its own
         with _compat.no_local_tensor_mode():
-            traced = trace(model, inputs)
+            traced = trace(compute_twin(model, mp), cast_inputs(inputs, mp))
     if measure is None:
         measure = dist.is_initialized() and dist.get_world_size() == mesh.size
     rows: list[Row] = []
@@ -116,7 +132,7 @@ def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, 
             rows.append(Row(entry))
             continue
         try:
-            name, p = _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces)
+            name, p = _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces, mp)
             rows.append(Row(name, p))
         except AutoparError as e:
             rows.append(Row(entry if isinstance(entry, str) else str(entry), error=str(e).splitlines()[0]))
@@ -125,20 +141,22 @@ def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, 
             if r.error:
                 continue
             try:
-                r.measured = _measure(r, model, mesh, inputs, steps, warmup, lr)
+                r.measured = _measure(r, model, mesh, inputs, steps, warmup, lr, mp)
             except (AutoparError, ValueError) as e:  # a torch strategy that does not apply to this mesh or model
                 r.error = str(e).splitlines()[0]
-    return Comparison(mesh, rows)
+    return Comparison(mesh, rows, mp)
 
 
-def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int, lr: float) -> dict:
-    """Train ``row``'s plan for max(warmup, 1) + steps AdamW steps on the same batch as a single-device copy."""
+def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int, lr: float, mp=None) -> dict:
+    """Train ``row``'s plan for max(warmup, 1) + steps AdamW steps on the same batch as a single-device copy (under
+    the policy ``mp``, both)."""
     import torch.distributed as dist
 
     from autopar import _compat
     from autopar.api import parallelize
+    from autopar.precision import SingleDevice
 
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model) if mp is None else SingleDevice(copy.deepcopy(model), mp)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     if row.plan is not None:
         pm = parallelize(model, mesh, inputs, plan=row.plan)
@@ -149,7 +167,7 @@ def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int
 
         strategy = row.name.split(":", 1)[1]
         dm = mesh.to_device_mesh()
-        pm = peers.torch_peer(model, dm, strategy, sequence_parallel=strategy.endswith("+sp"))
+        pm = peers.torch_peer(model, dm, strategy, sequence_parallel=strategy.endswith("+sp"), mixed_precision=mp)
         local = tuple(peers.peer_local_inputs(dm, *inputs))
         grads_of = lambda: {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()  # noqa: E731
                             for k, p in pm.named_parameters() if p.grad is not None}

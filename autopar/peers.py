@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -60,8 +60,11 @@ _LATER = {
 }
 
 
-def torch_peer(model: nn.Module, device_mesh: DeviceMesh, strategy: str, *, sequence_parallel: bool = False) -> nn.Module:
+def torch_peer(model: nn.Module, device_mesh: DeviceMesh, strategy: str, *, sequence_parallel: bool = False,
+               mixed_precision=None) -> nn.Module:
     """A deep copy of ``model`` parallelized on ``device_mesh`` with torch's own APIs (see the module docstring).
+    ``mixed_precision`` (``autopar.MixedPrecision``): FSDP2's ``MixedPrecisionPolicy`` of the same dtypes, on every
+    ``fully_shard`` / ``replicate``.
 
     Raises ValueError for a strategy, mesh or knob this function cannot realise, naming what and why.
     """
@@ -81,17 +84,23 @@ def torch_peer(model: nn.Module, device_mesh: DeviceMesh, strategy: str, *, sequ
                          "LocalTensorMode (it frees LocalTensor storage, and its collectives are not simulated): "
                          "run it in real processes (gloo)")
 
+    if mixed_precision is not None and dp_mesh is None and strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"torch_peer: strategy {strategy!r} on a mesh without dp has no FSDP2 to carry the mixed "
+                         "precision policy (parallelize_module alone trains in the model's dtype): add a dp dim, or "
+                         "compare without mixed_precision")
+    policy = MixedPrecisionPolicy() if mixed_precision is None else MixedPrecisionPolicy(
+        param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce)
     peer = copy.deepcopy(model)
     if _compat.in_local_tensor_mode():
         _per_rank_parameters(peer)
     if strategy == "ddp":
-        _replicate(peer, dp_mesh)
+        _replicate(peer, dp_mesh, policy)
     elif strategy == "fsdp":
-        _fully_shard(peer, dp_mesh)
+        _fully_shard(peer, dp_mesh, policy)
     else:
         _megatron(peer, tp_mesh, sequence_parallel)
         if dp_mesh is not None:
-            (_replicate if strategy == "megatron+ddp" else _fully_shard)(peer, dp_mesh)
+            (_replicate if strategy == "megatron+ddp" else _fully_shard)(peer, dp_mesh, policy)
     return peer
 
 
@@ -201,16 +210,16 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+def _fully_shard(model: nn.Module, dp_mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
     for block in _blocks(model):
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
-def _replicate(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+def _replicate(model: nn.Module, dp_mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
     for block in _blocks(model):
-        _compat.fsdp2_replicate(block, dp_mesh)
-    _compat.fsdp2_replicate(model, dp_mesh)
+        _compat.fsdp2_replicate(block, dp_mesh, policy)
+    _compat.fsdp2_replicate(model, dp_mesh, policy)
 
 
 # ---- tensor parallel ----------------------------------------------------------------------------------------------

@@ -113,6 +113,24 @@ def cast_inputs(args, mp: MixedPrecision | None):
     return pytree.tree_map(lambda t: t.to(mp.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args)
 
 
+class SingleDevice(nn.Module):
+    """One device trained as the policy trains: each forward reads the parameters cast to ``param_dtype`` (their
+    gradients come back in their own dtype) and the floating inputs cast to it. Its parameters are ``model``'s
+    own, under ``model``'s names: the reference a ParallelModule under ``mp`` is compared with (``autopar.compare``,
+    the parity tests)."""
+
+    def __init__(self, model: nn.Module, mp: MixedPrecision):
+        super().__init__()
+        self.model, self.mp = model, mp
+
+    def named_parameters(self, *args, **kwargs):
+        return self.model.named_parameters(*args, **kwargs)
+
+    def forward(self, *args):
+        params = {k: p.to(self.mp.param_dtype) for k, p in self.model.named_parameters()}
+        return torch.func.functional_call(self.model, params, cast_inputs(args, self.mp))
+
+
 def priced_mesh(mesh, mp: MixedPrecision | None):
     """The mesh a plan under ``mp`` is priced on: gradients reduced in its reduce dtype (the traced graph's
     parameters are in its param dtype; ``Hardware.grad_reduce_bytes`` prices a wider reduction)."""

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar import _compat
+from autopar.precision import SingleDevice
 
 
 @contextlib.contextmanager
@@ -44,25 +45,6 @@ def fsdp2_h100(float8: bool = True, **fields):
     return dataclasses.replace(get_hardware("h100-500w"), **{**runtime, **fields})
 
 
-class MixedPrecisionReference(torch.nn.Module):
-    """One device as FSDP2's MixedPrecisionPolicy trains it: each forward reads the parameters cast to
-    ``param_dtype`` (their gradients come back in their own dtype) and the floating inputs cast to it. Its
-    parameters are the model's own, under the model's names."""
-
-    def __init__(self, model: torch.nn.Module, mp):
-        super().__init__()
-        self.model, self.mp = model, mp
-
-    def named_parameters(self, *args, **kwargs):
-        return self.model.named_parameters(*args, **kwargs)
-
-    def forward(self, *args):
-        from autopar.precision import cast_inputs
-
-        params = {k: p.to(self.mp.param_dtype) for k, p in self.model.named_parameters()}
-        return torch.func.functional_call(self.model, params, cast_inputs(args, self.mp))
-
-
 def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(), steps: int = 3, lr: float = 1e-4,
            hardware: str = "cpu-gloo", plan=None, clip: float | None = 0.5, mixed_precision=None) -> dict:
     """Train ``model`` with autopar on simulated ranks and a copy on one device; return the largest differences.
@@ -72,11 +54,11 @@ def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(),
     Keys: loss (max |loss diff| over steps, loss = mean of the ranks' share means), grad (max |grad diff| over
     steps, and the largest relative difference of the clipped norms, every rank's), param (max |param diff| after
     ``steps`` AdamW steps), plan, dtypes (of the loss, and of the parameters and their gradients after the steps).
-    With ``mixed_precision`` the single device trains as FSDP2's policy does (``MixedPrecisionReference``).
+    With ``mixed_precision`` the single device trains as FSDP2's policy does (``SingleDevice``).
     """
     reference = copy.deepcopy(model)
     if mixed_precision is not None:
-        reference = MixedPrecisionReference(reference, mixed_precision)
+        reference = SingleDevice(reference, mixed_precision)
     mesh = autopar.Mesh(axes, hardware=hardware)
     world = mesh.size
     out = {"loss": 0.0, "grad": 0.0, "param": 0.0}

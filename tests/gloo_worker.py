@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.precision import SingleDevice
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from tests._util import MixedPrecisionReference, train_beside
+from tests._util import train_beside
 from tests.test_parity import megatron_pins
 
 
@@ -26,7 +27,7 @@ def case(name: str, axes: dict, pins, recompute: str = "none", accumulate: int =
     model = GPT(GPTConfig.tiny()) if name == "gpt" else Llama(LlamaConfig.tiny())
     if mp is not None:
         model = model.double()
-    ref = copy.deepcopy(model) if mp is None else MixedPrecisionReference(copy.deepcopy(model), mp)
+    ref = copy.deepcopy(model) if mp is None else SingleDevice(copy.deepcopy(model), mp)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 64, (4, 16), generator=g)
     y = torch.roll(x, -1, 1)
@@ -73,6 +74,16 @@ def compared() -> None:
             predicted = (len(r.plan.collectives()), sum(r.plan.cost.comm_bytes.values())) if r.plan else ("-", "-")
             print(f"COMPARE {r.name} {m['collectives']} {m['bytes']:.0f} {predicted[0]} {predicted[1] if r.plan else '-'} "
                   f"{m['loss_diff']:.3e} {m['grad_diff']:.3e}", flush=True)
+    # under a policy (an fp64 model computing in fp32): every row, torch's FSDP2 with its MixedPrecisionPolicy
+    # too, against one device trained under the same policy
+    mp = autopar.MixedPrecision(torch.float32)
+    c = autopar.compare(model.double(), autopar.Mesh({"dp": 4}), (x, torch.roll(x, -1, 1)), plans=["auto", "fsdp", "torch:fsdp"],
+                        steps=1, warmup=1, mixed_precision=mp)
+    if dist.get_rank() == 0:
+        for r in c.rows:
+            policy = r.plan.mixed_precision if r.plan else mp
+            print(f"COMPARE_MP {r.name} {r.error or '-'} {policy == mp} {r.measured.get('loss_diff', -1):.3e} "
+                  f"{r.measured.get('grad_diff', -1):.3e}", flush=True)
 
 
 def dropout() -> None:

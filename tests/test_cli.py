@@ -81,3 +81,20 @@ def test_demo_trains_on_local_gloo_ranks_like_one_device():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "equal to single-device training" in out.stdout and "validation (eval mode, no_grad)" in out.stdout
+
+
+def test_plan_and_compare_take_a_mixed_precision_policy(capsys):
+    assert main(["plan", "gpt-tiny", "--mesh", "dp=2,tp=2", "--hardware", "cpu-gloo", "--batch", "4", "--seq", "16",
+                 "--mixed-precision", "bf16/fp32"]) == 0
+    text = capsys.readouterr().out
+    # the model is built in fp32 (the master copy), planned as it computes, and every compared row under the policy
+    assert "fp32 parameters, bf16 compute, fp32 reduce" in text and text.count("mixed precision bf16 compute, fp32 reduce") == 2
+    assert main(["compare", "gpt-tiny", "--mesh", "dp=2", "--hardware", "cpu-gloo", "--batch", "4", "--seq", "16",
+                 "--plans", "auto,fsdp", "--mixed-precision", "bf16"]) == 0
+    assert "mixed precision bf16 compute, bf16 reduce" in capsys.readouterr().out
+    assert main(["plan", "gpt-tiny", "--mesh", "dp=2", "--mixed-precision", "int8"]) == 2
+    assert "param_dtype='int8': give a floating dtype" in capsys.readouterr().err
+    assert main(["plan", "gpt-tiny", "--mesh", "dp=2", "--dtype", "bf16", "--mixed-precision", "fp32"]) == 2
+    assert "narrower than MixedPrecision's param_dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="PARAM or PARAM/REDUCE"):
+        main(["plan", "gpt-tiny", "--mesh", "dp=2", "--mixed-precision", "bf16/fp32/fp64"])

@@ -166,3 +166,19 @@ def test_autopar_megatron_and_torch_megatron_lose_alike_over_ten_steps():
                 vb = list(_compat.local_values(lb.detach()).values())
                 worst = max(worst, max(abs(float(a) - float(b)) for a, b in zip(va, vb)))
     assert worst <= 1e-6, worst
+
+
+def test_compare_plans_every_row_under_one_mixed_precision_policy():
+    bf16 = autopar.MixedPrecision(torch.bfloat16, torch.float32)
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, hardware="h100-80gb")
+    other = autopar.plan(_gpt(), mesh, _batch())  # made without a policy
+    c = autopar.compare(_gpt(), mesh, _batch(), plans=["auto", "megatron", "fsdp", other], mixed_precision=bf16, measure=False)
+    assert all(r.plan is not None for r in c.rows[:3]), c.table()
+    assert all(r.plan.mixed_precision == bf16 and r.plan.mesh == mesh for r in c.rows[:3])
+    # each row priced as it runs: the gathers of fsdp move bf16, half of what they move without the policy
+    plain = autopar.compare(_gpt(), mesh, _batch(), plans=["fsdp"], measure=False).rows[0].plan
+    gathered = [sum(x.bytes for x in p.collectives() if x.kind == "all_gather" and x.axis == "dp") for p in (c.rows[2].plan, plain)]
+    assert gathered[0] > 0 and gathered[1] / gathered[0] == pytest.approx(2, rel=0.01), gathered  # (a 64-byte gather of no parameter aside)
+    assert "made under mixed precision none" in c.rows[3].error and "mixed precision bf16 compute, fp32 reduce" in c.table()
+    with pytest.raises(autopar.AutoparError, match="narrower than MixedPrecision's param_dtype"):
+        autopar.compare(_gpt().to(torch.bfloat16), mesh, _batch(), plans=["auto"], mixed_precision=autopar.MixedPrecision(torch.float32), measure=False)

@@ -14,12 +14,16 @@ def test_real_gloo_processes_match_single_device(nproc, expected):
     assert f"REDISTRIBUTE {16 * 16 if nproc == 4 else 16}" in lines
     rows = [line.split()[1:] for line in lines if line.startswith("PARITY")]
     if nproc == 4:  # autopar.compare measured in real processes
-        compared = {line.split()[1]: line.split()[2:] for line in lines if line.startswith("COMPARE")}
+        compared = {line.split()[1]: line.split()[2:] for line in lines if line.startswith("COMPARE ")}
         assert set(compared) == {"auto", "megatron", "torch:megatron"}, lines
         for name, (n, nbytes, n_pred, bytes_pred, dl, dg) in compared.items():
             assert max(float(dl), float(dg)) <= 1e-5, (name, dl, dg)
             if not name.startswith("torch:"):  # what autopar launches is what it priced
                 assert int(n) == int(n_pred) and float(nbytes) == pytest.approx(float(bytes_pred)), (name, n, n_pred, nbytes, bytes_pred)
+        under = {line.split()[1]: line.split()[2:] for line in lines if line.startswith("COMPARE_MP")}
+        assert set(under) == {"auto", "fsdp", "torch:fsdp"}, lines
+        for name, (error, stamped, dl, dg) in under.items():  # loss and gradients as one device under the policy
+            assert error == "-" and stamped == "True" and 0 <= max(float(dl), float(dg)) <= 1e-5, (name, error, stamped, dl, dg)
         # dropout in real processes: replicas (ranks 0, 1 and 2, 3 over tp) draw one mask, the two data-parallel
         # shards of the same sequences independent ones; full recomputation replays them (gradients equal); a rank
         # seeded apart is named

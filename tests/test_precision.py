@@ -22,7 +22,8 @@ from autopar.errors import AutoparError, PlanMismatchError
 from autopar.pipeline import PipelinePin
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from tests._util import MixedPrecisionReference, accumulate_beside, fake_world, parity
+from autopar.precision import SingleDevice
+from tests._util import accumulate_beside, fake_world, parity
 from tests.test_parity import megatron_pins
 
 FP32_IN_FP64 = autopar.MixedPrecision(torch.float32)  # reduce dtype: the param dtype's, FSDP2's default
@@ -126,7 +127,7 @@ def test_the_program_launches_what_the_plan_priced_in_each_dtype(name, stage):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_gradients_held_under_no_sync_are_reduced_once_in_the_reduce_dtype(stage):
     model, first = _model("gpt"), _inputs()
-    reference = MixedPrecisionReference(copy.deepcopy(model), FP32_IN_FP64)
+    reference = SingleDevice(copy.deepcopy(model), FP32_IN_FP64)
     batches = [first] + [tuple(torch.roll(t, k, 0) for t in first) for k in (1, 2)]
     with fake_world(2), _compat.local_tensor_mode(2) as ltm:
         pm = autopar.parallelize(model, autopar.Mesh({"dp": 2}), first, constraints=[autopar.ZeroPin("*", stage)], mixed_precision=FP32_IN_FP64)
@@ -141,7 +142,7 @@ def test_a_pipeline_accumulates_fp32_main_gradients_over_steps_under_no_sync():
     step, and each microbatch's gradient is added to an fp64 main gradient as it lands (Megatron-LM's main_grad):
     three steps, the first two under no_sync, give one device's sums."""
     model, first = _model("gpt", 4), _inputs(8)
-    reference = MixedPrecisionReference(copy.deepcopy(model), FP32_IN_FP64)
+    reference = SingleDevice(copy.deepcopy(model), FP32_IN_FP64)
     batches = [first] + [tuple(torch.roll(t, k, 0) for t in first) for k in (1, 2)]
     with fake_world(4), _compat.local_tensor_mode(4) as ltm:
         pm = autopar.parallelize(model, autopar.Mesh({"dp": 2, "pp": 2}), first, constraints=[PipelinePin("1f1b", 2), autopar.ZeroPin("*", 1)],

@@ -333,7 +333,8 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
                 cold.add(key)
     # a unit's largest gradient bucket and gradient do not depend on the rows: the proxy's, the template's per block
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire,
-                     flat=expand(a.flat, b.flat), step=step, accum=expand(a.accum, b.accum), frozen=frozenset(cold))
+                     flat=expand(a.flat, b.flat), step=step, accum=expand(a.accum, b.accum), frozen=frozenset(cold),
+                     cast=expand(a.cast, b.cast) if a.cast else [])
 
 
 def _units(L: int) -> Units:
@@ -612,7 +613,7 @@ def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple, ou
                       local, axes, e)
                   for n, (uu, sg, local, axes, e) in uc.params.items()}  # (a frozen parameter stays whole)
         step = {n: t / n_of(uc.params[n][3]) for n, t in uc.step.items()}  # a rank steps its shard alone
-        prof.memo[key] = dataclasses.replace(uc, params=params, flat=[], step=step)  # no ZeRO-0 buckets left
+        prof.memo[key] = dataclasses.replace(uc, params=params, flat=[], step=step, cast=[])  # no ZeRO-0 parameters left
     return prof.memo[key]
 
 

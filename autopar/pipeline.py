@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import CostModel, collective_time, flat_copy_time, grad_sync_axes, itemsize, send_time, wire_bytes
+from autopar.cost import CostModel, collective_time, flat_copy_time, grad_sync_axes, itemsize, master_bytes, send_time, wire_bytes
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, fmt_bytes
@@ -198,6 +198,9 @@ class UnitCosts:
     accum: list[float] = dataclasses.field(default_factory=list)
     # frozen parameters (no gradient): held whole, nothing to sync, step or shard on a pipeline (``zero.effective``)
     frozen: frozenset = frozenset()
+    # per unit, the compute-dtype copy of its 16-bit ZeRO-0 parameters (``runtime``'s ``_cast_params``: the master
+    # is ``cost.master_bytes`` wide, cast once a step): alive through the schedule, dropped before the sync
+    cast: list[float] = dataclasses.field(default_factory=list)
     # what the cut searches derive from these costs (``unit_state``, ``_sums``, ``back``), once: the cluster screen
     # prices thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
     memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -247,6 +250,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         act[unit(v)] += kb
     params, zero, grad_wire, step = {}, {}, {}, {}
     buckets: dict[tuple, float] = {}  # (unit, sync axes) -> local bytes of its ZeRO-0 gradients
+    cast = [0.0] * U
     groups = zero_groups(tg, problem.order)
     for n in problem.order:
         if tg.kinds.get(n) != PARAM:
@@ -264,6 +268,9 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             held = pipeline_held(opt, spec, meta, inner)
             zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes))
         params[n] = (uu, held, float(local), axes, math.prod(meta.shape))
+        if opt.stage == 0 and meta.dtype.is_floating_point and itemsize(meta.dtype) < master_bytes(meta.dtype):
+            for u in uu:  # (read by several units: counted in each, as its state is)
+                cast[u] += local
         step[n] = 0.0 if cold else optimizer_time(opt, spec, meta, inner)
         grad_wire[n] = 0.0 if cold else local * inner.hardware.reduce_factor(meta.dtype)
         if axes and n not in zero:
@@ -308,7 +315,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         for u in uu:
             accum[u] = max(accum[u], local)
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum,
-                     frozenset(n for n in params if n not in tg.trainable))
+                     frozenset(n for n in params if n not in tg.trainable), cast)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -340,6 +347,8 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     rank_back = [0.0] * p  # what one unit's backward brings (``UnitCosts.back``), alive while it runs
     back = uc.back()
     rank_flat = [0.0] * p  # its ZeRO-0 gradients' flat copy, after the last backward (one buffer for the rank)
+    rank_cast = [0.0] * p  # its ZeRO-0 parameters' compute copies, through the schedule
+    cast = uc.cast or [0.0] * U
     sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
     zero_bytes: list[dict[tuple, list[float]]] = [dict() for _ in range(p)]  # (option, rest axes) -> [bytes, wire]
     ranks_of: dict[str, set[int]] = {}
@@ -375,8 +384,10 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         rank_act[r] += a / v
         rank_back[r] = max(rank_back[r], max(back[i:j], default=0.0))
         rank_flat[r] += sum(uc.flat[i:j])
-    # activations peak in the schedule, the sync's flat copy once they are gone (``cost.peak_memory``)
-    memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r], rank_flat[r]) for r in range(p))
+        rank_cast[r] += sum(cast[i:j])
+    # activations peak in the schedule (beside the compute copies), the sync's flat copy once they are gone
+    # (``cost.peak_memory``)
+    memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r] + rank_cast[r], rank_flat[r]) for r in range(p))
     sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) + copied[r] + stepped[r] for r in range(p)]
     for name, rs in ranks_of.items():
         if len(rs) > 1 and name not in uc.frozen:  # (a frozen tied parameter has no gradient to sum)
@@ -439,6 +450,7 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
     st = unit_state(uc, U)
     back = uc.back()
     flat = uc.flat or [0.0] * U
+    cast = uc.cast or [0.0] * U
     act = uc.act
 
     def pack(limit: float) -> tuple[int, ...] | None:
@@ -446,20 +458,20 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
         for k in range(S):
             r = k % p
             cap = budget / v
-            j, tt, mm_state, mm_act, mm_back, mm_flat = i, 0.0, 0.0, 0.0, 0.0, 0.0
+            j, tt, mm_state, mm_act, mm_back, mm_flat, mm_cast = i, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
             last = U - (S - k - 1)  # leave a unit for every later stage
             fl = flights[r]
             while j < last:  # (conditionals, not max(): this loop runs for every bisection step of every candidate)
                 nt, ns, na = tt + t[j], mm_state + st[j], mm_act + act[j]
                 nr = back[j] if back[j] > mm_back else mm_back
-                nf = mm_flat + flat[j]
-                held = fl * na / v + nr
+                nf, nc = mm_flat + flat[j], mm_cast + cast[j]
+                held = fl * na / v + nr + nc
                 held = ns + (nf if nf > held else held)
                 if j > i and (nt > limit or held > cap):
                     break
                 if j == i and held > cap:
                     return None
-                tt, mm_state, mm_act, mm_back, mm_flat = nt, ns, na, nr, nf
+                tt, mm_state, mm_act, mm_back, mm_flat, mm_cast = nt, ns, na, nr, nf, nc
                 j += 1
             if k == S - 1 and j < U:
                 return None
@@ -485,14 +497,15 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
 
 def _sums(uc: UnitCosts, st: list[float]) -> tuple:
     """What ``_rank_memory`` reads of a stage in O(1): running sums of the units' state and activations, and the
-    largest of a run of units' backward transients (``UnitCosts.back``), and the sum of their gradient buckets
-    (``flat``: the rank all-reduces its stages' ZeRO-0 gradients through one flat buffer). Memoised on ``uc`` for its
-    own ``unit_state``."""
-    def made() -> tuple:  # None: no backward transient, no bucket
+    largest of a run of units' backward transients (``UnitCosts.back``), the sum of their gradient buckets
+    (``flat``: the rank all-reduces its stages' ZeRO-0 gradients through one flat buffer) and of their compute
+    copies (``cast``). Memoised on ``uc`` for its own ``unit_state``."""
+    def made() -> tuple:  # None: no backward transient, no bucket, no compute copy
         back = uc.back()
-        flat = _prefix(uc.flat)
+        flat, cast = _prefix(uc.flat), _prefix(uc.cast)
         return (_prefix(st), _prefix(uc.act), _range_max(back) if any(back) else None,
-                (lambda i, j: flat[j] - flat[i]) if any(uc.flat) else None)
+                (lambda i, j: flat[j] - flat[i]) if any(uc.flat) else None,
+                (lambda i, j: cast[j] - cast[i]) if any(uc.cast) else None)
 
     if uc.memo.get(("state", len(st))) is not st:
         return made()
@@ -541,26 +554,28 @@ def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: i
     return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v) for k in range(r, S, p)], flight)
 
 
-def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, float, float]:
+def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, float, float, float]:
     """A stage of units i..j-1: its (parameter state, activations / v, largest backward transient, its gradients'
-    flat copy)."""
-    ps, pa, backs, flat = sums
+    flat copy, its parameters' compute copies)."""
+    ps, pa, backs, flat, cast = sums
     return (ps[j] - ps[i], (pa[j] - pa[i]) / v, backs(i, j) if backs is not None else 0.0,
-            flat(i, j) if flat is not None else 0.0)
+            flat(i, j) if flat is not None else 0.0, cast(i, j) if cast is not None else 0.0)
 
 
 def _held(stages, flight: int) -> float:
     """A rank's bytes from its stages' ``_stage_bytes`` (in stage order): the state, and the larger of ``flight``
-    microbatches of activations with the largest backward transient and its stages' gradients' flat copy (one
-    buffer for the rank). (Conditionals, not max(): the mesh search runs this for every move of every refined cut.)"""
-    state = act = back = bucket = 0.0
-    for a, b, c, d in stages:
+    microbatches of activations with the largest backward transient and the compute copies, and its stages'
+    gradients' flat copy (one buffer for the rank). (Conditionals, not max(): the mesh search runs this for every
+    move of every refined cut.)"""
+    state = act = back = bucket = copies = 0.0
+    for a, b, c, d, e in stages:
         state += a
         act += b
         if c > back:
             back = c
         bucket += d
-    held = flight * act + back
+        copies += e
+    held = flight * act + back + copies
     return state + (bucket if bucket > held else held)
 
 
@@ -579,7 +594,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
     sums = _sums(uc, unit_state(uc, U))
     S = len(starts)
 
-    def stage(cuts, k: int) -> tuple[float, tuple[float, float, float, float]]:
+    def stage(cuts, k: int) -> tuple[float, tuple[float, float, float, float, float]]:
         """Stage k's seconds and ``_stage_bytes``."""
         i, j = cuts[k], cuts[k + 1] if k + 1 < S else U
         return pt[j] - pt[i], _stage_bytes(sums, i, j, v)

@@ -230,7 +230,8 @@ def pipeline_held(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh) -> 
     Megatron-LM's main_grad and autopar's mixed precision accumulate it), and the gathered parameter, e p, or once
     it is dropped the gradient's flat copy in the reduce dtype, e p rf (``Hardware.reduce_factor``).
     Stages 2 and 3 do not run on a pipeline (their savings need gradients reduced as they are made, once per step
-    here). (A 16-bit ZeRO-0 parameter's compute copy, cast once a step, is not priced.)"""
+    here). (A 16-bit ZeRO-0 parameter's compute copy, cast once a step, is held through the schedule alone:
+    ``pipeline.UnitCosts.cast``.)"""
     opt = effective(opt, spec, mesh) if opt.stage in (0, 1) else ZeroOption(0)
     e = math.prod(spec.local_shape(meta.shape, mesh.sizes))
     p, m = itemsize(meta.dtype), master_bytes(meta.dtype)

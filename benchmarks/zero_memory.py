@@ -8,7 +8,7 @@ the ZeRO paper's formula gives (fp32 here: 4 + 4 + 8 bytes per parameter; stage 
 gradients' 4, stage 3 everything), next to what each rank holds after an optimizer step. autopar's ZeRO-1/2 hold
 less than the paper's between steps: they gather whole parameters at the start of a step and drop them by its
 end (so the peak, not the resting state, carries them).
-Then the same model on a pipeline (pp=2 x dp=nproc/2, 1F1B over 4 microbatches) under ZeRO-0 and ZeRO-1 (the
+Then the same model on a pipeline (pp=2 x dp=nproc/2, and pp=2 alone, 1F1B over 4 microbatches) under ZeRO-0 and ZeRO-1 (the
 distributed optimizer: shards gathered once a step, gradients reduce-scattered after the last microbatch): each
 pp rank's predicted peak (``plan.pipeline.rank_memory``) beside the largest measured on its ranks.
 Then fine-tuning: all layers but the top one frozen, under ZeRO-0, ZeRO-1 (the frozen layers stay whole: they have
@@ -102,9 +102,9 @@ def main() -> None:
     psi = sum(p.numel() for p in MLP(CFG).parameters())
     paper = {0: 16 * psi, 1: (4 + 4 + 8 / n) * psi, 2: (4 + (4 + 8) / n) * psi, 3: 16 * psi / n}
     mib = 2**20
-    def result(stage: int, *flags: str) -> "tuple[dict | None, str]":
-        """The worker's RESULT line for ``stage`` (None and the end of its stderr if it failed)."""
-        out = torchrun(__file__, n, f"--worker={stage}", *flags)
+    def result(stage: int, *flags: str, nproc: int = n) -> "tuple[dict | None, str]":
+        """The worker's RESULT line for ``stage`` on ``nproc`` ranks (None and the end of its stderr if it failed)."""
+        out = torchrun(__file__, nproc, f"--worker={stage}", *flags)
         line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
         return (json.loads(line[len("RESULT "):]) if line else None), out.stderr[-400:]
 
@@ -122,18 +122,20 @@ def main() -> None:
     print(tabulate.tabulate(rows, headers=["stage", "predicted peak", "measured peak", "pred/meas", "model state, ZeRO paper",
                                            "model state held after a step, measured", "predicted: peak = state + max(activations, gradients + buffers)"]))
     rows = []
-    for stage, *flags in ((0,), (1,), (0, "--mixed"), (1, "--mixed")):
-        r, err = result(stage, "--piped", *flags)
+    # pp=2 alone (2 ranks): no gradient sync, so no flat copy after the schedule; the peak is in it (under mixed
+    # precision with the stages' bf16 compute copies)
+    for stage, nproc, *flags in ((0, n), (1, n), (0, n, "--mixed"), (1, n, "--mixed"), (0, 2), (0, 2, "--mixed")):
+        r, err = result(stage, "--piped", *flags, nproc=nproc)
         label = f"ZeRO-{stage}" + (" bf16/fp32" if flags else "")
         if r is None:
-            rows.append([label, "failed", err])
+            rows.append([label, f"dp={nproc // 2}", "failed", err])
             continue
         for k in range(2):
             p, m = r["predicted"][k] / mib, r["measured"][k] / mib
-            rows.append([label, f"pp rank {k}", f"{p:.2f}", f"{m:.2f}", f"{p / m:.3f}"])
-    print(f"\nthe same model on a pipeline, pp=2 x dp={n // 2}, 1F1B over 4 microbatches (bf16/fp32: under mixed precision); "
+            rows.append([label, f"dp={nproc // 2}", f"pp rank {k}", f"{p:.2f}", f"{m:.2f}", f"{p / m:.3f}"])
+    print(f"\nthe same model on a pipeline, pp=2 x dp, 1F1B over 4 microbatches (bf16/fp32: under mixed precision); "
           "MiB per rank (the largest of each pp rank's)")
-    print(tabulate.tabulate(rows, headers=["stage", "rank", "predicted peak", "measured peak", "pred/meas"]))
+    print(tabulate.tabulate(rows, headers=["stage", "dp", "rank", "predicted peak", "measured peak", "pred/meas"]))
     def held_table(stages, flag: str, title: str) -> None:
         rows = []
         for stage in stages:

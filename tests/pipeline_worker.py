@@ -4,7 +4,7 @@
 Prints one line per case: ``PIPE <model> <mesh> <schedule> <stages> <loss diff> <grad diff> <param diff>``
 (``PIPE-AC``: the stages recompute their blocks' activations; ``PIPE-M1``: one microbatch, fewer than the stages;
 ``PIPE-Z1``: ZeRO-1, the parameters stored as shards over dp and gathered once a step; GPT's accumulates two steps
-per optimizer step under ``no_sync``).
+per optimizer step under ``no_sync``; ``PIPE-MP``: under mixed precision, fp64 masters computing in fp32).
 """
 
 from __future__ import annotations
@@ -17,25 +17,28 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.precision import SingleDevice
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 from tests._util import train_beside
 
 
 def case(name: str, axes: dict, schedule: str, layers: int, microbatches: int | None, recompute: str = "none",
-         zero: int | None = None, accumulate: int = 1) -> tuple[str, float, float, float]:
+         zero: int | None = None, accumulate: int = 1, mp=None) -> tuple[str, float, float, float]:
     torch.manual_seed(0)
     if name == "gpt":
         model = GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=layers))
     else:
         model = Llama(dataclasses.replace(LlamaConfig.tiny(), n_layer=layers))
-    ref = copy.deepcopy(model)
+    if mp is not None:  # fp64 masters computing in fp32: exact against one device under the same policy
+        model = model.double()
+    ref = copy.deepcopy(model) if mp is None else SingleDevice(copy.deepcopy(model), mp)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 64, (8, 16), generator=g)
     y = torch.roll(x, -1, 1)
     pin = autopar.PipelinePin(schedule=schedule, microbatches=microbatches)
     pins = [pin] + ([autopar.ZeroPin("*", zero)] if zero is not None else [])
-    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=pins, recompute=recompute)
+    pm = autopar.parallelize(model, autopar.Mesh(axes), (x, y), constraints=pins, recompute=recompute, mixed_precision=mp)
     if zero:  # every parameter a flat shard of half its elements
         assert pm.plan.zero_buckets and all(p.ndim == 1 for p in pm.parameters()), pm.plan.zero_buckets
     dl, dg, dp = train_beside(pm, ref, (x, y), accumulate=accumulate)
@@ -146,6 +149,13 @@ def main() -> None:
             label, dl, dg, dp = case(name, {"dp": 2, "pp": 2}, schedule, 4, 4, zero=1, accumulate=2 if name == "gpt" else 1)
             if dist.get_rank() == 0:
                 print(f"PIPE-Z1 {name} dp2xpp2 {schedule} {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
+        # mixed precision (each parameter cast once a step, every microbatch's gradient added to an fp32 -- here
+        # fp64 -- main gradient, reduced in the reduce dtype): ZeRO-0, and ZeRO-1 over two steps under no_sync
+        for name, zero, accumulate in (("gpt", 0, 1), ("llama", 1, 2)):
+            label, dl, dg, dp = case(name, {"dp": 2, "pp": 2}, "1f1b", 4, 4, zero=zero, accumulate=accumulate,
+                                     mp=autopar.MixedPrecision(torch.float32))
+            if dist.get_rank() == 0:
+                print(f"PIPE-MP {name} dp2xpp2 zero{zero} {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
     if world == 2:  # stages that recompute their blocks, driven by torch.distributed.pipelining
         for name in ("gpt", "llama"):
             label, dl, dg, dp = case(name, {"pp": 2}, "1f1b", 4, 4, recompute="full")

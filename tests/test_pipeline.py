@@ -472,6 +472,10 @@ def test_pipelines_in_real_gloo_processes_match_single_device(nproc, meshes):
     assert len(zero1) == (2 if nproc == 4 else 0), lines
     for name, mesh, schedule, label, dl, dg, dp in zero1:
         assert label.startswith(schedule + "(m=4") and max(float(dl), float(dg), float(dp)) <= 1e-5, (name, label, dl, dg, dp)
+    mixed = [line.split()[1:] for line in lines if line.startswith("PIPE-MP")]  # under mixed precision
+    assert [r[2] for r in mixed] == (["zero0", "zero1"] if nproc == 4 else []), lines
+    for name, mesh, zero, label, dl, dg, dp in mixed:
+        assert label.startswith("1f1b(m=4") and max(float(dl), float(dg), float(dp)) <= 1e-5, (name, zero, label, dl, dg, dp)
     single = [line.split()[1:] for line in lines if line.startswith("PIPE-M1")]  # one microbatch on two stages
     assert len(single) == (1 if nproc == 2 else 0), lines
     for name, mesh, schedule, label, dl, dg, dp in single:
@@ -579,3 +583,22 @@ def test_each_pipeline_rank_steps_the_optimizer_on_what_it_stores_after_the_sync
     assert optimizer[1, 0, hw.optimizer_step_bytes] == pytest.approx(step(last), rel=1e-9)  # and the plan says so
     assert sync[2, 0, hw.optimizer_step_bytes] - sync[2, 0, 0.0] == pytest.approx(step(last), rel=0.02)
     assert sync[2, 1, hw.optimizer_step_bytes] - sync[2, 1, 0.0] == pytest.approx(step(last / 2), rel=0.02)
+
+
+def test_a_rank_under_mixed_precision_holds_the_compute_copy_of_its_parameters_through_the_schedule():
+    """A ZeRO-0 stage under mixed precision casts its fp32 parameters to bf16 once a step and keeps the copies
+    until its gradients are synced (``runtime``'s ``_cast_params``): two blocks a rank, in bf16, beside one bf16
+    gradient before it is accumulated into the fp32 main gradient."""
+    from models.mlp import MLP, MLPConfig
+
+    cfg = MLPConfig(dim=512, hidden=2048, n_layer=4)
+    model = MLP(cfg)
+    x = torch.randn(8, cfg.dim)
+    block = sum(p.numel() for p in model.layers[0].parameters()) * 2  # bf16 bytes
+    up = model.layers[0].up.weight.numel() * 2
+    pin = [PipelinePin("1f1b", 4, cuts="equal"), autopar.ZeroPin("*", 0)]
+    pp = autopar.plan(model, autopar.Mesh({"pp": 2}), (x, x), constraints=pin,
+                      mixed_precision=autopar.MixedPrecision(torch.bfloat16, torch.float32)).pipeline
+    for r in range(2):
+        extra = pp.rank_memory[r] - sum(s.state for s in pp.stages if s.rank == r)
+        assert 2 * block + up <= extra < 2 * block + up + block / 8, (r, extra, block)

@@ -385,7 +385,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         zc = param_cost(opt, spec, meta, mesh, copies, uses)
         state += copies * zc.state
         grad += copies * zc.grad
-        act += copies * zc.act if opt.stage in (1, 2) else 0.0
+        act += copies * zc.act  # (ZeRO-1/2's gathered parameters; ZeRO-0's 16-bit compute copies)
         if opt.stage == 3:  # one bucket at a time: a block copy's, or the rest's (summed over their parameters)
             bucket3[u == 1] += zc.transient * copies
         else:

@@ -455,10 +455,15 @@ class CostModel:
     def placeholder(self, meta: TensorMeta, spec: Spec, kind: str, trainable: bool) -> NodeCost:
         local = math.prod(spec.local_shape(meta.shape, self.mesh.sizes))
         isz = itemsize(meta.dtype)
-        if kind == "param" and trainable:
+        if kind == "param":  # (as zero.param_cost's stage 0)
+            # a 16-bit parameter is held as its master (``master_bytes``) and read through a compute-dtype copy,
+            # which autograd keeps for backward (mixed precision's cast: ``passes.mixed_precision``)
+            m = master_bytes(meta.dtype)
+            copy = float(local * isz) if isz < m else 0.0
+            if not trainable:
+                return NodeCost(0.0, 0.0, float(local * m), 0.0, copy, 0.0)
             comm = grad_sync_bandwidth_time(spec, meta, self.mesh)
-            m = master_bytes(meta.dtype)  # (as zero.param_cost's stage 0)
-            return NodeCost(0.0, comm, float(local * 3 * m), float(local * m), 0.0, 0.0)
+            return NodeCost(0.0, comm, float(local * 3 * m), float(local * m), copy, 0.0)
         if kind == "input":  # each rank loads its share of the batch: a whole batch per rank costs more
             return NodeCost(local * isz / self.hw.input_bandwidth, 0.0, float(local * isz), 0.0, 0.0, 0.0)
         return NodeCost(0.0, 0.0, float(local * isz), 0.0, 0.0, 0.0)

@@ -174,13 +174,16 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
         return wire_bytes(run_kind(kind, mesh.link(a)), nbytes, mesh.sizes[a]) / mesh.link(a).rate(kind)
 
     hbm = mesh.hardware.hbm_bandwidth * mesh.hardware.memory_efficiency
-    if frozen(uses):
+    # a 16-bit parameter's compute copy beside its master, kept for backward: stage 0's cast (ZeRO-1/2 gather it,
+    # ZeRO-3 a bucket at a time: priced there)
+    cast = b if p < m else 0.0
+    if frozen(uses):  # its master alone (whole, or a ZeRO-3 shard of it)
         if opt.stage == 0:
-            return ZeroCost(b, 0.0, 0.0, 0.0, 0.0)
+            return ZeroCost(m * e, cast, 0.0, 0.0, 0.0)
         n = shard_factor(opt, mesh)
         gathers, _ = zero3_traffic(uses)  # each gather writes the whole parameter once
         comm = sum(gathers * bw("all_gather", b, a) for a in opt.shard_axes)
-        return ZeroCost(b / n, 0.0, 0.0, zero3_transient(b, copies, uses), comm, gathers * b / hbm)
+        return ZeroCost(m * e / n, 0.0, 0.0, zero3_transient(b, copies, uses), comm, gathers * b / hbm)
 
     # the runtime's own copies, at memory bandwidth: a bucket is flattened and its gradients cut out again (stage
     # 0); gathered buckets are cut into parameters, and reduce-scattered ones flattened (stages 1-2); a ZeRO-3
@@ -191,7 +194,7 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     if opt.stage == 0:  # (as ``CostModel.placeholder`` prices it; a 16-bit parameter's compute copy: ``master_bytes``)
         wire = b * rf
         last = bw("all_reduce", wire, synced[-1]) if synced else 0.0
-        return ZeroCost(3 * m * e, 0.0, m * e, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm + step, step, last)
+        return ZeroCost(3 * m * e, cast, m * e, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm + step, step, last)
     n = shard_factor(opt, mesh)
     rest = tuple(a for a in synced if a not in opt.shard_axes)
     on_shard = sum(bw("all_reduce", rf * b / n, a) for a in rest)

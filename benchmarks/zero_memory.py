@@ -34,9 +34,10 @@ from models.mlp import MLP, MLPConfig  # noqa: E402
 
 CFG = MLPConfig(dim=512, hidden=2048, n_layer=4)
 BATCH = 64
+BIG = 4096  # a batch whose activations outweigh the gradients
 
 
-def worker(stage: int, piped: bool = False, frozen: bool = False, mixed: bool = False) -> None:
+def worker(stage: int, piped: bool = False, frozen: bool = False, mixed: bool = False, batch: int = BATCH) -> None:
     import torch.distributed as dist
 
     import autopar
@@ -48,7 +49,7 @@ def worker(stage: int, piped: bool = False, frozen: bool = False, mixed: bool = 
     if frozen:  # fine-tuning the top layer alone
         for layer in model.layers[:-1]:
             layer.requires_grad_(False)
-    x, y = torch.randn(BATCH, CFG.dim), torch.randn(BATCH, CFG.dim)
+    x, y = torch.randn(batch, CFG.dim), torch.randn(batch, CFG.dim)
     world = dist.get_world_size()
     mesh = autopar.Mesh({"pp": 2, "dp": world // 2} if piped else {"dp": world})
     pins = [autopar.ZeroPin("*", stage)] + ([autopar.PipelinePin("1f1b", 4)] if piped else [])
@@ -92,9 +93,10 @@ def main() -> None:
     ap.add_argument("--piped", action="store_true")
     ap.add_argument("--frozen", action="store_true")
     ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--batch", type=int, default=BATCH)
     args = ap.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.piped, args.frozen, args.mixed)
+        worker(args.worker, args.piped, args.frozen, args.mixed, args.batch)
         return
     import tabulate
 
@@ -133,7 +135,7 @@ def main() -> None:
         for k in range(2):
             p, m = r["predicted"][k] / mib, r["measured"][k] / mib
             rows.append([label, f"dp={nproc // 2}", f"pp rank {k}", f"{p:.2f}", f"{m:.2f}", f"{p / m:.3f}"])
-    print(f"\nthe same model on a pipeline, pp=2 x dp, 1F1B over 4 microbatches (bf16/fp32: under mixed precision); "
+    print("\nthe same model on a pipeline, pp=2 x dp, 1F1B over 4 microbatches (bf16/fp32: under mixed precision); "
           "MiB per rank (the largest of each pp rank's)")
     print(tabulate.tabulate(rows, headers=["stage", "dp", "rank", "predicted peak", "measured peak", "pred/meas"]))
     def held_table(stages, flag: str, title: str) -> None:
@@ -153,6 +155,20 @@ def main() -> None:
     held_table((0, 1, 3), "--frozen", f"fine-tuning its top layer ({CFG.n_layer - 1} of {CFG.n_layer} layers frozen: no gradient, "
                "no optimizer state; ZeRO-1 leaves them whole, ZeRO-3 shards them)")
     held_table(range(4), "--mixed", "under mixed precision (bf16 compute, fp32 reduction, fp32 master parameters and AdamW state)")
+    # a batch whose activations outweigh the gradients: the peak is as backward starts, where mixed precision's
+    # ZeRO-0 holds each parameter's bf16 compute copy (kept for backward) beside its fp32 master
+    rows = []
+    for flags in ((), ("--mixed",)):
+        r, err = result(0, f"--batch={BIG}", *flags)
+        label = "ZeRO-0" + (" bf16/fp32" if flags else "")
+        if r is None:
+            rows.append([label, "failed", err])
+            continue
+        m, b = r["measured"], r["breakdown"]
+        rows.append([label, f"{r['predicted'] / mib:.2f}", f"{m['total'] / mib:.2f}", f"{r['predicted'] / m['total']:.3f}",
+                     " ".join(f"{k}={v / mib:.1f}" for k, v in b.items())])
+    print(f"\nthe same model at global batch {BIG} (activations peak); MiB per rank, dp={n}")
+    print(tabulate.tabulate(rows, headers=["stage", "predicted peak", "measured peak", "pred/meas", "predicted breakdown"]))
 
 if __name__ == "__main__":
     main()

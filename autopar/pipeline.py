@@ -782,9 +782,12 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         w = 1.0 / (m + p - 1)
         flights = min(p, m)  # no rank keeps more microbatches than there are (GPipe with m < p: all m)
         # gradients live beside the activations all step (microbatches accumulate them): one sum, not the max of
-        # the two peaks a step without a pipeline has (and the sum ``unit_costs`` / the cuts count per rank)
+        # the two peaks a step without a pipeline has (and the sum ``unit_costs`` / the cuts count per rank); a
+        # parameter's compute copy (its ``act`` under mixed precision) is cast once a step, not per microbatch
         problem.costs = {
-            n: [dataclasses.replace(c, state=c.state + c.grad, grad=0.0, act=c.act * flights) if tg.kinds.get(n) != INPUT else c
+            n: [c if tg.kinds.get(n) == INPUT else
+                dataclasses.replace(c, state=c.state + c.grad + c.act, grad=0.0, act=0.0) if tg.kinds.get(n) == PARAM else
+                dataclasses.replace(c, state=c.state + c.grad, grad=0.0, act=c.act * flights)
                 for c in cs]
             for n, cs in raw.items()
         }

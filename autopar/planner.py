@@ -226,7 +226,10 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             hide_buckets.add(bname)
         grad_buckets.append(GradBucket(bname, tuple(mesh.names[a] for a in axes), tuple(n for n, _ in members)))
         nbytes = sum(b for _, b in members)
-        transient = max(transient, 2 * nbytes)  # the bucket's flat copy, and the gradients cut from it, beside autograd's
+        # the bucket's flat copy, then the gradients cut from it (each in its own storage: ``collectives._own``) beside
+        # it; the gradients it was made of are gone by then: one bucket's bytes over the gradients (measured,
+        # ``benchmarks/zero_memory.py``: 2x put ZeRO-0's peak 6% over)
+        transient = max(transient, nbytes)
         for a in axes:
             add([Priced("all_reduce", mesh.names[a], nbytes, "backward", collective_time("all_reduce", nbytes, mesh.sizes[a], mesh.link(a)))], bname)
     zero_buckets = []

@@ -776,8 +776,8 @@ def solve(
     # ZeRO: per parameter group a stage (z), and how it changes each decision's parameters (w = x * z)
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
     zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, memory-bound seconds, hidden comm]
-    # one-at-a-time buffers, as their largest instance: a gradient bucket (stage 0: flat copy + cut gradients, 2x;
-    # stage 2: 1x), a ZeRO-3 bucket gathered again with its full gradients (2x), beside the copy before's weights
+    # one-at-a-time buffers, as their largest instance: a gradient bucket (stage 0: its flat copy, then the
+    # gradients cut from it in place of those it was made of, 1x; stage 2: 1x), a ZeRO-3 bucket gathered again with its full gradients (2x), beside the copy before's weights
     # gathered ahead for backward (``zero3_transient``)
     tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2/3 bucket bytes], one copy
     zfacts: dict[tuple, tuple] = {}  # one parameter's ZeRO facts at one Spec: the same for every tied copy
@@ -818,7 +818,7 @@ def solve(
                 if gb is not None:
                     bucket_sets.setdefault((r, s, g, k), set()).add(gb)
                 if stage == 0 and synced:  # (the flat buffer in the reduce dtype, as the plan prices it: ``price``)
-                    buck[k][0] += 2 * b * rf / copies
+                    buck[k][0] += b * rf / copies
                 elif stage in (2, 3):
                     buck[k][1] += b * rf / copies if stage == 2 else zero3_transient(b, copies, zuses[n], rf)
                 if k == 0:

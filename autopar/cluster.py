@@ -368,6 +368,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     act = sum(uc.act)
     state = grad = transient = comm = deferred = 0.0
     bucket3 = {True: 0.0, False: 0.0}  # ZeRO-3: one block copy's transient, the rest's
+    bucket0: dict[tuple, float] = {}  # ZeRO-0: (a block's?, sync axes) -> one copy's bucket, in the reduce dtype
     traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
     buckets: dict[bool, set] = {True: set(), False: set()}  # one block's gradient buckets, the rest's (as the solver's)
     for name, (u, spec, meta, uses) in prof.params.items():
@@ -396,6 +397,9 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         gb = grad_bucket(opt, spec, meta, mesh, frozen(uses))
         if gb is not None:
             buckets[u == 1].add(gb)
+            if gb[0].stage == 0:  # its flat copy adds its bytes to the gradients' peak as it is reduced (``planner``)
+                local = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
+                bucket0[u == 1, gb[1]] = bucket0.get((u == 1, gb[1]), 0.0) + local * mesh.hardware.reduce_factor(meta.dtype)
     regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
     # the launches and ring latencies, as the real plan prices them: each gradient bucket once (a block's per copy;
     # ZeRO-1's once for the whole model), ZeRO-3's per parameter group (each block, the rest)
@@ -411,7 +415,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         compute += L * seconds
         act += L * kept
         regen = max(regen, held)
-    transient = max(transient, *bucket3.values())
+    transient = max(transient, *bucket3.values(), *bucket0.values())
     step = step_time(compute, comm, deferred, mesh.hardware)
     memory = peak_memory(state, grad, act, transient, max(transient, regen))
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")

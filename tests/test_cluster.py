@@ -550,3 +550,20 @@ def test_the_bound_counts_context_parallel_traffic_and_stays_below_the_screen():
             s = C._screen_flat(prof, c, cl, 8 / (c.dp * c.cp), L, math.inf)
         lb = C._bound(prof, c, 8, L, cl)
         assert C._bound(prof, dataclasses.replace(c, dp=c.dp * c.cp, cp=1), 8, L, cl) < lb <= s.step * (1 + 1e-9), str(c)
+
+
+def test_the_screen_prices_a_zero0_candidates_gradient_bucket_as_its_real_plan_does():
+    """Where the gradients make the peak, a ZeRO-0 candidate's largest gradient bucket adds its bytes as it is
+    reduced (its flat copy): the screen's memory is its real plan's."""
+    from autopar.cluster import _real_plan
+
+    cl = Cluster(1, 8, "a100-80gb")
+    model, inputs = _gpt(layers=4, width=512, block=64), _ids(8, 64)
+    plan = plan_cluster(model, inputs, cl, recompute=("none",))
+    flat = [s for s in plan.search if s.candidate.pp == 1 and s.candidate.zero == 0 and s.candidate.dp > 1
+            and not s.candidate.shard and s.candidate.cp == 1 and s.step < math.inf]
+    assert flat
+    for s in flat:
+        real = _real_plan(model, inputs, cl, s, 80 * 2**30).cost
+        assert real.memory_breakdown["gradients"] + real.memory_breakdown["transient"] > real.memory_breakdown["activations"]
+        assert s.memory == pytest.approx(real.memory_per_device, rel=1e-3), (str(s.candidate), s.memory, real.memory_per_device)

@@ -185,13 +185,13 @@ def fake_mode():
     return FakeTensorMode()
 
 
-def fsdp2_replicate(module, mesh, mp_policy=None):
+def fsdp2_replicate(module, mesh, mp_policy):
     """FSDP2's ``replicate`` (data parallel on FSDP2's runtime, taking DTensor parameters), which torch 2.13 exposes
     only from ``torch.distributed._composable.replicate_with_fsdp`` (``torch.distributed.fsdp`` exports
     ``fully_shard`` alone; ``torch.distributed._composable.replicate`` is the older one on DDP's reducer)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    return replicate(module, mesh=mesh) if mp_policy is None else replicate(module, mesh=mesh, mp_policy=mp_policy)
+    return replicate(module, mesh=mesh, mp_policy=mp_policy)
 
 
 def mem_tracker():

@@ -132,7 +132,7 @@ def cmd_plan(args) -> int:
 
     if getattr(args, "cluster", None):
         return cmd_plan_cluster(args)
-    from autopar.precision import cast_inputs, check, compute_twin, priced_mesh, stamped
+    from autopar.precision import as_computed, check, stamped
 
     dtype, mp = DTYPES[args.dtype], _policy(args)
     t0 = time.perf_counter()
@@ -143,14 +143,14 @@ def cmd_plan(args) -> int:
     batch = inputs(args.batch, args.seq)
     traces: dict = {}
     check(model, mp)
-    twin, priced = compute_twin(model, mp), priced_mesh(mesh, mp)  # the model as it computes under the policy
+    twin, cast, priced = as_computed(model, batch, mesh, mp)  # the model as it computes under the policy
     if mesh.pipe_axis() is not None:
         from autopar.pipeline import plan_pipeline
 
         print("  tracing one microbatch per candidate count, solving each stage's plan, cutting stages ...", flush=True)
-        plan, tg = plan_pipeline(twin, cast_inputs(batch, mp), priced, budget, [], traces=traces), None
+        plan, tg = plan_pipeline(twin, cast, priced, budget, [], traces=traces), None
     else:
-        plan, tg = _plan_verbose(twin, priced, cast_inputs(batch, mp), budget)
+        plan, tg = _plan_verbose(twin, priced, cast, budget)
     plan = stamped(plan, mesh, mp)
     print(plan.table())
     if args.explain:

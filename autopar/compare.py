@@ -79,7 +79,7 @@ def _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces: dict, 
     """``entry``'s plan under the policy ``mp``; ``traced`` / ``traces``: of the model as it computes under it."""
     from autopar.handwritten import handwritten
     from autopar.planner import make_plan
-    from autopar.precision import cast_inputs, compute_twin, priced_mesh, stamped
+    from autopar.precision import as_computed, priced_mesh, stamped
 
     if isinstance(entry, Plan):
         if entry.mixed_precision != mp:
@@ -90,7 +90,7 @@ def _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces: dict, 
         if mesh.pipe_axis() is not None:
             from autopar.pipeline import plan_pipeline
 
-            p = plan_pipeline(compute_twin(model, mp), cast_inputs(inputs, mp), priced_mesh(mesh, mp), memory_budget, [], traces=traces)
+            p = plan_pipeline(*as_computed(model, inputs, mesh, mp), memory_budget, [], traces=traces)
         else:
             p = make_plan(traced, priced_mesh(mesh, mp), memory_budget)
         return "auto", stamped(p, mesh, mp)

@@ -244,12 +244,12 @@ def handwritten(
 
     mesh = _as_mesh(mesh)
     if mixed_precision is not None:  # the same strategy on the model as it computes, priced as it reduces
-        from autopar.precision import cast_inputs, check, compute_twin, priced_mesh, stamped
+        from autopar.precision import as_computed, check, stamped
 
         check(model, mixed_precision)
-        plan = handwritten(compute_twin(model, mixed_precision), priced_mesh(mesh, mixed_precision), cast_inputs(example_inputs, mixed_precision),
-                           strategy, microbatch_size=microbatch_size, schedule=schedule, virtual_stages=virtual_stages,
-                           sequence_parallel=sequence_parallel, recompute=recompute, zero=zero, tp=tp, pp=pp, dp=dp,
+        twin, args, priced = as_computed(model, example_inputs, mesh, mixed_precision)
+        plan = handwritten(twin, priced, args, strategy, microbatch_size=microbatch_size, schedule=schedule,
+                           virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, recompute=recompute, zero=zero, tp=tp, pp=pp, dp=dp,
                            microbatches=microbatches, memory_budget=memory_budget, traced=traced, traces=traces,
                            blocks_per_stage=blocks_per_stage)
         return stamped(plan, mesh, mixed_precision)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import CostModel, collective_time, flat_copy_time, grad_sync_axes, itemsize, master_bytes, send_time, wire_bytes
+from autopar.cost import CostModel, collective_time, flat_copy_time, grad_sync_axes, itemsize, send_time, wire_bytes
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, fmt_bytes
@@ -268,9 +268,9 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             held = pipeline_held(opt, spec, meta, inner)
             zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes))
         params[n] = (uu, held, float(local), axes, math.prod(meta.shape))
-        if opt.stage == 0 and meta.dtype.is_floating_point and itemsize(meta.dtype) < master_bytes(meta.dtype):
+        if opt.stage == 0 and nc.act:  # its compute copy (``CostModel.placeholder``), cast once a step
             for u in uu:  # (read by several units: counted in each, as its state is)
-                cast[u] += local
+                cast[u] += nc.act
         step[n] = 0.0 if cold else optimizer_time(opt, spec, meta, inner)
         grad_wire[n] = 0.0 if cold else local * inner.hardware.reduce_factor(meta.dtype)
         if axes and n not in zero:

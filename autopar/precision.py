@@ -131,6 +131,12 @@ class SingleDevice(nn.Module):
         return torch.func.functional_call(self.model, params, cast_inputs(args, self.mp))
 
 
+def as_computed(model: nn.Module, args, mesh, mp: MixedPrecision | None) -> tuple:
+    """(model, example inputs, mesh) as a plan under ``mp`` traces and prices them: the ``compute_twin``, the
+    inputs cast (``cast_inputs``), the ``priced_mesh``; the plan made from them is the user's once ``stamped``."""
+    return compute_twin(model, mp), cast_inputs(args, mp), priced_mesh(mesh, mp)
+
+
 def priced_mesh(mesh, mp: MixedPrecision | None):
     """The mesh a plan under ``mp`` is priced on: gradients reduced in its reduce dtype (the traced graph's
     parameters are in its param dtype; ``Hardware.grad_reduce_bytes`` prices a wider reduction)."""

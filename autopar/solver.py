@@ -777,8 +777,9 @@ def solve(
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
     zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, memory-bound seconds, hidden comm]
     # one-at-a-time buffers, as their largest instance: a gradient bucket (stage 0: its flat copy, then the
-    # gradients cut from it in place of those it was made of, 1x; stage 2: 1x), a ZeRO-3 bucket gathered again with its full gradients (2x), beside the copy before's weights
-    # gathered ahead for backward (``zero3_transient``)
+    # gradients cut from it in place of those it was made of, 1x; stage 2: 1x), a ZeRO-3 bucket gathered again
+    # with its full gradients (2x), beside the copy before's weights gathered ahead for backward
+    # (``zero3_transient``)
     tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2/3 bucket bytes], one copy
     zfacts: dict[tuple, tuple] = {}  # one parameter's ZeRO facts at one Spec: the same for every tied copy
 

@@ -131,7 +131,7 @@ def effective(opt: ZeroOption, spec: Spec, mesh: Mesh, frozen: bool = False) -> 
 @dataclass(frozen=True)
 class ZeroCost:
     state: float  # bytes held all step
-    act: float  # bytes alive as backward starts (the gathered parameters of ZeRO-1/2)
+    act: float  # bytes alive as backward starts (the gathered parameters of ZeRO-1/2, ZeRO-0's 16-bit compute copy)
     grad: float  # bytes alive as backward ends (gradients, and the buffer they are reduce-scattered from)
     transient: float  # bytes alive for a moment (a bucket of full gradients, a parameter gathered again)
     comm: float  # seconds of gradient / parameter communication, bandwidth part

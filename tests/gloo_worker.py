@@ -79,10 +79,18 @@ def compared() -> None:
     mp = autopar.MixedPrecision(torch.float32)
     c = autopar.compare(model.double(), autopar.Mesh({"dp": 4}), (x, torch.roll(x, -1, 1)), plans=["auto", "fsdp", "torch:fsdp"],
                         steps=1, warmup=1, mixed_precision=mp)
+    # what each row computes in: the loss of torch's peer under the policy (fp32; fp64 if it ignored the policy,
+    # which the differences above, 1e-7 apart, would not show), autopar's plan's as the plan says
+    from autopar import peers
+
+    dm = autopar.Mesh({"dp": 4}).to_device_mesh()
+    peer = peers.torch_peer(model, dm, "fsdp", mixed_precision=mp)
+    computed = {"torch:fsdp": peer(*peers.peer_local_inputs(dm, x, torch.roll(x, -1, 1))).dtype}
     if dist.get_rank() == 0:
         for r in c.rows:
             policy = r.plan.mixed_precision if r.plan else mp
-            print(f"COMPARE_MP {r.name} {r.error or '-'} {policy == mp} {r.measured.get('loss_diff', -1):.3e} "
+            dtype = str(computed.get(r.name, r.plan.mixed_precision.param_dtype if r.plan else None)).replace("torch.", "")
+            print(f"COMPARE_MP {r.name} {r.error or '-'} {policy == mp} {dtype} {r.measured.get('loss_diff', -1):.3e} "
                   f"{r.measured.get('grad_diff', -1):.3e}", flush=True)
 
 

@@ -22,8 +22,9 @@ def test_real_gloo_processes_match_single_device(nproc, expected):
                 assert int(n) == int(n_pred) and float(nbytes) == pytest.approx(float(bytes_pred)), (name, n, n_pred, nbytes, bytes_pred)
         under = {line.split()[1]: line.split()[2:] for line in lines if line.startswith("COMPARE_MP")}
         assert set(under) == {"auto", "fsdp", "torch:fsdp"}, lines
-        for name, (error, stamped, dl, dg) in under.items():  # loss and gradients as one device under the policy
-            assert error == "-" and stamped == "True" and 0 <= max(float(dl), float(dg)) <= 1e-5, (name, error, stamped, dl, dg)
+        for name, (error, stamped, dtype, dl, dg) in under.items():  # loss and gradients as one device under the policy
+            assert error == "-" and stamped == "True" and dtype == "float32", (name, error, stamped, dtype)
+            assert 0 <= max(float(dl), float(dg)) <= 1e-5, (name, dl, dg)
         # dropout in real processes: replicas (ranks 0, 1 and 2, 3 over tp) draw one mask, the two data-parallel
         # shards of the same sequences independent ones; full recomputation replays them (gradients equal); a rank
         # seeded apart is named

@@ -7,7 +7,9 @@
   [--dtype bf16] [--mixed-precision bf16/fp32] [--json FILE] [--explain NAME]``: plan only (MODEL: a registry
   name or ``module:callable``). ``--cluster 192x8`` instead of ``--mesh``: search the mesh too (dp x pp x tp,
   microbatches, recomputation). ``--mixed-precision PARAM[/REDUCE]``: plan the model (then fp32 unless ``--dtype``
-  says otherwise) as it trains under ``autopar.MixedPrecision(PARAM, REDUCE)``.
+  says otherwise) as it trains under ``autopar.MixedPrecision(PARAM, REDUCE)``. ``--optimizer fused|foreach|for-loop``:
+  how the AdamW that will train it steps (the preset's, torch's default on GPUs: foreach), which sets what its step
+  allocates beside the state (``Hardware.optimizer_kernel``).
 - ``autopar compare MODEL --mesh ... [--plans auto,megatron,fsdp] [--mixed-precision ...]``: autopar's plan next to
   hand-written ones.
 - ``autopar demo [--nproc 4] [--steps 5]``: only the distributed half of the main job.
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import math
 import os
@@ -26,7 +29,12 @@ import time
 
 import torch
 
+from autopar.hardware import OPTIMIZER_KERNELS, get_hardware
+
 DEFAULT_SEQ = 2048  # tokens per sequence unless --seq says otherwise (capped at the model's context)
+OPTIMIZER_HELP = ("how the AdamW that trains the model steps, which sets what its step allocates beside the state: fused "
+                  "(AdamW(fused=True): nothing), foreach (torch's default on GPUs: a copy of what a rank steps), for-loop "
+                  "(foreach=False, torch's default on CPUs); default: the hardware preset's")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -234,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-precision", default=None, metavar="PARAM[/REDUCE]",
                    help="train under autopar.MixedPrecision: compute in PARAM, reduce gradients in REDUCE (default PARAM), e.g. bf16/fp32")
     p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's memory)")
+    p.add_argument("--optimizer", default=None, choices=OPTIMIZER_KERNELS, help=OPTIMIZER_HELP)
     p.add_argument("--json", default=None, help="write the plan as JSON to this file")
     p.add_argument("--explain", default=None, help="explain the choice for this parameter, module or node")
     c = sub.add_parser("compare", help="autopar's plan next to hand-written strategies (predicted; measured under torchrun)")
@@ -246,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--mixed-precision", default=None, metavar="PARAM[/REDUCE]",
                    help="train under autopar.MixedPrecision: compute in PARAM, reduce gradients in REDUCE (default PARAM), e.g. bf16/fp32")
     c.add_argument("--memory-budget", type=float, default=None)
+    c.add_argument("--optimizer", default=None, choices=OPTIMIZER_KERNELS, help=OPTIMIZER_HELP)
     c.add_argument("--plans", default=None, help="comma-separated: auto, ddp, fsdp, megatron, ... (default: those that apply)")
     d = sub.add_parser("demo", help="train a small GPT on local gloo ranks next to single-device training")
     d.add_argument("--nproc", type=int, default=4)
@@ -255,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd in ("plan", "compare") and args.dtype is None:  # the master copy a policy steps is fp32
         args.dtype = "fp32" if args.mixed_precision else "bf16"
+    if args.cmd in ("plan", "compare") and args.optimizer:  # the preset, as the user's optimizer steps on it
+        try:
+            args.hardware = dataclasses.replace(get_hardware(args.hardware), optimizer_kernel=args.optimizer)
+        except AutoparError as e:
+            raise SystemExit(f"autopar: {e}")
     for flag in ("batch", "seq"):  # a zero-row or zero-token example would fail deep in tracing, or plan nothing
         value = getattr(args, flag, None)
         if value is not None and value < 1:

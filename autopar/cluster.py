@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import ATTENTION_OPS, RECOMPUTE, CostModel, flat_copy_time, itemsize, peak_memory, send_time, step_time
+from autopar.cost import ATTENTION_OPS, RECOMPUTE, CostModel, flat_copy_time, itemsize, peak_memory, send_time, step_temporaries, step_time
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.hardware import Hardware, get_hardware
 from autopar.mesh import Mesh
@@ -334,7 +334,8 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     # a unit's largest gradient bucket and gradient do not depend on the rows: the proxy's, the template's per block
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire,
                      flat=expand(a.flat, b.flat), step=step, accum=expand(a.accum, b.accum), frozen=frozenset(cold),
-                     cast=expand(a.cast, b.cast) if a.cast else [])
+                     cast=expand(a.cast, b.cast) if a.cast else [], temp=expand(a.temp, b.temp) if a.temp else [],
+                     temp_adds=a.temp_adds)
 
 
 def _units(L: int) -> Units:
@@ -371,6 +372,8 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     bucket0: dict[tuple, float] = {}  # ZeRO-0: (a block's?, sync axes) -> one copy's bucket, in the reduce dtype
     traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
     buckets: dict[bool, set] = {True: set(), False: set()}  # one block's gradient buckets, the rest's (as the solver's)
+    stepped: list[float] = []  # the optimizer step's bytes of each parameter, in order (``cost.step_temporaries``)
+    stepped_all = 0.0  # and all copies' (every block's)
     for name, (u, spec, meta, uses) in prof.params.items():
         copies = L if u == 1 else 1
         if batch_over_tp:  # tp = 1's proxy may have put any placement on its axis of size 1
@@ -384,6 +387,9 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         for i, k in enumerate(zero3_traffic(uses)):
             traffic[u == 1][i] += k
         zc = param_cost(opt, spec, meta, mesh, copies, uses)
+        if zc.stepped:
+            stepped.append(zc.stepped)
+            stepped_all += copies * zc.stepped
         state += copies * zc.state
         grad += copies * zc.grad
         act += copies * zc.act  # (ZeRO-1/2's gathered parameters; ZeRO-0's 16-bit compute copies)
@@ -415,9 +421,11 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         compute += L * seconds
         act += L * kept
         regen = max(regen, held)
+    kernel = mesh.hardware.optimizer_kernel  # (one parameter at a time: the template block's stand for every block's)
+    temps = stepped_all if kernel == "foreach" else step_temporaries(stepped, kernel)
     transient = max(transient, *bucket3.values(), *bucket0.values())
     step = step_time(compute, comm, deferred, mesh.hardware)
-    memory = peak_memory(state, grad, act, transient, max(transient, regen))
+    memory = peak_memory(state, grad, act, max(transient, temps), max(transient, regen))  # (the step's: after backward)
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
 
 
@@ -617,7 +625,10 @@ def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple, ou
                       local, axes, e)
                   for n, (uu, sg, local, axes, e) in uc.params.items()}  # (a frozen parameter stays whole)
         step = {n: t / n_of(uc.params[n][3]) for n, t in uc.step.items()}  # a rank steps its shard alone
-        prof.memo[key] = dataclasses.replace(uc, params=params, flat=[], step=step, cast=[])  # no ZeRO-0 parameters left
+        # and so its step's temporaries shrink alike (a unit's, of parameters sharded dp ways but, with experts, a
+        # stack sharded outer ways: the fewer, conservatively)
+        temp = [t / (outer or dp) for t in uc.temp]
+        prof.memo[key] = dataclasses.replace(uc, params=params, flat=[], step=step, cast=[], temp=temp)  # no ZeRO-0 parameters left
     return prof.memo[key]
 
 

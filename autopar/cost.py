@@ -33,7 +33,9 @@ Models:
   gradients (reduced in ``Hardware.grad_reduce_bytes`` where given), and activations kept for backward (what autograd saves, found by running each op once on fake
   tensors: kept outputs, scaled to the local share, and the op's own kept intermediates; a redistributed input
   an op keeps counts at its redistributed size, ``kept_redistribution``). The peak of a step
-  is state + max(activations, gradients): activations peak as backward starts, gradients as it ends.
+  is state + max(activations, gradients): activations peak as backward starts, gradients as it ends. The
+  optimizer's step allocates temporaries beside the state and gradients, as its implementation does
+  (``Hardware.optimizer_kernel``, ``step_temporaries``): one-at-a-time bytes of the gradient peak.
 """
 
 from __future__ import annotations
@@ -227,6 +229,20 @@ def optimizer_step_time(elements: float, hw: Hardware) -> float:
     ``Hardware.optimizer_step_bytes`` per element at the elementwise rate. A rank steps the elements it stores:
     its local shard of every parameter, a ZeRO shard of it under stages 1-3 (``zero.param_cost``)."""
     return elements * hw.optimizer_step_bytes / (hw.hbm_bandwidth * hw.memory_efficiency)
+
+
+def step_temporaries(stepped: "list[float]", kernel: str) -> float:
+    """Bytes AdamW's step allocates beside the state and gradients, for parameters it steps ``stepped`` bytes of
+    each (the master elements a rank stores, in the master dtype: its moments'), in the order it steps them, as
+    torch's three implementations do (measured with MemTracker on CPU, ``tests/test_cost.py``): "fused" runs one
+    kernel and allocates nothing; "foreach" takes the square root of every second moment at once, one list of
+    temporaries as large as all of them; "for-loop" takes one parameter's square root and divides it (two
+    temporaries of its size) while the one before's result is still bound (its ``denom``)."""
+    if kernel == "fused" or not stepped:
+        return 0.0
+    if kernel == "foreach":
+        return float(sum(stepped))
+    return max(2.0 * s + before for before, s in zip([0.0] + list(stepped[:-1]), stepped))
 
 
 def peak_memory(state: float, grad: float, act: float, t_grad: float = 0.0, t_act: float = 0.0) -> float:

@@ -64,6 +64,8 @@ import torch
 
 from autopar.errors import MeshError
 
+OPTIMIZER_KERNELS = ("fused", "foreach", "for-loop")  # torch.optim's three implementations (torchtitan's names)
+
 
 @dataclass(frozen=True)
 class Link:
@@ -107,6 +109,10 @@ class Hardware:
     # memory_efficiency of hbm_bandwidth: a fused AdamW (Megatron's, torchtitan's "fused") reads the parameter, its
     # gradient and two moments and writes the three back, 7 x 4 bytes in fp32, and as much for a 16-bit parameter
     # with an fp32 master copy (2 + 12 read, 12 + 2 written); cpu-gloo: measured (benchmarks/calibrate_cpu.py)
+    optimizer_kernel: str = "foreach"  # how the user's AdamW runs its step, which decides what it allocates beside
+    # the state and gradients (``cost.step_temporaries``): "fused" (one kernel: nothing; Megatron's, torchtitan's
+    # default, ``fused=True``), "foreach" (torch's default on GPUs: one temporary per element it steps), "for-loop"
+    # (``foreach=False``, torch's default on CPUs: two of one parameter beside the one before's)
     # How the runtime being priced behaves (autopar's own: no overlap priced, see the module docstring; a preset for FSDP2 / DeepSpeed runs sets
     # these to describe theirs). Like FSDP2, autopar's runtime gathers and reduce-scatters ZeRO-3 parameters a
     # block at a time (``collectives.zero3_gather``), so that is no field:
@@ -138,6 +144,10 @@ class Hardware:
     # block by block); autopar's runtime runs each op as its own kernel
 
     def __post_init__(self):
+        if self.optimizer_kernel not in OPTIMIZER_KERNELS:
+            raise MeshError(f"hardware {self.name!r}: optimizer_kernel {self.optimizer_kernel!r} is not one of "
+                            f"{', '.join(OPTIMIZER_KERNELS)}; say how the optimizer steps (torch.optim.AdamW(fused=True): "
+                            "'fused'; its default on GPUs: 'foreach'; foreach=False, or its default on CPUs: 'for-loop')")
         if self.float8_linears and "float8" not in dict(self.peak_flops):
             raise MeshError(f"hardware {self.name!r} has float8_linears set but no float8 peak in peak_flops; add "
                             "(\"float8\", FLOP/s) or leave float8_linears off (an A100 has no float8 tensor cores)")
@@ -195,6 +205,7 @@ class Hardware:
             "attention_skips_masked": self.attention_skips_masked,
             "op_overhead": self.op_overhead,
             "optimizer_step_bytes": self.optimizer_step_bytes,
+            "optimizer_kernel": self.optimizer_kernel,
             "overlap": self.overlap,
             "reduce_overlap": self.reduce_overlap,
             "cores_per_rank": self.cores_per_rank,
@@ -223,6 +234,7 @@ class Hardware:
             attention_skips_masked=bool(d.get("attention_skips_masked", True)),
             op_overhead=d.get("op_overhead", 0.0),
             optimizer_step_bytes=float(d.get("optimizer_step_bytes", 28.0)),
+            optimizer_kernel=str(d.get("optimizer_kernel", "foreach")),
             overlap=float(d.get("overlap", 0.0)),
             reduce_overlap=float(d.get("reduce_overlap", 0.0)),
             cores_per_rank=float(d.get("cores_per_rank", 0.0)),
@@ -295,6 +307,7 @@ PRESETS: dict[str, Hardware] = {
         memory_efficiency=1.0,
         op_overhead=11e-6,
         optimizer_step_bytes=10.0,  # torch's AdamW, in place: ~10 bytes' time per element at the elementwise rate
+        optimizer_kernel="for-loop",  # torch's AdamW on CPU tensors by default
         cores_per_rank=0.5,  # 4 ranks of one thread on 2 cores
     ),
 }

@@ -46,14 +46,15 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import CostModel, collective_time, flat_copy_time, grad_sync_axes, itemsize, send_time, wire_bytes
+from autopar.cost import (CostModel, collective_time, flat_copy_time, grad_sync_axes, itemsize, send_time, step_temporaries,
+                          wire_bytes)
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, fmt_bytes
 from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, solve, zero_groups
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
-from autopar.zero import ZeroOption, effective, optimizer_time, pipeline_held, pipeline_sync_priced, shard_factor
+from autopar.zero import ZeroOption, effective, optimizer_time, param_cost, pipeline_held, pipeline_sync_priced, shard_factor
 
 MAX_MICROBATCH_CANDIDATES = 6
 SQUEEZE_ATTEMPTS = 3  # solves of the stages' ILP, its memory bound tightened each time no stage cut fits the ranks
@@ -201,6 +202,11 @@ class UnitCosts:
     # per unit, the compute-dtype copy of its 16-bit ZeRO-0 parameters (``runtime``'s ``_cast_params``: the master
     # is ``cost.master_bytes`` wide, cast once a step): alive through the schedule, dropped before the sync
     cast: list[float] = dataclasses.field(default_factory=list)
+    # per unit, what the optimizer's step allocates for its parameters beside the state (``cost.step_temporaries``
+    # of what a rank steps of them), after the sync, once the activations and the flat copy are gone; a rank's units
+    # add up (``temp_adds``: one list of temporaries, "foreach") or the largest counts (one parameter at a time)
+    temp: list[float] = dataclasses.field(default_factory=list)
+    temp_adds: bool = True
     # what the cut searches derive from these costs (``unit_state``, ``_sums``, ``back``), once: the cluster screen
     # prices thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
     memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -251,6 +257,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     params, zero, grad_wire, step = {}, {}, {}, {}
     buckets: dict[tuple, float] = {}  # (unit, sync axes) -> local bytes of its ZeRO-0 gradients
     cast = [0.0] * U
+    stepped: list[list[float]] = [[] for _ in range(U)]  # per unit, its parameters' stepped bytes, in step order
     groups = zero_groups(tg, problem.order)
     for n in problem.order:
         if tg.kinds.get(n) != PARAM:
@@ -272,6 +279,9 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             for u in uu:  # (read by several units: counted in each, as its state is)
                 cast[u] += nc.act
         step[n] = 0.0 if cold else optimizer_time(opt, spec, meta, inner)
+        if not cold:
+            for u in uu:
+                stepped[u].append(param_cost(opt, spec, meta, inner).stepped)
         grad_wire[n] = 0.0 if cold else local * inner.hardware.reduce_factor(meta.dtype)
         if axes and n not in zero:
             buckets[min(uu), tuple(axes)] = buckets.get((min(uu), tuple(axes)), 0.0) + grad_wire[n]  # (in the reduce dtype)
@@ -314,8 +324,10 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for uu, _held, local, _axes, _n in params.values():
         for u in uu:
             accum[u] = max(accum[u], local)
+    kernel = inner.hardware.optimizer_kernel
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum,
-                     frozenset(n for n in params if n not in tg.trainable), cast)
+                     frozenset(n for n in params if n not in tg.trainable), cast,
+                     [step_temporaries(x, kernel) for x in stepped], kernel == "foreach")
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -349,6 +361,8 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     rank_flat = [0.0] * p  # its ZeRO-0 gradients' flat copy, after the last backward (one buffer for the rank)
     rank_cast = [0.0] * p  # its ZeRO-0 parameters' compute copies, through the schedule
     cast = uc.cast or [0.0] * U
+    rank_temp = [0.0] * p  # the optimizer step's temporaries (``UnitCosts.temp``)
+    temp = uc.temp or [0.0] * U
     sync_bytes: list[dict[int, float]] = [dict() for _ in range(p)]
     zero_bytes: list[dict[tuple, list[float]]] = [dict() for _ in range(p)]  # (option, rest axes) -> [bytes, wire]
     ranks_of: dict[str, set[int]] = {}
@@ -385,9 +399,11 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         rank_back[r] = max(rank_back[r], max(back[i:j], default=0.0))
         rank_flat[r] += sum(uc.flat[i:j])
         rank_cast[r] += sum(cast[i:j])
-    # activations peak in the schedule (beside the compute copies), the sync's flat copy once they are gone
-    # (``cost.peak_memory``)
-    memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r] + rank_cast[r], rank_flat[r]) for r in range(p))
+        rank_temp[r] = rank_temp[r] + sum(temp[i:j]) if uc.temp_adds else max(rank_temp[r], max(temp[i:j], default=0.0))
+    # activations peak in the schedule (beside the compute copies), the sync's flat copy once they are gone, then the
+    # optimizer step's temporaries (``cost.peak_memory``)
+    memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r] + rank_cast[r], rank_flat[r], rank_temp[r])
+                   for r in range(p))
     sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) + copied[r] + stepped[r] for r in range(p)]
     for name, rs in ranks_of.items():
         if len(rs) > 1 and name not in uc.frozen:  # (a frozen tied parameter has no gradient to sum)
@@ -451,6 +467,8 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
     back = uc.back()
     flat = uc.flat or [0.0] * U
     cast = uc.cast or [0.0] * U
+    temp = uc.temp or [0.0] * U
+    adds = uc.temp_adds
     act = uc.act
 
     def pack(limit: float) -> tuple[int, ...] | None:
@@ -458,20 +476,23 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
         for k in range(S):
             r = k % p
             cap = budget / v
-            j, tt, mm_state, mm_act, mm_back, mm_flat, mm_cast = i, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+            j, tt, mm_state, mm_act, mm_back, mm_flat, mm_cast, mm_temp = i, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
             last = U - (S - k - 1)  # leave a unit for every later stage
             fl = flights[r]
             while j < last:  # (conditionals, not max(): this loop runs for every bisection step of every candidate)
                 nt, ns, na = tt + t[j], mm_state + st[j], mm_act + act[j]
                 nr = back[j] if back[j] > mm_back else mm_back
                 nf, nc = mm_flat + flat[j], mm_cast + cast[j]
+                nm = mm_temp + temp[j] if adds else (temp[j] if temp[j] > mm_temp else mm_temp)
                 held = fl * na / v + nr + nc
-                held = ns + (nf if nf > held else held)
+                if nf > held:
+                    held = nf
+                held = ns + (nm if nm > held else held)
                 if j > i and (nt > limit or held > cap):
                     break
                 if j == i and held > cap:
                     return None
-                tt, mm_state, mm_act, mm_back, mm_flat, mm_cast = nt, ns, na, nr, nf, nc
+                tt, mm_state, mm_act, mm_back, mm_flat, mm_cast, mm_temp = nt, ns, na, nr, nf, nc, nm
                 j += 1
             if k == S - 1 and j < U:
                 return None
@@ -499,13 +520,17 @@ def _sums(uc: UnitCosts, st: list[float]) -> tuple:
     """What ``_rank_memory`` reads of a stage in O(1): running sums of the units' state and activations, and the
     largest of a run of units' backward transients (``UnitCosts.back``), the sum of their gradient buckets
     (``flat``: the rank all-reduces its stages' ZeRO-0 gradients through one flat buffer) and of their compute
-    copies (``cast``). Memoised on ``uc`` for its own ``unit_state``."""
-    def made() -> tuple:  # None: no backward transient, no bucket, no compute copy
+    copies (``cast``), and their optimizer step's temporaries (``temp``: the sum or the largest, as
+    ``UnitCosts.temp_adds`` says; the last entry). Memoised on ``uc`` for its own ``unit_state``."""
+    def made() -> tuple:  # None: no backward transient, no bucket, no compute copy, no temporaries
         back = uc.back()
-        flat, cast = _prefix(uc.flat), _prefix(uc.cast)
+        flat, cast, temp = _prefix(uc.flat), _prefix(uc.cast), _prefix(uc.temp)
+        temps = None
+        if any(uc.temp):
+            temps = (lambda i, j: temp[j] - temp[i]) if uc.temp_adds else _range_max(uc.temp)
         return (_prefix(st), _prefix(uc.act), _range_max(back) if any(back) else None,
                 (lambda i, j: flat[j] - flat[i]) if any(uc.flat) else None,
-                (lambda i, j: cast[j] - cast[i]) if any(uc.cast) else None)
+                (lambda i, j: cast[j] - cast[i]) if any(uc.cast) else None, temps, uc.temp_adds)
 
     if uc.memo.get(("state", len(st))) is not st:
         return made()
@@ -551,32 +576,40 @@ def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int
 def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int) -> float:
     """Rank r's bytes in ``_rank_memory``: its stages are r, r + p, ..."""
     S = len(starts)
-    return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v) for k in range(r, S, p)], flight)
+    return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v) for k in range(r, S, p)], flight, sums[-1])
 
 
-def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, float, float, float]:
+def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, float, float, float, float]:
     """A stage of units i..j-1: its (parameter state, activations / v, largest backward transient, its gradients'
-    flat copy, its parameters' compute copies)."""
-    ps, pa, backs, flat, cast = sums
+    flat copy, its parameters' compute copies, its optimizer step's temporaries)."""
+    ps, pa, backs, flat, cast, temps, _adds = sums
     return (ps[j] - ps[i], (pa[j] - pa[i]) / v, backs(i, j) if backs is not None else 0.0,
-            flat(i, j) if flat is not None else 0.0, cast(i, j) if cast is not None else 0.0)
+            flat(i, j) if flat is not None else 0.0, cast(i, j) if cast is not None else 0.0,
+            temps(i, j) if temps is not None else 0.0)
 
 
-def _held(stages, flight: int) -> float:
-    """A rank's bytes from its stages' ``_stage_bytes`` (in stage order): the state, and the larger of ``flight``
-    microbatches of activations with the largest backward transient and the compute copies, and its stages'
-    gradients' flat copy (one buffer for the rank). (Conditionals, not max(): the mesh search runs this for every
-    move of every refined cut.)"""
-    state = act = back = bucket = copies = 0.0
-    for a, b, c, d, e in stages:
+def _held(stages, flight: int, adds: bool = True) -> float:
+    """A rank's bytes from its stages' ``_stage_bytes`` (in stage order): the state, and the largest of ``flight``
+    microbatches of activations with the largest backward transient and the compute copies, its stages'
+    gradients' flat copy (one buffer for the rank), and its optimizer step's temporaries (summed over its stages
+    where ``adds``, else the largest). (Conditionals, not max(): the mesh search runs this for every move of every
+    refined cut.)"""
+    state = act = back = bucket = copies = temp = 0.0
+    for a, b, c, d, e, f in stages:
         state += a
         act += b
         if c > back:
             back = c
         bucket += d
         copies += e
+        if adds:
+            temp += f
+        elif f > temp:
+            temp = f
     held = flight * act + back + copies
-    return state + (bucket if bucket > held else held)
+    if bucket > held:
+        held = bucket
+    return state + (temp if temp > held else held)
 
 
 def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:
@@ -600,7 +633,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
         return pt[j] - pt[i], _stage_bytes(sums, i, j, v)
 
     def rank_bytes(mems: list, r: int) -> float:  # ``_one_rank`` from the stages' values
-        return _held([mems[k] for k in range(r, S, p)], flights[r])
+        return _held([mems[k] for k in range(r, S, p)], flights[r], uc.temp_adds)
 
     cur = tuple(starts)
     ts, mems = map(list, zip(*(stage(cur, k) for k in range(S))))

@@ -15,7 +15,7 @@ import time
 import torch
 
 from autopar.cost import (ATTENTION_OPS, MATMUL_OPS, RECOMPUTE, VIEW_OPS, CostModel, Priced, collective_time, itemsize, op_flops, peak_memory,
-                          price_steps, step_time, wire_bytes)
+                          price_steps, step_temporaries, step_time, wire_bytes)
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
@@ -186,6 +186,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     buckets: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}  # -> [(param, bytes to all-reduce)]
     zero_of: dict[str, ZeroOption] = {}
     whole_grads: dict[str, tuple[str, ...]] = {}
+    stepped: list[float] = []  # what the optimizer steps of each parameter, in the order it steps them
     for name in problem.order:
         if name not in zgroups:
             continue
@@ -200,6 +201,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         opt = effective(opt, spec, mesh, cold)
         zero_of[name] = opt
         zc = param_cost(opt, spec, meta, mesh, uses=uses)
+        if zc.stepped:
+            stepped.append(zc.stepped)
         busy_time += zc.memory_bound
         optimizer_time += zc.optimizer
         gm = group_memory.setdefault(g, [0.0, 0.0, 0])
@@ -217,6 +220,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             by_zero.setdefault((opt.stage, opt.shard_axes, gb[1], block if opt.stage == 2 else ""), []).append(name)
         elif gb is not None:
             buckets.setdefault((block, gb[1]), []).append((name, int(local // n * mesh.hardware.reduce_factor(meta.dtype))))
+    # the optimizer's step, after backward: its temporaries beside the state and gradients (the buckets are gone)
+    temps = step_temporaries(stepped, mesh.hardware.optimizer_kernel)
+    transient = max(transient, temps)
     grad_buckets = []
     later = {b.fqn for b in tg.blocks[1:]}  # blocks whose buckets' last reductions backward has work left to hide
     hide_buckets = set()  # (``cost.step_time``): their last collective is H
@@ -362,6 +368,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     act += sum(problem.costs[n][choice.index[n]].act for n in problem.order)
     memory = peak_memory(state, grad, act, transient, t_act)
     breakdown = {"state": state, "gradients": grad, "activations": act, "transient": max(transient, t_act)}
+    if temps:  # (of the transient: what the optimizer's step allocates, ``Hardware.optimizer_kernel``)
+        breakdown[f"optimizer step ({mesh.hardware.optimizer_kernel})"] = temps
     comm_bytes = {a: 0.0 for a in mesh.names}
     for c in collectives:
         comm_bytes[c.axis] += wire_bytes(c.kind, c.bytes, mesh.sizes[mesh.names.index(c.axis)])

@@ -47,6 +47,10 @@ nodes v, strategies s:
 - Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters),
   plus, in the activation peak, what backward keeps of each redistributed value, on the same y / r as its time
   (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather).
+  The optimizer step's temporaries join the gradient peak's one-at-a-time bytes (``cost.step_temporaries``, on
+  the stepped bytes ``ZeroCost.stepped`` of each (strategy, option) indicator ``ind`` below): "foreach",
+  ``transient_g >= sum_v sum_{s,k} stepped[v, s, k] ind[v, s, g, k]``; "for-loop", per parameter v and the one
+  stepped before it u, ``transient_g >= 2 S(v) + S(u)`` with ``S(v) = sum_{s,k} stepped[v, s, k] ind[v, s, g, k]``.
 - A parameter's gradient communication is priced by its bandwidth (over the axes its ``zero.grad_spec`` sums it
   over: not where its only use reads it as P); the planner buckets gradients per (ZeRO option o
   a parameter runs -- its group's, over the shard axes where it is whole: ``zero.effective`` --, axes S its gradients are all-reduced over
@@ -794,7 +798,7 @@ def solve(
                 per.append((effective(opt, spec, mesh, cold).stage,
                             (c.state - base.state, c.act - base.act, c.grad - base.grad, c.comm - base.comm, c.memory_bound - base.memory_bound,
                              c.deferred - base.deferred),
-                            grad_bucket(opt, spec, meta, mesh, cold)))
+                            grad_bucket(opt, spec, meta, mesh, cold), c.stepped))
             b = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
             zfacts[key] = (base.memory_bound, base.comm, base.deferred, b, bool(grad_sync_axes(spec, mesh)) and not cold, per)
         return zfacts[key]
@@ -804,6 +808,8 @@ def solve(
     sync_w = lambda g: P_.sync_weight.get(g, 1.0)  # noqa: E731
     # (decision, strategy, group, option) -> the gradient buckets its parameters land in (``grad_bucket``)
     bucket_sets: dict[tuple[str, int, str, int], set] = {}
+    # parameter -> [(bytes the optimizer steps of it, decision, strategy, group, option)] (``ZeroCost.stepped``)
+    stepped: dict[str, list] = {}
     for n, (g, copies) in zgroups.items():
         r = rep(P_.root[n])
         for s in range(nstrat[r]):
@@ -815,7 +821,9 @@ def solve(
             t_hide[r][s] += base_def * sync_w(g) * (n in hides)
             row = zdelta.setdefault((r, s, g), [[0.0] * 6 for _ in zopts])
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
-            for k, (stage, delta, gb) in enumerate(per):
+            for k, (stage, delta, gb, sb) in enumerate(per):
+                if sb:
+                    stepped.setdefault(n, []).append((sb, r, s, g, k))
                 if gb is not None:
                     bucket_sets.setdefault((r, s, g, k), set()).add(gb)
                 if stage == 0 and synced:  # (the flat buffer in the reduce dtype, as the plan prices it: ``price``)
@@ -1065,6 +1073,29 @@ def solve(
     # the first stands for all)
     if any(any(row) for row in regen.values()):
         add_row(0.0, inf, [(1.0, top_a)] + [(-regen[r][s] * MB, xv) for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]])
+    # the optimizer's step, after backward (the buckets gone): its temporaries (``cost.step_temporaries``), one
+    # list of all it steps ("foreach"), or per parameter two of it beside the one before's ("for-loop"), on the
+    # (strategy, option) indicators; tied copies' terms merge on their representative's
+    kernel = mesh.hardware.optimizer_kernel
+    if memory_rows and stepped and kernel != "fused":
+        def step_form(names, weights) -> list:
+            coef: dict[tuple, float] = {}
+            for name, wt in zip(names, weights):
+                for sb, r, s, g, k in stepped.get(name, ()):
+                    if (r, s, g, k) in ind:
+                        coef[(r, s, g, k)] = coef.get((r, s, g, k), 0.0) + wt * sb
+            return [(-c * cf * MB, v) for key, c in coef.items() for cf, v in ind[key]]
+
+        order = [n for n in P_.order if n in stepped]  # the order the optimizer steps them in
+        if kernel == "foreach":
+            add_row(0.0, inf, [(1.0, top_g)] + step_form(order, [1.0] * len(order)))
+        else:
+            seen = set()
+            for before, n in zip([None] + order[:-1], order):
+                pair = (tuple(stepped[before]) if before else (), tuple(stepped[n]))
+                if pair not in seen:
+                    seen.add(pair)
+                    add_row(0.0, inf, [(1.0, top_g)] + step_form([n] + ([before] if before else []), [2.0, 1.0]))
     mem_a.append((1.0, top_a))
     mem_g.append((1.0, top_g))
     # node terms and memory

@@ -143,6 +143,8 @@ class ZeroCost:
     # the summed axes, or ZeRO-2's reduce-scatter where none is left (its bucket's launch and latency:
     # ``deferred_latency``). Not ZeRO-1's, whose one bucket launches as backward ends, nor ZeRO-3's (its gathers,
     # launched a bucket ahead, and its reduce-scatters share the ranks' queue: not measured, not credited)
+    stepped: float = 0.0  # bytes of the master elements the optimizer steps of it on the rank (its local elements, or
+    # their 1/n shard, in the master dtype; a frozen parameter: none): what ``cost.step_temporaries`` reads
 
 
 def zero3_traffic(uses: tuple[str, ...]) -> tuple[int, int]:
@@ -194,7 +196,8 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     if opt.stage == 0:  # (as ``CostModel.placeholder`` prices it; a 16-bit parameter's compute copy: ``master_bytes``)
         wire = b * rf
         last = bw("all_reduce", wire, synced[-1]) if synced else 0.0
-        return ZeroCost(3 * m * e, cast, m * e, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm + step, step, last)
+        return ZeroCost(3 * m * e, cast, m * e, 0.0, sum(bw("all_reduce", wire, a) for a in synced), copies_bytes / hbm + step, step, last,
+                        m * e)
     n = shard_factor(opt, mesh)
     rest = tuple(a for a in synced if a not in opt.shard_axes)
     on_shard = sum(bw("all_reduce", rf * b / n, a) for a in rest)
@@ -203,16 +206,16 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     busy = copies_bytes / hbm + step
     if opt.stage == 1:  # full gradients and their flat copy (in the reduce dtype) meet the reduced shard at the end
         # (the flat copy is freed before the shard is copied out: ``collectives.scatter_flat``)
-        return ZeroCost(3 * m * e / n, b, b + rf * b + m * e / n, 0.0, comm, busy, step)
+        return ZeroCost(3 * m * e / n, b, b + rf * b + m * e / n, 0.0, comm, busy, step, stepped=m * e / n)
     if opt.stage == 2:  # a bucket's full gradients and flat copy, once its gathered parameters are gone
         # the collective launched last, as ``scatter_priced`` orders them (reduce-scatters outermost first, then
         # the shard's all-reduces); only ZeRO-2's is waited for later (``ZeroCost.deferred``)
         last = bw("all_reduce", rf * b / n, rest[-1]) if rest else bw("reduce_scatter", rf * b, opt.shard_axes[-1])
-        return ZeroCost(3 * m * e / n, b, m * e / n, rf * b / copies, comm, busy, step, last)
+        return ZeroCost(3 * m * e / n, b, m * e / n, rf * b / copies, comm, busy, step, last, m * e / n)
     # one bucket (a group copy) at a time: its gathered weights and their gradients, or those and the flat buffer
     # they are reduce-scattered from once the weights are dropped; and, a linear's weight of a group of several
     # copies, the copy before's gathered ahead for its backward (``ZeroBucket.prefetch``)
-    return ZeroCost(3 * m * e / n, 0.0, m * e / n, zero3_transient(b, copies, uses, rf), comm, busy, step)
+    return ZeroCost(3 * m * e / n, 0.0, m * e / n, zero3_transient(b, copies, uses, rf), comm, busy, step, stepped=m * e / n)
 
 
 def zero3_transient(b: float, copies: int, uses: tuple[str, ...], rf: float = 1.0) -> float:

@@ -79,10 +79,13 @@ A100_PEAK = 312e12
 # torchtitan's SDPA runs FlashAttention-2 (the presets' 0.6) on the tiles on and below the diagonal only. torchtitan
 # (its defaults, which the published runs used) reduces FSDP2's bf16 gradients in fp32, and its op-level selective
 # AC saves every other matmul's output, recomputing the rest (torchtitan/.../activation_checkpoint.py).
-RUNTIMES = {"megatron-lm": dict(overlap=0.0, grad_reduce_bytes=4, attention_efficiency=0.5, attention_skips_masked=False),
+# All three step AdamW fused (apex's / Transformer Engine's FusedAdam, DeepSpeed's FusedAdam, torchtitan's default
+# ``implementation = "fused"``): nothing allocated beside the state at the step.
+RUNTIMES = {"megatron-lm": dict(overlap=0.0, grad_reduce_bytes=4, attention_efficiency=0.5, attention_skips_masked=False,
+                                optimizer_kernel="fused"),
             "deepspeed-zero3": dict(overlap=0.5, attention_efficiency=0.5, attention_skips_masked=False,
-                                    ring_step_latency=30e-6),
-            "fsdp2": dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2)}
+                                    ring_step_latency=30e-6, optimizer_kernel="fused"),
+            "fsdp2": dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2, optimizer_kernel="fused")}
 RUNTIMES["fsdp2+float8"] = dict(RUNTIMES["fsdp2"], float8_linears=True)
 # torchtitan with torch.compile (block by block): Inductor fuses each block's chains of memory-bound ops
 RUNTIMES["fsdp2+compile"] = dict(RUNTIMES["fsdp2"], fused_elementwise=True)
@@ -93,7 +96,7 @@ RUNTIMES["fsdp2+float8+compile+asynctp"] = dict(RUNTIMES["fsdp2+float8+compile"]
 # Megatron-Core through NeMo's Megatron-Bridge (2025), FP8 with Transformer Engine: the distributed optimizer overlaps
 # its gradient reduce-scatter and parameter all-gather with compute, and TE's userbuffers run the tensor-parallel
 # all-gathers and reduce-scatters pipelined with the GEMMs they feed or follow (tp_comm_overlap in its recipes)
-RUNTIMES["megatron-core+fp8"] = dict(overlap=1.0, float8_linears=True, tp_overlap=1.0)
+RUNTIMES["megatron-core+fp8"] = dict(overlap=1.0, float8_linears=True, tp_overlap=1.0, optimizer_kernel="fused")
 
 
 def runtime_hardware(name: str, runtime: str):

@@ -1,7 +1,8 @@
 """ZeRO memory: the planner's predicted per-device peak next to the peak measured in real gloo processes.
 
 Run: ``python benchmarks/zero_memory.py [--nproc 4]``. For each stage (0-3, all groups pinned to it) a model whose
-state dominates is planned on a (dp=nproc) mesh and trained for 3 AdamW steps in nproc processes; torch's
+state dominates is planned on a (dp=nproc) mesh and trained for 3 AdamW steps (for-loop, ``foreach=False``: the
+cpu-gloo preset's ``optimizer_kernel``, whose step's temporaries the price holds) in nproc processes; torch's
 MemTracker measures each rank's peak (and its parameter / gradient / optimizer-state bytes at the peak). Prints,
 per stage: predicted and measured peak with their ratio; the model state (parameters + gradients + optimizer state)
 the ZeRO paper's formula gives (fp32 here: 4 + 4 + 8 bytes per parameter; stage 1 shards the 8, stage 2 also the

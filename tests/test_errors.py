@@ -162,6 +162,11 @@ def test_bad_mesh_and_hardware():
         autopar.Mesh({"tp": 2}, hardware="tpu-v9")
     with pytest.raises(autopar.AutoparError, match="S\\(<dim>\\)"):
         autopar.Spec.parse("X(1)")
+    import dataclasses
+
+    from autopar.hardware import get_hardware
+    with pytest.raises(autopar.MeshError, match="optimizer_kernel 'apex'.*fused=True"):
+        dataclasses.replace(get_hardware("h100-80gb"), optimizer_kernel="apex")
 
 
 def test_parallelize_refuses_hardware_that_prices_another_runtime():

@@ -38,6 +38,10 @@ def test_presets():
 def test_json_round_trip():
     m = autopar.Mesh({"dp": 2, "tp": 2}, hardware="a100-80gb")
     assert autopar.Mesh.from_json(m.to_json()) == m
+    import dataclasses
+
+    fused = autopar.Mesh({"dp": 2}, dataclasses.replace(m.hardware, optimizer_kernel="fused"))
+    assert autopar.Mesh.from_json(fused.to_json()).hardware.optimizer_kernel == "fused"
 
 
 def test_device_mesh_both_ways():

@@ -248,7 +248,9 @@ def test_a_full_checkpoint_resumes_under_another_plan(tmp_path):
             o.step()
         a, b = first.full_state_dict(), second.full_state_dict()
         with ltm.disable():
-            assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+            # (the plans sum in different orders, and AdamW's step on a near-zero gradient turns those last-bit
+            # differences into ~1e-6; without the loaded moments the step differs by ~lr)
+            assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
         with pytest.raises(autopar.AutoparError, match=r"missing \['h.0.attn.c_attn.weight'\]"):
             second.load_full_state_dict({k: v for k, v in state.items() if k != "h.0.attn.c_attn.weight"})
         with pytest.raises(autopar.AutoparError, match="unexpected"):

@@ -208,7 +208,8 @@ def test_a_rank_counts_the_flat_copy_of_its_gradients_after_the_last_backward():
     stages', as one flat copy per axis (``_sync_buckets``, ``collectives.all_reduce_flat_``): with activations
     smaller than the gradients that copy is the rank's peak (measured on gloo, ``benchmarks/zero_memory.py``:
     predicted/measured 0.898 pricing one block's copy, 0.998 pricing the rank's). Under ZeRO-1, or without a data
-    axis, no such copy is made."""
+    axis, no such copy is made: then, once the activations are gone, the optimizer step's temporaries can be the
+    peak."""
     from models.mlp import MLP, MLPConfig
 
     cfg = MLPConfig(dim=512, hidden=2048, n_layer=4)
@@ -229,7 +230,10 @@ def test_a_rank_counts_the_flat_copy_of_its_gradients_after_the_last_backward():
     # measured under ZeRO-1: predicted/measured 0.931 without it, 0.997 with it)
     up = model.layers[0].up.weight.numel() * 4
     assert all(up <= e < up + block / 8 for e in extra({"pp": 2, "dp": 2}, 1)[0])
-    assert all(up <= e < up + block / 8 for e in extra({"pp": 2}, 0)[0])
+    # without a data axis, after the schedule: cpu-gloo's for-loop AdamW step, two of a layer's down weight beside the
+    # up bias stepped before it (``cost.step_temporaries``; ``benchmarks/zero_memory.py``'s pp=2 row: 0.957 -> 0.996)
+    bias = model.layers[0].up.bias.numel() * 4
+    assert extra({"pp": 2}, 0)[0] == [pytest.approx(2 * up + bias)] * 2
 
 
 def test_each_device_reports_the_bytes_of_its_own_stages():

@@ -373,7 +373,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
     buckets: dict[bool, set] = {True: set(), False: set()}  # one block's gradient buckets, the rest's (as the solver's)
     stepped: list[float] = []  # the optimizer step's bytes of each parameter, in order (``cost.step_temporaries``)
-    stepped_all = 0.0  # and all copies' (every block's)
+    stepped_all = 0.0  # and all copies' (every block's): the gradients the step reads
     for name, (u, spec, meta, uses) in prof.params.items():
         copies = L if u == 1 else 1
         if batch_over_tp:  # tp = 1's proxy may have put any placement on its axis of size 1
@@ -425,7 +425,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     temps = stepped_all if kernel == "foreach" else step_temporaries(stepped, kernel)
     transient = max(transient, *bucket3.values(), *bucket0.values())
     step = step_time(compute, comm, deferred, mesh.hardware)
-    memory = peak_memory(state, grad, act, max(transient, temps), max(transient, regen))  # (the step's: after backward)
+    memory = peak_memory(state, grad, act, transient, max(transient, regen), stepped_all + temps)
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
 
 
@@ -625,10 +625,9 @@ def _distributed_optimizer(prof: _Profile, uc: UnitCosts, dp: int, at: tuple, ou
                       local, axes, e)
                   for n, (uu, sg, local, axes, e) in uc.params.items()}  # (a frozen parameter stays whole)
         step = {n: t / n_of(uc.params[n][3]) for n, t in uc.step.items()}  # a rank steps its shard alone
-        # and so its step's temporaries shrink alike (a unit's, of parameters sharded dp ways but, with experts, a
-        # stack sharded outer ways: the fewer, conservatively)
-        temp = [t / (outer or dp) for t in uc.temp]
-        prof.memo[key] = dataclasses.replace(uc, params=params, flat=[], step=step, cast=[], temp=temp)  # no ZeRO-0 parameters left
+        # no ZeRO-0 parameters left: no flat copy, no compute copy, and no step temporaries over the held state
+        # (what a ZeRO-1 parameter drops by its step outweighs them: ``pipeline.unit_costs``)
+        prof.memo[key] = dataclasses.replace(uc, params=params, flat=[], step=step, cast=[], temp=[])
     return prof.memo[key]
 
 

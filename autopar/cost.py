@@ -33,9 +33,9 @@ Models:
   gradients (reduced in ``Hardware.grad_reduce_bytes`` where given), and activations kept for backward (what autograd saves, found by running each op once on fake
   tensors: kept outputs, scaled to the local share, and the op's own kept intermediates; a redistributed input
   an op keeps counts at its redistributed size, ``kept_redistribution``). The peak of a step
-  is state + max(activations, gradients): activations peak as backward starts, gradients as it ends. The
-  optimizer's step allocates temporaries beside the state and gradients, as its implementation does
-  (``Hardware.optimizer_kernel``, ``step_temporaries``): one-at-a-time bytes of the gradient peak.
+  is state + max(activations, gradients, step): activations peak as backward starts, gradients as it ends, and the
+  optimizer's step reads the gradients a rank stores (its shards under ZeRO: the bytes it steps) beside the
+  temporaries its implementation allocates (``Hardware.optimizer_kernel``, ``step_temporaries``).
 """
 
 from __future__ import annotations
@@ -245,10 +245,12 @@ def step_temporaries(stepped: "list[float]", kernel: str) -> float:
     return max(2.0 * s + before for before, s in zip([0.0] + list(stepped[:-1]), stepped))
 
 
-def peak_memory(state: float, grad: float, act: float, t_grad: float = 0.0, t_act: float = 0.0) -> float:
+def peak_memory(state: float, grad: float, act: float, t_grad: float = 0.0, t_act: float = 0.0, step: float = 0.0) -> float:
     """Per-device peak of a training step: activations peak as backward starts, gradients as it ends; one-at-a-time
-    buffers join the peak they occur in (gradient buckets the second; a ZeRO-3 parameter gathered again, both)."""
-    return state + max(act + t_act, grad + t_grad)
+    buffers join the peak they occur in (gradient buckets the second; a ZeRO-3 parameter gathered again, both).
+    ``step``: the optimizer's step over the state, the gradients it reads (what a rank stores of them: ZeRO-1's
+    full gradients and their flat copy are gone by then) and its temporaries (``step_temporaries``)."""
+    return state + max(act + t_act, grad + t_grad, step)
 
 
 def step_time(critical: float, dp_comm: float, deferred: float, hw: Hardware) -> float:

@@ -279,7 +279,9 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             for u in uu:  # (read by several units: counted in each, as its state is)
                 cast[u] += nc.act
         step[n] = 0.0 if cold else optimizer_time(opt, spec, meta, inner)
-        if not cold:
+        # the step's temporaries over the held state; a ZeRO-1 parameter's gradient and gathered copy (e m + e p of
+        # ``pipeline_held``), dropped by its step, outweigh its shard's (for-loop, three shards' e m / n at most)
+        if not cold and opt.stage == 0:
             for u in uu:
                 stepped[u].append(param_cost(opt, spec, meta, inner).stepped)
         grad_wire[n] = 0.0 if cold else local * inner.hardware.reduce_factor(meta.dtype)
@@ -830,6 +832,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         # a group runs ZeRO-0 or ZeRO-1 (``_inner_pins``); the ILP takes ZeRO-1 where memory needs it: its bytes
         # (shard, gathered parameter, gradient) add up to ``zero.pipeline_held`` with the gradients moved into state
         problem.zero_stages = (0, 1)
+        problem.grads_held = True
         scaled = problem.costs
         # the stages' ILP bounds the whole model's memory (p ranks' worth); when no cut then fits each rank (the
         # ILP spent the slack unevenly), it is solved again under a tighter bound. A caller's first squeeze (the

@@ -220,9 +220,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             by_zero.setdefault((opt.stage, opt.shard_axes, gb[1], block if opt.stage == 2 else ""), []).append(name)
         elif gb is not None:
             buckets.setdefault((block, gb[1]), []).append((name, int(local // n * mesh.hardware.reduce_factor(meta.dtype))))
-    # the optimizer's step, after backward: its temporaries beside the state and gradients (the buckets are gone)
+    # the optimizer's step, after backward: the gradients a rank stores and its temporaries beside the state
     temps = step_temporaries(stepped, mesh.hardware.optimizer_kernel)
-    transient = max(transient, temps)
     grad_buckets = []
     later = {b.fqn for b in tg.blocks[1:]}  # blocks whose buckets' last reductions backward has work left to hide
     hide_buckets = set()  # (``cost.step_time``): their last collective is H
@@ -366,9 +365,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     state += sum(problem.costs[n][choice.index[n]].state for n in problem.order)
     grad += sum(problem.costs[n][choice.index[n]].grad for n in problem.order)
     act += sum(problem.costs[n][choice.index[n]].act for n in problem.order)
-    memory = peak_memory(state, grad, act, transient, t_act)
+    memory = peak_memory(state, grad, act, transient, t_act, sum(stepped) + temps)
     breakdown = {"state": state, "gradients": grad, "activations": act, "transient": max(transient, t_act)}
-    if temps:  # (of the transient: what the optimizer's step allocates, ``Hardware.optimizer_kernel``)
+    if temps:  # (beside the state and the stored gradients: what the optimizer's step allocates, ``Hardware.optimizer_kernel``)
         breakdown[f"optimizer step ({mesh.hardware.optimizer_kernel})"] = temps
     comm_bytes = {a: 0.0 for a in mesh.names}
     for c in collectives:

@@ -47,10 +47,12 @@ nodes v, strategies s:
 - Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters),
   plus, in the activation peak, what backward keeps of each redistributed value, on the same y / r as its time
   (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather).
-  The optimizer step's temporaries join the gradient peak's one-at-a-time bytes (``cost.step_temporaries``, on
-  the stepped bytes ``ZeroCost.stepped`` of each (strategy, option) indicator ``ind`` below): "foreach",
-  ``transient_g >= sum_v sum_{s,k} stepped[v, s, k] ind[v, s, g, k]``; "for-loop", per parameter v and the one
-  stepped before it u, ``transient_g >= 2 S(v) + S(u)`` with ``S(v) = sum_{s,k} stepped[v, s, k] ind[v, s, g, k]``.
+  A third peak, the optimizer's step (unless it is fused: then never above the gradients'): the state, the
+  gradients a rank stores and steps, ``S(v) = sum_{s,k} stepped[v, s, k] ind[v, s, g, k]`` (``ZeroCost.stepped``,
+  on the (strategy, option) indicators ``ind`` below), and the step's temporaries (``cost.step_temporaries``):
+  ``sum_v m_v state[v] + sum_v S(v) + T <= budget`` with T = ``sum_v S(v)`` ("foreach") or, "for-loop",
+  ``T >= 2 S(v) + S(u)`` for each parameter v and the one u stepped before it. A pipeline's stage problem holds
+  its gradients in the state: there the temporaries of its ZeRO-0 parameters join ``transient_g``.
 - A parameter's gradient communication is priced by its bandwidth (over the axes its ``zero.grad_spec`` sums it
   over: not where its only use reads it as P); the planner buckets gradients per (ZeRO option o
   a parameter runs -- its group's, over the shard axes where it is whole: ``zero.effective`` --, axes S its gradients are all-reduced over
@@ -180,6 +182,8 @@ class Problem:
     sync_weight: dict[str, float] = field(default_factory=dict)
     # the ZeRO stages a group may take: a pipeline runs 0 and 1 (its microbatches accumulate whole gradients)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    # a pipeline's stage problem: its parameters' costs hold their gradients in the state (alive all step)
+    grads_held: bool = False
 
     def index(self, node: str, root_index: int) -> int:
         """The strategy index of ``node`` when its root runs strategy ``root_index``."""
@@ -808,7 +812,7 @@ def solve(
     sync_w = lambda g: P_.sync_weight.get(g, 1.0)  # noqa: E731
     # (decision, strategy, group, option) -> the gradient buckets its parameters land in (``grad_bucket``)
     bucket_sets: dict[tuple[str, int, str, int], set] = {}
-    # parameter -> [(bytes the optimizer steps of it, decision, strategy, group, option)] (``ZeroCost.stepped``)
+    # parameter -> [(bytes the optimizer steps of it, decision, strategy, group, option, its stage)] (``ZeroCost.stepped``)
     stepped: dict[str, list] = {}
     for n, (g, copies) in zgroups.items():
         r = rep(P_.root[n])
@@ -823,7 +827,7 @@ def solve(
             buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
             for k, (stage, delta, gb, sb) in enumerate(per):
                 if sb:
-                    stepped.setdefault(n, []).append((sb, r, s, g, k))
+                    stepped.setdefault(n, []).append((sb, r, s, g, k, stage))
                 if gb is not None:
                     bucket_sets.setdefault((r, s, g, k), set()).add(gb)
                 if stage == 0 and synced:  # (the flat buffer in the reduce dtype, as the plan prices it: ``price``)
@@ -986,6 +990,11 @@ def solve(
             dlat = copies * group_latency(zopts[k], mesh, per_copy) * sync_w(g) if zopts[k].stage == 3 else 0.0
             if zv is not None and dlat and objective != "memory":
                 oterms.append((dlat * US, zv))
+    # the optimizer step's peak (below): state + the gradients it reads + its temporaries; fused, none: it is the
+    # gradient peak's at most (a rank's gradients at the step are at most those at the end of backward)
+    kernel = mesh.hardware.optimizer_kernel
+    step_rows = memory_rows and bool(stepped) and kernel != "fused"
+    mem_s: list = []
     ind: dict[tuple[str, int, str, int], list] = {}  # (decision, strategy, group, option) -> x * z, a linear form
     for (r, s, g), row in zdelta.items():
         xv = x[r][s]
@@ -1012,6 +1021,8 @@ def solve(
                     terms.append((dcopy * US, w))
             mem_a.append(((ds + da) * MB, w))
             mem_g.append(((ds + dg) * MB, w))
+            if step_rows and not P_.grads_held:
+                mem_s.append((ds * MB, w))
         if ws:
             add_row(-inf, 0.0, [(1.0, w) for w in ws] + [(-1.0, xv)])  # the stage-0 share, x - sum(w), is not negative
         ind[(r, s, g, 0)] = [(1.0, xv)] + [(-1.0, w) for w in ws]
@@ -1073,29 +1084,36 @@ def solve(
     # the first stands for all)
     if any(any(row) for row in regen.values()):
         add_row(0.0, inf, [(1.0, top_a)] + [(-regen[r][s] * MB, xv) for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]])
-    # the optimizer's step, after backward (the buckets gone): its temporaries (``cost.step_temporaries``), one
-    # list of all it steps ("foreach"), or per parameter two of it beside the one before's ("for-loop"), on the
-    # (strategy, option) indicators; tied copies' terms merge on their representative's
-    kernel = mesh.hardware.optimizer_kernel
-    if memory_rows and stepped and kernel != "fused":
-        def step_form(names, weights) -> list:
+    # the optimizer's step, after backward (the buckets gone): the gradients a rank stores (what it steps) and the
+    # step's temporaries (``cost.step_temporaries``), one list of all it steps ("foreach"), or per parameter two of
+    # it beside the one before's ("for-loop"), on the (strategy, option) indicators; tied copies' terms merge on
+    # their representative's. A pipeline's stage problem holds its gradients in the state already: the temporaries
+    # join its gradient peak, of its ZeRO-0 parameters (a ZeRO-1 one's accumulated gradient and gathered copy,
+    # dropped by its step, outweigh them: ``pipeline.unit_costs``)
+    if step_rows:
+        def step_form(names, weights, sign: float = -1.0) -> list:
             coef: dict[tuple, float] = {}
             for name, wt in zip(names, weights):
-                for sb, r, s, g, k in stepped.get(name, ()):
-                    if (r, s, g, k) in ind:
+                for sb, r, s, g, k, stage in stepped.get(name, ()):
+                    if (r, s, g, k) in ind and not (P_.grads_held and stage):
                         coef[(r, s, g, k)] = coef.get((r, s, g, k), 0.0) + wt * sb
-            return [(-c * cf * MB, v) for key, c in coef.items() for cf, v in ind[key]]
+            return [(sign * c * cf * MB, v) for key, c in coef.items() for cf, v in ind[key]]
 
         order = [n for n in P_.order if n in stepped]  # the order the optimizer steps them in
-        if kernel == "foreach":
-            add_row(0.0, inf, [(1.0, top_g)] + step_form(order, [1.0] * len(order)))
-        else:
+        if not P_.grads_held:
+            mem_s += step_form(order, [2.0 if kernel == "foreach" else 1.0] * len(order), 1.0)
+        top_s = top_g if P_.grads_held else model.var(0.0, inf)
+        if kernel == "foreach" and P_.grads_held:
+            add_row(0.0, inf, [(1.0, top_s)] + step_form(order, [1.0] * len(order)))
+        elif kernel == "for-loop":
             seen = set()
             for before, n in zip([None] + order[:-1], order):
                 pair = (tuple(stepped[before]) if before else (), tuple(stepped[n]))
                 if pair not in seen:
                     seen.add(pair)
-                    add_row(0.0, inf, [(1.0, top_g)] + step_form([n] + ([before] if before else []), [2.0, 1.0]))
+                    add_row(0.0, inf, [(1.0, top_s)] + step_form([n] + ([before] if before else []), [2.0, 1.0]))
+            if not P_.grads_held:
+                mem_s.append((1.0, top_s))
     mem_a.append((1.0, top_a))
     mem_g.append((1.0, top_g))
     # node terms and memory
@@ -1112,14 +1130,20 @@ def solve(
                     hterms.append((t_hide[r][s] * US, xv))
             mem_a.append(((st + ac) * MB, xv))
             mem_g.append(((st + gr) * MB, xv))
+            if step_rows and not P_.grads_held:
+                mem_s.append((st * MB, xv))
     if objective == "memory":
         top = model.var(0.0, inf)  # peak
         add_row(0.0, inf, [(1.0, top)] + [(-c, v) for c, v in mem_a])
         add_row(0.0, inf, [(1.0, top)] + [(-c, v) for c, v in mem_g])
+        if mem_s:
+            add_row(0.0, inf, [(1.0, top)] + [(-c, v) for c, v in mem_s])
         terms.append((1.0, top))
     elif memory_budget is not None:
         add_row(-inf, memory_budget * MB, mem_a)
         add_row(-inf, memory_budget * MB, mem_g)
+        if mem_s:
+            add_row(-inf, memory_budget * MB, mem_s)
     f = mesh.hardware.overlap if overlap is None else overlap
     gh = mesh.hardware.reduce_overlap if overlap is None else 0.0
     goal = terms + oterms + ties

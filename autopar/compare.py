@@ -71,7 +71,8 @@ class Comparison:
                     line += [""] * 7
             rows.append(line)
         policy = "" if self.mixed_precision is None else f"  |  mixed precision {self.mixed_precision}"
-        text = f"mesh {self.mesh}{policy}\n" + _tabulate.tabulate(rows, headers=head, tablefmt="simple")
+        step = f"  |  AdamW {self.mesh.hardware.optimizer_kernel} (its step's memory priced, and run when measured)"
+        text = f"mesh {self.mesh}{policy}{step}\n" + _tabulate.tabulate(rows, headers=head, tablefmt="simple")
         return text + ("\nnot applicable:\n" + "\n".join(notes) if notes else "")
 
 
@@ -148,8 +149,8 @@ def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, 
 
 
 def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int, lr: float, mp=None) -> dict:
-    """Train ``row``'s plan for max(warmup, 1) + steps AdamW steps on the same batch as a single-device copy (under
-    the policy ``mp``, both)."""
+    """Train ``row``'s plan for max(warmup, 1) + steps AdamW steps (run as the hardware's ``optimizer_kernel``) on
+    the same batch as a single-device copy (under the policy ``mp``, both)."""
     import torch.distributed as dist
 
     from autopar import _compat
@@ -157,7 +158,8 @@ def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int
     from autopar.precision import SingleDevice
 
     reference = copy.deepcopy(model) if mp is None else SingleDevice(copy.deepcopy(model), mp)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    kernel = mesh.hardware.adamw_kwargs()  # the step the plans' memory prices (``Hardware.optimizer_kernel``)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, **kernel)
     if row.plan is not None:
         pm = parallelize(model, mesh, inputs, plan=row.plan)
         local = pm.local_inputs(*inputs)
@@ -171,7 +173,7 @@ def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int
         local = tuple(peers.peer_local_inputs(dm, *inputs))
         grads_of = lambda: {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()  # noqa: E731
                             for k, p in pm.named_parameters() if p.grad is not None}
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr, **kernel)
 
     def train_step() -> None:
         pm(*local).backward()

@@ -152,6 +152,11 @@ class Hardware:
             raise MeshError(f"hardware {self.name!r} has float8_linears set but no float8 peak in peak_flops; add "
                             "(\"float8\", FLOP/s) or leave float8_linears off (an A100 has no float8 tensor cores)")
 
+    def adamw_kwargs(self) -> dict[str, bool]:
+        """The arguments of ``torch.optim.AdamW`` that make it step as ``optimizer_kernel`` says (and so allocate what
+        the plan prices): ``AdamW(params, lr=..., **hw.adamw_kwargs())``."""
+        return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[self.optimizer_kernel]
+
     def foreign_runtime(self) -> dict[str, object]:
         """The runtime fields set to describe a runtime other than autopar's (``FOREIGN_RUNTIME``), with their values:
         such hardware prices FSDP2, Megatron-Core or torch.compile, and is for planning and comparing only."""

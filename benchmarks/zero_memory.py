@@ -57,7 +57,7 @@ def worker(stage: int, piped: bool = False, frozen: bool = False, mixed: bool = 
     mp = autopar.MixedPrecision(torch.bfloat16, torch.float32) if mixed else None
     pm = autopar.parallelize(model, mesh, (x, y), constraints=pins, mixed_precision=mp)
     del model
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, **mesh.hardware.adamw_kwargs())  # (cpu-gloo's: for-loop)
     lx, ly = pm.local_inputs(x, y)
     tracker = _compat.mem_tracker()
     tracker.track_external(pm, opt)

@@ -430,3 +430,18 @@ def test_the_optimizer_steps_temporaries_are_what_torch_allocates(kernel):
             opt.step()
             extra = _compat.mem_tracker_peak(tracker)["total"] - before
         assert extra == step_temporaries([p.numel() * 4.0 for p in params], kernel), (shapes, extra)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach", "for-loop"])
+def test_the_hardware_says_how_to_build_the_adamw_it_prices(kernel):
+    """``Hardware.adamw_kwargs``: the AdamW arguments that run the priced kernel (``compare`` builds its optimizers
+    with them, so a measured peak is the priced step's)."""
+    import dataclasses
+
+    from autopar.hardware import get_hardware
+
+    hw = dataclasses.replace(get_hardware("cpu-gloo"), optimizer_kernel=kernel)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, **hw.adamw_kwargs())
+    assert (bool(opt.defaults["fused"]), bool(opt.defaults["foreach"])) == {"fused": (True, False), "foreach": (False, True),
+                                                                             "for-loop": (False, False)}[kernel]
+    assert get_hardware("cpu-gloo").adamw_kwargs() == {"foreach": False}  # torch's default on CPU tensors

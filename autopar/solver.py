@@ -1102,10 +1102,10 @@ def solve(
         order = [n for n in P_.order if n in stepped]  # the order the optimizer steps them in
         if not P_.grads_held:
             mem_s += step_form(order, [2.0 if kernel == "foreach" else 1.0] * len(order), 1.0)
-        top_s = top_g if P_.grads_held else model.var(0.0, inf)
         if kernel == "foreach" and P_.grads_held:
-            add_row(0.0, inf, [(1.0, top_s)] + step_form(order, [1.0] * len(order)))
+            add_row(0.0, inf, [(1.0, top_g)] + step_form(order, [1.0] * len(order)))
         elif kernel == "for-loop":
+            top_s = top_g if P_.grads_held else model.var(0.0, inf)
             seen = set()
             for before, n in zip([None] + order[:-1], order):
                 pair = (tuple(stepped[before]) if before else (), tuple(stepped[n]))

@@ -335,7 +335,7 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire,
                      flat=expand(a.flat, b.flat), step=step, accum=expand(a.accum, b.accum), frozen=frozenset(cold),
                      cast=expand(a.cast, b.cast) if a.cast else [], temp=expand(a.temp, b.temp) if a.temp else [],
-                     temp_adds=a.temp_adds)
+                     temp_adds=a.temp_adds, start=expand(a.start, b.start) if a.start else [])
 
 
 def _units(L: int) -> Units:
@@ -425,7 +425,8 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     temps = stepped_all if kernel == "foreach" else step_temporaries(stepped, kernel)
     transient = max(transient, *bucket3.values(), *bucket0.values())
     step = step_time(compute, comm, deferred, mesh.hardware)
-    memory = peak_memory(state, grad, act, transient, max(transient, regen), stepped_all + temps)
+    # (as backward starts, the loss's gradient: ``solver.loss_gradients``)
+    memory = peak_memory(state, grad, act, transient, max(transient, regen, sum(uc.start)), stepped_all + temps)
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
 
 

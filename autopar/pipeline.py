@@ -51,7 +51,7 @@ from autopar.cost import (CostModel, collective_time, flat_copy_time, grad_sync_
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, fmt_bytes
-from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, solve, zero_groups
+from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, loss_gradients, solve, zero_groups
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
 from autopar.zero import ZeroOption, effective, optimizer_time, param_cost, pipeline_held, pipeline_sync_priced, shard_factor
@@ -207,16 +207,20 @@ class UnitCosts:
     # add up (``temp_adds``: one list of temporaries, "foreach") or the largest counts (one parameter at a time)
     temp: list[float] = dataclasses.field(default_factory=list)
     temp_adds: bool = True
+    # per unit, the loss's gradient its backward makes first beside the kept activations (``solver.loss_gradients``:
+    # the head's, per microbatch)
+    start: list[float] = dataclasses.field(default_factory=list)
     # what the cut searches derive from these costs (``unit_state``, ``_sums``, ``back``), once: the cluster screen
     # prices thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
     memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def back(self) -> list[float]:
         """Per unit, the bytes alive while its backward runs beside what the microbatches keep: what its
-        recomputation brings back, and one gradient before it is accumulated. Memoised: read it, do not change it."""
+        recomputation brings back, one gradient before it is accumulated, and the loss's gradient where backward
+        starts. Memoised: read it, do not change it."""
         if "back" not in self.memo:
             n = len(self.fwd)
-            self.memo["back"] = [r + a for r, a in zip(self.regen or [0.0] * n, self.accum or [0.0] * n)]
+            self.memo["back"] = [r + a + s for r, a, s in zip(self.regen or [0.0] * n, self.accum or [0.0] * n, self.start or [0.0] * n)]
         return self.memo["back"]
 
 
@@ -326,10 +330,13 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for uu, _held, local, _axes, _n in params.values():
         for u in uu:
             accum[u] = max(accum[u], local)
+    start = [0.0] * U
+    for n, i, m in loss_gradients(problem):
+        start[unit(n)] += math.prod(strategy[n].inputs[i].local_shape(m.shape, inner.sizes)) * itemsize(m.dtype)
     kernel = inner.hardware.optimizer_kernel
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum,
                      frozenset(n for n in params if n not in tg.trainable), cast,
-                     [step_temporaries(x, kernel) for x in stepped], kernel == "foreach")
+                     [step_temporaries(x, kernel) for x in stepped], kernel == "foreach", start)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------

@@ -263,6 +263,40 @@ def _storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
+def loss_gradients(problem: Problem) -> list[tuple[str, int, TensorMeta]]:
+    """Where backward starts: the (op, input slot, value) whose gradient the loss's backward makes first, beside
+    every activation kept for backward -- walking back from each scalar output through the scalars it is computed
+    from (a mean, a division by a count) to the ops that read a larger value needing a gradient (a cross-entropy's
+    logits, an MSE's prediction). Measured on one gloo rank: a GPT of vocabulary 50304 peaked one logits-sized
+    gradient (196 MiB at batch 8 x 128) over its priced activations (``benchmarks/zero_memory.py``). An output that
+    is not a scalar (a loss taken outside the model) names none: its gradient is the caller's."""
+    into: dict[str, list] = {}
+    for u, v, i, m in problem.edges:
+        into.setdefault(v, []).append((u, i, m))
+    found, seen = set(), set()
+    todo = [u for u, m in problem.outputs if math.prod(m.shape) <= 1 and problem.requires_grad.get(u)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u, i, m in into.get(n, ()):
+            if not problem.requires_grad.get(u):
+                continue
+            if math.prod(m.shape) <= 1:
+                todo.append(u)
+            else:
+                found.add((n, i, m))
+    return sorted(found, key=lambda t: (t[0], t[1]))
+
+
+def loss_gradient_bytes(problem: Problem, strategy_of, mesh: Mesh) -> float:
+    """Bytes of ``loss_gradients`` on a device, each at the local shape its op reads it in under ``strategy_of``
+    (a node's Strategy)."""
+    return float(sum(math.prod(strategy_of(n).inputs[i].local_shape(m.shape, mesh.sizes)) * itemsize(m.dtype)
+                     for n, i, m in loss_gradients(problem)))
+
+
 def kept_values(problem: Problem, strategy: dict, cost: CostModel) -> dict[tuple[str, str], tuple[str, float]]:
     """What backward keeps of the redistributed values of a chosen plan (``strategy``: node -> Strategy): (source,
     destination Spec) -> (the consumer keeping the most of it, bytes per device). One value however many consumers
@@ -1114,6 +1148,11 @@ def solve(
                     add_row(0.0, inf, [(1.0, top_s)] + step_form([n] + ([before] if before else []), [2.0, 1.0]))
             if not P_.grads_held:
                 mem_s.append((1.0, top_s))
+    # backward starts with the loss's gradient (``loss_gradients``) beside every kept activation
+    if memory_rows and loss_gradients(P_):
+        form = [(-math.prod(P_.strategy(n, s).inputs[i].local_shape(m.shape, mesh.sizes)) * itemsize(m.dtype) * MB, xv)
+                for n, i, m in loss_gradients(P_) for s, xv in enumerate(x[rep(P_.root[n])]) if xv is not None]
+        add_row(0.0, inf, [(1.0, top_a)] + [t for t in form if t[0]])
     mem_a.append((1.0, top_a))
     mem_g.append((1.0, top_g))
     # node terms and memory

@@ -14,8 +14,10 @@ distributed optimizer: shards gathered once a step, gradients reduce-scattered a
 pp rank's predicted peak (``plan.pipeline.rank_memory``) beside the largest measured on its ranks.
 Then fine-tuning: all layers but the top one frozen, under ZeRO-0, ZeRO-1 (the frozen layers stay whole: they have
 no gradient or optimizer state to shard) and ZeRO-3 (they are sharded and gathered a layer at a time, as FSDP2 does).
-Last, mixed precision (``autopar.MixedPrecision(torch.bfloat16, torch.float32)``, torchtitan's): the fp32 model
+Then mixed precision (``autopar.MixedPrecision(torch.bfloat16, torch.float32)``, torchtitan's): the fp32 model
 computing in bf16 with fp32 master parameters, gradients and AdamW state, stages 0-3 (and on the pipeline above).
+Last, a language model whose activations peak: a GPT of GPT-2's vocabulary, where backward starts with the
+gradient of the logits beside every kept activation (``solver.loss_gradients``), on 1 and on 2 ranks.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ from benchmarks._launch import torchrun  # noqa: E402
 
 import torch  # noqa: E402
 
+from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.mlp import MLP, MLPConfig  # noqa: E402
 
 CFG = MLPConfig(dim=512, hidden=2048, n_layer=4)
 BATCH = 64
 BIG = 4096  # a batch whose activations outweigh the gradients
+GPT_CFG = GPTConfig(vocab_size=50304, block_size=128, n_layer=2, n_head=4, n_embd=128)  # logits outweigh the rest
 
 
-def worker(stage: int, piped: bool = False, frozen: bool = False, mixed: bool = False, batch: int = BATCH) -> None:
+def worker(stage: int, piped: bool = False, frozen: bool = False, mixed: bool = False, batch: int = BATCH, gpt: bool = False) -> None:
     import torch.distributed as dist
 
     import autopar
@@ -46,11 +50,15 @@ def worker(stage: int, piped: bool = False, frozen: bool = False, mixed: bool = 
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = MLP(CFG)
+    model = GPT(GPT_CFG) if gpt else MLP(CFG)
     if frozen:  # fine-tuning the top layer alone
         for layer in model.layers[:-1]:
             layer.requires_grad_(False)
-    x, y = torch.randn(batch, CFG.dim), torch.randn(batch, CFG.dim)
+    if gpt:
+        x = torch.randint(0, GPT_CFG.vocab_size, (batch, GPT_CFG.block_size))
+        y = torch.roll(x, -1, 1)
+    else:
+        x, y = torch.randn(batch, CFG.dim), torch.randn(batch, CFG.dim)
     world = dist.get_world_size()
     mesh = autopar.Mesh({"pp": 2, "dp": world // 2} if piped else {"dp": world})
     pins = [autopar.ZeroPin("*", stage)] + ([autopar.PipelinePin("1f1b", 4)] if piped else [])
@@ -95,9 +103,10 @@ def main() -> None:
     ap.add_argument("--frozen", action="store_true")
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--batch", type=int, default=BATCH)
+    ap.add_argument("--gpt", action="store_true")
     args = ap.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.piped, args.frozen, args.mixed, args.batch)
+        worker(args.worker, args.piped, args.frozen, args.mixed, args.batch, args.gpt)
         return
     import tabulate
 
@@ -170,6 +179,18 @@ def main() -> None:
                      " ".join(f"{k}={v / mib:.1f}" for k, v in b.items())])
     print(f"\nthe same model at global batch {BIG} (activations peak); MiB per rank, dp={n}")
     print(tabulate.tabulate(rows, headers=["stage", "predicted peak", "measured peak", "pred/meas", "predicted breakdown"]))
+    rows = []
+    for ranks in (1, 2):
+        r, err = result(0, "--gpt", "--batch=8", nproc=ranks)
+        if r is None:
+            rows.append([f"dp={ranks}", "failed", err])
+            continue
+        m, b = r["measured"], r["breakdown"]
+        rows.append([f"dp={ranks}", f"{r['predicted'] / mib:.2f}", f"{m['total'] / mib:.2f}", f"{r['predicted'] / m['total']:.3f}",
+                     " ".join(f"{k}={v / mib:.1f}" for k, v in b.items())])
+    print(f"\nGPT {GPT_CFG}, global batch 8 x {GPT_CFG.block_size} tokens, ZeRO-0 (the peak: backward starting with the "
+          "logits' gradient, the transient); MiB per rank")
+    print(tabulate.tabulate(rows, headers=["ranks", "predicted peak", "measured peak", "pred/meas", "predicted breakdown"]))
 
 if __name__ == "__main__":
     main()

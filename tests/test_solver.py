@@ -443,3 +443,35 @@ def test_an_expert_axis_splits_the_batch_or_the_experts():
     assert synced and not synced & {n for n, f in tg.fqns.items() if f in experts}
     # the ep plan's options include every dp plan (experts whole); splitting them is what makes it faster
     assert plans["ep"].cost.step_time < plans["dp"].cost.step_time
+
+
+def test_backward_starts_with_the_losss_gradient_beside_every_kept_activation():
+    """A language model's backward first makes the gradient of its logits (the cross-entropy's input), while every
+    activation kept for backward is alive: the activation peak holds it (measured on one gloo rank,
+    ``benchmarks/zero_memory.py``: a GPT of vocabulary 50304 peaked exactly one logits-sized gradient over its
+    priced activations, 685.0 MiB measured against 488.5 priced). With the batch split it is a rank's share; the
+    solver's rows price it as the planner does; a model returning its logits (its loss taken outside) names none."""
+    from autopar.cost import CostModel
+    from autopar.solver import build_problem, loss_gradients
+    from autopar.trace import trace
+
+    cfg = GPTConfig(vocab_size=4096, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    x = torch.empty(8, 64, dtype=torch.long, device="meta")
+    logits = 8 * 64 * 4096 * 4
+    whole = autopar.plan(model, autopar.Mesh({"dp": 1}), (x, x)).cost
+    b = whole.memory_breakdown
+    assert b["transient"] == logits and whole.memory_per_device == pytest.approx(b["state"] + b["activations"] + logits)
+    tg = trace(model, (x, x))
+    (found,) = loss_gradients(build_problem(tg, autopar.Mesh({"dp": 1}), CostModel(autopar.Mesh({"dp": 1}))))
+    assert found[2].shape == (8 * 64, 4096)
+    # the batch split on dp=2: each rank makes its half
+    assert autopar.plan(model, autopar.Mesh({"dp": 2}), (x, x)).cost.memory_breakdown["transient"] == logits / 2
+    # the smallest plan the solver finds needs what the planner prices, the loss's gradient included
+    with pytest.raises(autopar.InfeasibleError) as e:
+        autopar.plan(model, autopar.Mesh({"dp": 1}), (x, x), memory_budget=whole.memory_per_device - logits / 2)
+    assert e.value.smallest_budget == pytest.approx(whole.memory_per_device, rel=1e-6)
+    with torch.device("meta"):
+        head = GPT(cfg)
+    assert loss_gradients(build_problem(trace(head, (x,)), autopar.Mesh({"dp": 1}), CostModel(autopar.Mesh({"dp": 1})))) == []

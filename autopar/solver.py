@@ -1231,7 +1231,9 @@ def solve(
             raise InfeasibleError(
                 f"no plan fits the memory budget of {memory_budget / 2**30:.3f} GiB per device on mesh {mesh}: "
                 f"the smallest plan needs {need / 2**30:.3f} GiB ({need:.0f} bytes) per device. Raise memory_budget to at "
-                "least that, add devices, or shrink the batch",
+                "least that, add devices, or shrink the batch" + (
+                    f" (priced with a {kernel} AdamW step's temporaries; a fused one, torch.optim.AdamW(fused=True), allocates "
+                    "none: Hardware.optimizer_kernel='fused', or --optimizer fused)" if step_rows else ""),
                 smallest_budget=need,
             )
         raise InfeasibleError(f"the solver found no plan (status {sol.status}); check the pins for conflicts")

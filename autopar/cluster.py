@@ -373,7 +373,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     traffic = {True: [0, 0], False: [0, 0]}  # ZeRO-3 (all-gathers, reduce-scatters): one block's, the rest's
     buckets: dict[bool, set] = {True: set(), False: set()}  # one block's gradient buckets, the rest's (as the solver's)
     stepped: list[float] = []  # the optimizer step's bytes of each parameter, in order (``cost.step_temporaries``)
-    stepped_all = 0.0  # and all copies' (every block's): the gradients the step reads
+    stepped_copies: list[int] = []  # and the copies it stands for (a block's: every block's)
     for name, (u, spec, meta, uses) in prof.params.items():
         copies = L if u == 1 else 1
         if batch_over_tp:  # tp = 1's proxy may have put any placement on its axis of size 1
@@ -389,7 +389,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         zc = param_cost(opt, spec, meta, mesh, copies, uses)
         if zc.stepped:
             stepped.append(zc.stepped)
-            stepped_all += copies * zc.stepped
+            stepped_copies.append(copies)
         state += copies * zc.state
         grad += copies * zc.grad
         act += copies * zc.act  # (ZeRO-1/2's gathered parameters; ZeRO-0's 16-bit compute copies)
@@ -421,8 +421,8 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         compute += L * seconds
         act += L * kept
         regen = max(regen, held)
-    kernel = mesh.hardware.optimizer_kernel  # (one parameter at a time: the template block's stand for every block's)
-    temps = stepped_all if kernel == "foreach" else step_temporaries(stepped, kernel)
+    temps = step_temporaries(stepped, mesh.hardware.optimizer_kernel, stepped_copies)
+    stepped_all = sum(s * c for s, c in zip(stepped, stepped_copies))  # the gradients the step reads
     transient = max(transient, *bucket3.values(), *bucket0.values())
     step = step_time(compute, comm, deferred, mesh.hardware)
     # (as backward starts, the loss's gradient: ``solver.loss_gradients``)

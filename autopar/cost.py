@@ -231,17 +231,19 @@ def optimizer_step_time(elements: float, hw: Hardware) -> float:
     return elements * hw.optimizer_step_bytes / (hw.hbm_bandwidth * hw.memory_efficiency)
 
 
-def step_temporaries(stepped: "list[float]", kernel: str) -> float:
+def step_temporaries(stepped: "list[float]", kernel: str, copies: "list[int] | None" = None) -> float:
     """Bytes AdamW's step allocates beside the state and gradients, for parameters it steps ``stepped`` bytes of
     each (the master elements a rank stores, in the master dtype: its moments'), in the order it steps them, as
     torch's three implementations do (measured with MemTracker on CPU, ``tests/test_cost.py``): "fused" runs one
     kernel and allocates nothing; "foreach" takes the square root of every second moment at once, one list of
     temporaries as large as all of them; "for-loop" takes one parameter's square root and divides it (two
-    temporaries of its size) while the one before's result is still bound (its ``denom``)."""
+    temporaries of its size) while the one before's result is still bound (its ``denom``). ``copies``: how many
+    parameters each entry stands for (a repeated block's, one entry for all its copies: all of them count in
+    foreach's list, one at a time in a for-loop's)."""
     if kernel == "fused" or not stepped:
         return 0.0
     if kernel == "foreach":
-        return float(sum(stepped))
+        return float(sum(s * c for s, c in zip(stepped, copies or [1] * len(stepped))))
     return max(2.0 * s + before for before, s in zip([0.0] + list(stepped[:-1]), stepped))
 
 

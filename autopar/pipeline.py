@@ -51,7 +51,8 @@ from autopar.cost import (CostModel, collective_time, flat_copy_time, grad_sync_
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, fmt_bytes
-from autopar.solver import Pin, ZeroPin, build_problem, gc_paused, kept_values, loss_gradients, solve, zero_groups
+from autopar.solver import (Pin, ZeroPin, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients, solve,
+                            zero_groups)
 from autopar.spec import Replicate, Spec, Strategy
 from autopar.trace import INPUT, PARAM, TracedGraph, trace
 from autopar.zero import ZeroOption, effective, optimizer_time, param_cost, pipeline_held, pipeline_sync_priced, shard_factor
@@ -331,8 +332,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         for u in uu:
             accum[u] = max(accum[u], local)
     start = [0.0] * U
-    for n, i, m in loss_gradients(problem):
-        start[unit(n)] += math.prod(strategy[n].inputs[i].local_shape(m.shape, inner.sizes)) * itemsize(m.dtype)
+    for n, b in loss_gradient_bytes(loss_gradients(problem), strategy.__getitem__, inner).items():
+        start[unit(n)] += b
     kernel = inner.hardware.optimizer_kernel
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum,
                      frozenset(n for n in params if n not in tg.trainable), cast,
@@ -597,7 +598,7 @@ def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, flo
             temps(i, j) if temps is not None else 0.0)
 
 
-def _held(stages, flight: int, adds: bool = True) -> float:
+def _held(stages, flight: int, adds: bool) -> float:
     """A rank's bytes from its stages' ``_stage_bytes`` (in stage order): the state, and the largest of ``flight``
     microbatches of activations with the largest backward transient and the compute copies, its stages'
     gradients' flat copy (one buffer for the rank), and its optimizer step's temporaries (summed over its stages

@@ -20,8 +20,8 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
-from autopar.solver import (Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, loss_gradient_bytes, solve,
-                            zero_groups)
+from autopar.solver import (Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients,
+                            solve, zero_groups)
 from autopar.zero import (ZeroOption, effective, frozen, gather_priced, grad_bucket, linear_weight_users, param_cost,
                           scatter_priced, shard_factor, zero3_uses)
 from autopar.spec import Partial, Shard, Spec
@@ -364,7 +364,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     if first is not None:  # recomputation brings one block's activations back while its backward runs
         t_act = max(t_act, sum(problem.costs[n][choice.index[n]].regen for n in first.nodes if n in choice.index))
     # backward starts with the loss's gradient beside every kept activation (``solver.loss_gradients``)
-    t_act = max(t_act, loss_gradient_bytes(problem, strategy.__getitem__, mesh))
+    t_act = max(t_act, sum(loss_gradient_bytes(loss_gradients(problem), strategy.__getitem__, mesh).values()))
     state += sum(problem.costs[n][choice.index[n]].state for n in problem.order)
     grad += sum(problem.costs[n][choice.index[n]].grad for n in problem.order)
     act += sum(problem.costs[n][choice.index[n]].act for n in problem.order)

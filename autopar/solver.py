@@ -290,11 +290,13 @@ def loss_gradients(problem: Problem) -> list[tuple[str, int, TensorMeta]]:
     return sorted(found, key=lambda t: (t[0], t[1]))
 
 
-def loss_gradient_bytes(problem: Problem, strategy_of, mesh: Mesh) -> float:
-    """Bytes of ``loss_gradients`` on a device, each at the local shape its op reads it in under ``strategy_of``
-    (a node's Strategy)."""
-    return float(sum(math.prod(strategy_of(n).inputs[i].local_shape(m.shape, mesh.sizes)) * itemsize(m.dtype)
-                     for n, i, m in loss_gradients(problem)))
+def loss_gradient_bytes(found: list, strategy_of, mesh: Mesh) -> dict[str, float]:
+    """Per op of ``found`` (``loss_gradients``), the bytes on a device of the gradients it makes first, each at the
+    local shape the op reads its input in under ``strategy_of`` (a node's Strategy)."""
+    out: dict[str, float] = {}
+    for n, i, m in found:
+        out[n] = out.get(n, 0.0) + math.prod(strategy_of(n).inputs[i].local_shape(m.shape, mesh.sizes)) * itemsize(m.dtype)
+    return out
 
 
 def kept_values(problem: Problem, strategy: dict, cost: CostModel) -> dict[tuple[str, str], tuple[str, float]]:
@@ -1149,10 +1151,15 @@ def solve(
             if not P_.grads_held:
                 mem_s.append((1.0, top_s))
     # backward starts with the loss's gradient (``loss_gradients``) beside every kept activation
-    if memory_rows and loss_gradients(P_):
-        form = [(-math.prod(P_.strategy(n, s).inputs[i].local_shape(m.shape, mesh.sizes)) * itemsize(m.dtype) * MB, xv)
-                for n, i, m in loss_gradients(P_) for s, xv in enumerate(x[rep(P_.root[n])]) if xv is not None]
-        add_row(0.0, inf, [(1.0, top_a)] + [t for t in form if t[0]])
+    found = loss_gradients(P_) if memory_rows else []
+    if found:
+        form = []
+        for n in sorted({n for n, _i, _m in found}):
+            for s, xv in enumerate(x[rep(P_.root[n])]):
+                b = loss_gradient_bytes(found, lambda v, s=s: P_.strategy(v, s), mesh).get(n, 0.0) if xv is not None else 0.0
+                if b:
+                    form.append((-b * MB, xv))
+        add_row(0.0, inf, [(1.0, top_a)] + form)
     mem_a.append((1.0, top_a))
     mem_g.append((1.0, top_g))
     # node terms and memory

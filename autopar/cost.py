@@ -26,7 +26,7 @@ Models:
   all-reduce 2(n-1)/n B, all-gather and reduce-scatter (n-1)/n B, all-to-all (n-1)/n B (B = the full buffer).
 - inputs: each rank loads its share of the batch at the host-to-device bandwidth.
 - the optimizer: AdamW steps the elements a rank stores (its ZeRO shard, ``zero.param_cost``) once a step on the
-  compute stream, memory-bound: ``Hardware.optimizer_step_bytes`` per element (``optimizer_step_time``).
+  compute stream, memory-bound: ``Hardware.optimizer_step_bytes`` per element, its kernel's (``optimizer_step_time``).
 - memory, in three kinds: state held all step (parameters and AdamW state: two moments in the parameter's
   dtype, or for 16-bit parameters, trained in mixed precision, an fp32 master copy and moments, 12 bytes, and
   their gradients fp32: ``master_bytes``; buffers; inputs),
@@ -226,9 +226,10 @@ def flat_copy_time(nbytes: float, hw: Hardware) -> float:
 
 def optimizer_step_time(elements: float, hw: Hardware) -> float:
     """Seconds one AdamW step of ``elements`` parameter elements takes on one device: memory-bound, its
-    ``Hardware.optimizer_step_bytes`` per element at the elementwise rate. A rank steps the elements it stores:
-    its local shard of every parameter, a ZeRO shard of it under stages 1-3 (``zero.param_cost``)."""
-    return elements * hw.optimizer_step_bytes / (hw.hbm_bandwidth * hw.memory_efficiency)
+    ``Hardware.optimizer_step_bytes`` per element for its ``optimizer_kernel``, at the elementwise rate. A rank steps
+    the elements it stores: its local shard of every parameter, a ZeRO shard of it under stages 1-3
+    (``zero.param_cost``)."""
+    return elements * hw.step_bytes() / (hw.hbm_bandwidth * hw.memory_efficiency)
 
 
 def step_temporaries(stepped: "list[float]", kernel: str, copies: "list[int] | None" = None) -> float:

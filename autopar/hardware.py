@@ -31,8 +31,10 @@ the machine was), every time the slowest rank's:
 - compute with every rank running at once (each gets ~half a core): fp32 matmul ~50 GFLOP/s per rank (one process
   alone ~100), bf16 ~225 GFLOP/s (alone ~460: AVX-512 BF16), elementwise ~2.4 GB/s (alone ~4.8); achieved rates,
   so the efficiencies are 1.0.
-- torch's AdamW step (for-loop, in place) ~4 ns per fp32 parameter element, 4 ranks at once: the time of 10 bytes
-  at the elementwise rate (``optimizer_step_bytes``; its passes allocate less than ``x * 2.0`` does).
+- torch's AdamW step ~4 ns per fp32 parameter element as a for-loop (torch's default on CPUs), 4 ranks at once:
+  the time of 10 bytes at the elementwise rate (``optimizer_step_bytes``; its passes run in cache, allocating less
+  than ``x * 2.0`` does); fused ~2 ns (5 bytes), foreach ~9.5 ns (23 bytes: its list of square roots, as large as
+  every parameter, does not stay in cache).
 - per-op overhead ~11 us per ATen op and direction (charged in forward and again in backward), 4 ranks at once.
 - gloo over 127.0.0.1: all-reduce, all-gather and reduce-scatter of 4 KiB - 16 MiB on 4 ranks and on pairs, fitted
   to ``launch + steps * latency + wire / bandwidth``: ~0.4 ms launch, ~0.65 ms per ring step, ~1.1 GB/s; the launch
@@ -65,6 +67,7 @@ import torch
 from autopar.errors import MeshError
 
 OPTIMIZER_KERNELS = ("fused", "foreach", "for-loop")  # torch.optim's three implementations (torchtitan's names)
+STEP_TRAFFIC = (("fused", 28.0), ("foreach", 80.0), ("for-loop", 80.0))  # bytes per element each moves (Hardware)
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,14 @@ class Hardware:
     # Megatron-LM's and torchtitan's MFU formulas do.
     memory_efficiency: float = 0.8  # fraction of HBM bandwidth an elementwise op reaches
     op_overhead: float = 0.0  # seconds per op launched (forward; backward pays it again), beyond its roofline time
-    optimizer_step_bytes: float = 28.0  # memory traffic of one AdamW step per parameter element it steps, run at
-    # memory_efficiency of hbm_bandwidth: a fused AdamW (Megatron's, torchtitan's "fused") reads the parameter, its
-    # gradient and two moments and writes the three back, 7 x 4 bytes in fp32, and as much for a 16-bit parameter
-    # with an fp32 master copy (2 + 12 read, 12 + 2 written); cpu-gloo: measured (benchmarks/calibrate_cpu.py)
+    optimizer_step_bytes: "tuple[tuple[str, float], ...] | float" = STEP_TRAFFIC  # memory traffic of one AdamW
+    # step per parameter element it steps, per implementation (``optimizer_kernel``), run at memory_efficiency of
+    # hbm_bandwidth. Counted from torch's AdamW on fp32 (as much for a 16-bit parameter with an fp32 master copy):
+    # fused, one kernel, reads the parameter, its gradient and two moments and writes the three back (7 x 4 bytes);
+    # foreach and for-loop make eight passes (decay the parameter; lerp the first moment; scale and addcmul the
+    # second; its square root, divided, plus eps, into a temporary; addcdiv into the parameter: 80 bytes). Checked on
+    # an H200 (``benchmarks/calibrate_gpu.py``): 33, 87 and 77 bytes' time. A number gives every kernel the same;
+    # cpu-gloo: measured per kernel (``benchmarks/calibrate_cpu.py``: its passes run in cache)
     optimizer_kernel: str = "foreach"  # how the user's AdamW runs its step, which decides what it allocates beside
     # the state and gradients (``cost.step_temporaries``): "fused" (one kernel: nothing; Megatron's, torchtitan's
     # default, ``fused=True``), "foreach" (torch's default on GPUs: one temporary per element it steps), "for-loop"
@@ -144,6 +151,14 @@ class Hardware:
     # block by block); autopar's runtime runs each op as its own kernel
 
     def __post_init__(self):
+        traffic = self.optimizer_step_bytes
+        if isinstance(traffic, (int, float)):
+            traffic = {k: traffic for k in OPTIMIZER_KERNELS}
+        traffic = dict(traffic)
+        if sorted(traffic) != sorted(OPTIMIZER_KERNELS):
+            raise MeshError(f"hardware {self.name!r}: optimizer_step_bytes names {sorted(traffic)}; give a number of "
+                            f"bytes per element for each of {', '.join(OPTIMIZER_KERNELS)} (or one number for all)")
+        object.__setattr__(self, "optimizer_step_bytes", tuple((k, float(traffic[k])) for k in OPTIMIZER_KERNELS))
         if self.optimizer_kernel not in OPTIMIZER_KERNELS:
             raise MeshError(f"hardware {self.name!r}: optimizer_kernel {self.optimizer_kernel!r} is not one of "
                             f"{', '.join(OPTIMIZER_KERNELS)}; say how the optimizer steps (torch.optim.AdamW(fused=True): "
@@ -151,6 +166,10 @@ class Hardware:
         if self.float8_linears and "float8" not in dict(self.peak_flops):
             raise MeshError(f"hardware {self.name!r} has float8_linears set but no float8 peak in peak_flops; add "
                             "(\"float8\", FLOP/s) or leave float8_linears off (an A100 has no float8 tensor cores)")
+
+    def step_bytes(self) -> float:
+        """Bytes of memory traffic per parameter element of one AdamW step as ``optimizer_kernel`` runs it."""
+        return dict(self.optimizer_step_bytes)[self.optimizer_kernel]
 
     def adamw_kwargs(self) -> dict[str, bool]:
         """The arguments of ``torch.optim.AdamW`` that make it step as ``optimizer_kernel`` says (and so allocate what
@@ -209,7 +228,7 @@ class Hardware:
             "attention_efficiency": self.attention_efficiency,
             "attention_skips_masked": self.attention_skips_masked,
             "op_overhead": self.op_overhead,
-            "optimizer_step_bytes": self.optimizer_step_bytes,
+            "optimizer_step_bytes": dict(self.optimizer_step_bytes),
             "optimizer_kernel": self.optimizer_kernel,
             "overlap": self.overlap,
             "reduce_overlap": self.reduce_overlap,
@@ -238,7 +257,7 @@ class Hardware:
             attention_efficiency=d.get("attention_efficiency", 0.7),
             attention_skips_masked=bool(d.get("attention_skips_masked", True)),
             op_overhead=d.get("op_overhead", 0.0),
-            optimizer_step_bytes=float(d.get("optimizer_step_bytes", 28.0)),
+            optimizer_step_bytes=d.get("optimizer_step_bytes", STEP_TRAFFIC),  # a number: every kernel's
             optimizer_kernel=str(d.get("optimizer_kernel", "foreach")),
             overlap=float(d.get("overlap", 0.0)),
             reduce_overlap=float(d.get("reduce_overlap", 0.0)),
@@ -311,7 +330,9 @@ PRESETS: dict[str, Hardware] = {
         attention_efficiency=1.0,
         memory_efficiency=1.0,
         op_overhead=11e-6,
-        optimizer_step_bytes=10.0,  # torch's AdamW, in place: ~10 bytes' time per element at the elementwise rate
+        optimizer_step_bytes=(("fused", 5.1), ("foreach", 22.8), ("for-loop", 10.0)),  # bytes' time per element at
+        # the elementwise rate: the for-loop's ~4.2 ns per element (2026-12-04 as before), fused and foreach's 2.1 and
+        # 9.5 ns measured beside it in the same run (foreach's list of temporaries leaves the cache)
         optimizer_kernel="for-loop",  # torch's AdamW on CPU tensors by default
         cores_per_rank=0.5,  # 4 ranks of one thread on 2 cores
     ),

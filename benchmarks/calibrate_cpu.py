@@ -8,10 +8,11 @@ once (torchrun, 127.0.0.1), and every time is the slowest rank's (a training ste
 
 - fp32 and bf16 matmul FLOP/s (1024^3; bf16 256^3 on a CPU without bf16 units) and elementwise bytes/s (``x * 2.0`` on 32 MiB), per rank, every rank
   running the same loop (4 ranks on 2 cores get about half a core each); one process alone for reference.
-- the optimizer step: ``torch.optim.AdamW`` as the tests and benchmarks build it (torch's default implementation)
-  stepping 16 fp32 parameters of 512 Ki elements, every rank at once; seconds per element, and the bytes per
-  element that is at the elementwise rate above (the preset's ``optimizer_step_bytes``: AdamW's passes run in
-  place, with fewer fresh allocations than ``x * 2.0``, so it is not the ~80 bytes its passes move).
+- the optimizer step: ``torch.optim.AdamW`` in each of its three implementations (``Hardware.optimizer_kernel``:
+  fused, foreach, and the for-loop the tests and benchmarks run, torch's default on CPUs) stepping 16 fp32
+  parameters of 512 Ki elements, every rank at once; seconds per element, and the bytes per element that is at
+  the elementwise rate above (the preset's ``optimizer_step_bytes``, per kernel: the passes over 2 MiB parameters
+  run in cache, so it is not the 28 or 80 bytes they move, as on a GPU).
 - per-op overhead: a chain of tiny ops (linear, gelu, add, mul, layer_norm, softmax on a (4, 16) tensor, whose
   roofline time is ~0), forward and backward under autograd, called through ``torch.ops.aten`` as autopar's
   graph modules call them; seconds per op, the mean of forward and backward (the cost model charges it in each).
@@ -58,6 +59,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from autopar.hardware import OPTIMIZER_KERNELS  # noqa: E402
 from benchmarks._launch import torchrun  # noqa: E402
 
 SIZES = (4 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)  # bytes of the priced buffer
@@ -164,12 +166,14 @@ def _half_busy(fn, reps: int) -> float:
     return _slowest(seconds)
 
 
-def adamw_step(k: int = 16, n: int = 512 * 1024) -> float:
-    """Seconds per parameter element of one AdamW step, on the slowest rank, every rank stepping at once."""
+def adamw_step(kernel: str, k: int = 16, n: int = 512 * 1024) -> float:
+    """Seconds per parameter element of one AdamW step run as ``kernel`` (``Hardware.optimizer_kernel``), on the
+    slowest rank, every rank stepping at once."""
+    from autopar.hardware import PRESETS
     params = [torch.nn.Parameter(torch.randn(n)) for _ in range(k)]
     for q in params:
         q.grad = torch.randn(n)
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4, **dataclasses.replace(PRESETS["cpu-gloo"], optimizer_kernel=kernel).adamw_kwargs())
     return _loop(opt.step, 5) / (k * n)
 
 
@@ -260,7 +264,8 @@ def worker() -> None:
             res[key] = max(res.get(key, 0.0), value)
         if n >= 2:  # the same matmul with half of the ranks computing and the others waiting
             res["flops_half"] = max(res.get("flops_half", 0.0), 2 * 1024**3 / _half_busy(lambda: a @ b, 10))
-        res["adamw"] = min(res.get("adamw", math.inf), adamw_step())
+        for kernel in OPTIMIZER_KERNELS:
+            res[f"adamw_{kernel}"] = min(res.get(f"adamw_{kernel}", math.inf), adamw_step(kernel))
         fwd, bwd = op_overhead()
         res["op_fwd"], res["op_bwd"] = min(res.get("op_fwd", fwd), fwd), min(res.get("op_bwd", bwd), bwd)
 
@@ -382,7 +387,7 @@ def fitted(res: dict, n: int):
     hw = dataclasses.replace(
         PRESETS["cpu-gloo"], name="cpu-gloo (measured)", peak_flops=(("bfloat16", res["flops_bf16"]), ("float32", res["flops"])),
         hbm_bandwidth=res["bandwidth"], input_bandwidth=res["bandwidth"], op_overhead=(res["op_fwd"] + res["op_bwd"]) / 2,
-        optimizer_step_bytes=res["adamw"] * res["bandwidth"], intra_node=link, inter_node=link,
+        optimizer_step_bytes=tuple((k, res[f"adamw_{k}"] * res["bandwidth"]) for k in OPTIMIZER_KERNELS), intra_node=link, inter_node=link,
         reduce_overlap=min(max(res["reduce_overlap"], 0.0), 1.0), cores_per_rank=cores_per_rank(res, n))
     return hw, launch_fit, lates, latency, bw
 
@@ -427,9 +432,11 @@ def main() -> None:
         [f"bf16 matmul FLOP/s per rank, {n} ranks at once", f"{res['flops_bf16']:.3g}", f"{hw.flops(torch.bfloat16) * hw.matmul_efficiency:.3g}"],
         ["elementwise bytes/s, one process alone", f"{bw1:.3g}", ""],
         [f"elementwise bytes/s per rank, {n} ranks at once", f"{res['bandwidth']:.3g}", f"{hw.hbm_bandwidth * hw.memory_efficiency:.3g}"],
-        [f"AdamW step, s per parameter element, {n} ranks at once", f"{res['adamw']:.3g}",
-         f"{hw.optimizer_step_bytes / (hw.hbm_bandwidth * hw.memory_efficiency):.3g}"],
-        ["  as bytes per element at the elementwise rate per rank", f"{res['adamw'] * res['bandwidth']:.3g}", f"{hw.optimizer_step_bytes:.3g}"],
+        *[row for k in OPTIMIZER_KERNELS for row in (
+            [f"AdamW step ({k}), s per parameter element, {n} ranks at once", f"{res[f'adamw_{k}']:.3g}",
+             f"{dict(hw.optimizer_step_bytes)[k] / (hw.hbm_bandwidth * hw.memory_efficiency):.3g}"],
+            ["  as bytes per element at the elementwise rate per rank", f"{res[f'adamw_{k}'] * res['bandwidth']:.3g}",
+             f"{dict(hw.optimizer_step_bytes)[k]:.3g}"])],
         [f"per-op overhead, forward / backward (s), {n} ranks at once", f"{res['op_fwd']:.3g} / {res['op_bwd']:.3g}", ""],
         ["per-op overhead, mean of the two (s)", f"{op:.3g}", f"{hw.op_overhead:.3g}"],
         [f"all-reduce of 1 element (gloo's special path), {n} ranks (s)", f"{res['all_reduce_1']:.3g}", ""],
@@ -467,9 +474,10 @@ def main() -> None:
     if other is not None:
         print(f"other work on this machine during the measurements: {100 * other:.0f}% of its CPU time"
               + (" (numbers slower and noisier than on a quiet machine: measure again)" if other > 0.1 else ""))
+    step_bytes = "(" + ", ".join(f"(\"{k}\", {res[f'adamw_{k}'] * res['bandwidth']:.3g})" for k in OPTIMIZER_KERNELS) + ")"
     print(f"\nas preset values (one rank of {n} on this machine): peak_flops=((\"bfloat16\", {res['flops_bf16']:.3g}), "
           f"(\"float32\", {res['flops']:.3g})), hbm_bandwidth={res['bandwidth']:.3g}, "
-          f"optimizer_step_bytes={res['adamw'] * res['bandwidth']:.3g}, op_overhead={op:.3g}, "
+          f"optimizer_step_bytes={step_bytes}, op_overhead={op:.3g}, "
           f"Link(bandwidth={bw:.3g}, latency={latency:.3g}, launch={launch:.3g}, reduce_scatter_as_all_reduce=True, "
           f"all_gather_bandwidth={mine.intra_node.all_gather_bandwidth:.3g}, reduce_scatter_bandwidth={mine.intra_node.reduce_scatter_bandwidth:.3g}), "
           f"reduce_overlap={mine.reduce_overlap:.3g}, cores_per_rank={mine.cores_per_rank:.3g}")

@@ -15,8 +15,8 @@ What is measured (CUDA events; each figure the median of several calls after war
 - fused causal attention (SDPA, bf16, head dim 128): forward and backward, as FLOP/s of the work its kernel runs
   (the tiles on and below the diagonal) against ``attention_efficiency``;
 - torch's AdamW step in each of its three implementations (``Hardware.optimizer_kernel``) on fp32 parameters of
-  unequal sizes: seconds per element, as bytes at the elementwise rate (the preset's ``optimizer_step_bytes``
-  prices every kernel so), and the bytes it allocates beside the state and gradients (``cost.step_temporaries``);
+  unequal sizes: seconds per element, as bytes at the elementwise rate (the preset's ``optimizer_step_bytes``, per
+  kernel), and the bytes it allocates beside the state and gradients (``cost.step_temporaries``);
 - whole training steps on one device: a GPT-2-medium-shaped model in fp32 and a Llama-3-shaped one under the
   mixed precision autopar runs (fp32 parameters cast to bf16 where they are read, ``MixedPrecision(bf16, fp32)``:
   ``torch.func.functional_call`` on the cast parameters), forward + backward and the optimizer step timed apart,
@@ -340,14 +340,16 @@ def compare(m: dict, hardware: str) -> None:
         o = m["overhead"]
         print(f"\nper-op overhead (eager, forward + backward of {o['ops']} tiny ops): "
               f"{o['seconds'] / (2 * o['ops']) * 1e6:.1f} us per op and direction  |  preset {hw.op_overhead * 1e6:.1f} us")
-    print(f"\nAdamW step, {len(ADAMW_SIZES)} fp32 parameters of unequal sizes: time (preset: "
-          f"{hw.optimizer_step_bytes:g} B per element at the elementwise rate, whatever the kernel) and temporaries")
+    print(f"\nAdamW step, {len(ADAMW_SIZES)} fp32 parameters of unequal sizes: time (preset: its kernel's "
+          "optimizer_step_bytes per element at the elementwise rate) and temporaries (cost.step_temporaries)")
     stepped = [4.0 * n for n in ADAMW_SIZES]
     for r in m.get("adamw", []):
-        pred = optimizer_step_time(r["elements"], hw)
+        kernel_hw = dataclasses.replace(hw, optimizer_kernel=r["kernel"])
+        pred = optimizer_step_time(r["elements"], kernel_hw)
         temps = step_temporaries(stepped, r["kernel"])
         print(f"  {r['kernel']:8s}  {r['seconds'] * 1e3:7.2f} ms = {r['seconds'] * rate / r['elements']:5.1f} B/element "
-              f"| predicted {pred * 1e3:6.2f} ms, measured/predicted {r['seconds'] / pred:.2f}  "
+              f"| predicted {pred * 1e3:6.2f} ms ({kernel_hw.step_bytes():g} B/element), measured/predicted "
+              f"{r['seconds'] / pred:.2f}  "
               f"|  temporaries {r['temporaries'] / 2**20:7.1f} MiB, predicted {temps / 2**20:7.1f} MiB")
     print("\nwhole training steps on one device, measured (eager torch, and autopar's runtime on a one-rank mesh) and"
           " predicted (autopar.plan on a one-device mesh of the preset); measured/predicted in brackets")

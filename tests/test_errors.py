@@ -167,6 +167,8 @@ def test_bad_mesh_and_hardware():
     from autopar.hardware import get_hardware
     with pytest.raises(autopar.MeshError, match="optimizer_kernel 'apex'.*fused=True"):
         dataclasses.replace(get_hardware("h100-80gb"), optimizer_kernel="apex")
+    with pytest.raises(autopar.MeshError, match="optimizer_step_bytes names \\['foreach', 'fused'\\].*for-loop"):
+        dataclasses.replace(get_hardware("h100-80gb"), optimizer_step_bytes=(("fused", 28.0), ("foreach", 80.0)))
 
 
 def test_parallelize_refuses_hardware_that_prices_another_runtime():

@@ -42,6 +42,13 @@ def test_json_round_trip():
 
     fused = autopar.Mesh({"dp": 2}, dataclasses.replace(m.hardware, optimizer_kernel="fused"))
     assert autopar.Mesh.from_json(fused.to_json()).hardware.optimizer_kernel == "fused"
+    # the step's traffic per kernel travels as a dict; a number (a file written before it was per kernel) prices
+    # every kernel the same, as it did then
+    d = m.hardware.to_json()
+    assert d["optimizer_step_bytes"] == {"fused": 28.0, "foreach": 80.0, "for-loop": 80.0}
+    old = autopar.Hardware.from_json(dict(d, optimizer_step_bytes=28.0))
+    assert [dataclasses.replace(old, optimizer_kernel=k).step_bytes() for k in ("fused", "foreach", "for-loop")] == [28.0] * 3
+    assert m.hardware.step_bytes() == 80.0 and dataclasses.replace(m.hardware, optimizer_kernel="fused").step_bytes() == 28.0
 
 
 def test_device_mesh_both_ways():

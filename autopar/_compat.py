@@ -185,6 +185,33 @@ def fake_mode():
     return FakeTensorMode()
 
 
+def live_peak(fn) -> int:
+    """Run ``fn()`` and return the most bytes that tensors made by the ops it dispatches held at once (an op's
+    output counts from when it is made until it is freed; views of other tensors, by the op's schema, not at all).
+    Under ``fake_mode`` it allocates nothing: the count is what a real run would hold."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    live: dict[int, int] = {}
+    peak = [0]
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for t, ret in zip(outs, func._schema.returns):
+                if isinstance(t, torch.Tensor) and ret.alias_info is None:
+                    live[id(t)] = t.numel() * t.element_size()
+                    weakref.finalize(t, live.pop, id(t), None)
+            peak[0] = max(peak[0], sum(live.values()))
+            return out
+
+    with Track():
+        fn()
+    return peak[0]
+
+
 def fsdp2_replicate(module, mesh, mp_policy):
     """FSDP2's ``replicate`` (data parallel on FSDP2's runtime, taking DTensor parameters), which torch 2.13 exposes
     only from ``torch.distributed._composable.replicate_with_fsdp`` (``torch.distributed.fsdp`` exports

@@ -281,8 +281,27 @@ class Saved:
     internal: int  # bytes of tensors it creates only to keep (e.g. LayerNorm's mean and rstd)
 
 
-def probe_saved(target, args: tuple, kwargs: dict, requires_grad: tuple) -> Saved:
-    """Run the op once on fake tensors and record what autograd saves (no memory, no compute)."""
+def _fused_rms_norm_saves(args: tuple, kwargs: dict, requires_grad: tuple) -> Saved:
+    """CUDA's fused RMSNorm kernel (``aten.rms_norm`` on a GPU): it keeps its input, its weight and one fp32
+    reciprocal RMS per normalized row (measured on an H200: ``benchmarks/calibrate_gpu.py``'s Llama rows)."""
+    x, shape = args[0], args[1]
+    rows = math.prod(x.shape) // max(math.prod(shape), 1)
+    weight = {1} if len(args) > 2 and isinstance(args[2], TensorMeta) else set()  # tensor inputs' slots
+    return Saved(frozenset({0} | weight), False, rows * 4)
+
+
+# (device type, op) -> what the kernel that device runs keeps, where it is not what the op keeps on fake CPU
+# tensors (the only kind a machine without that device can make): there ``aten.rms_norm`` is composed of smaller
+# ops and keeps four fp32 copies of its input, CUDA runs one fused kernel
+KERNEL_SAVES = {("cuda", aten.rms_norm.default): _fused_rms_norm_saves}
+
+
+def probe_saved(target, args: tuple, kwargs: dict, requires_grad: tuple, device_type: str = "cpu") -> Saved:
+    """Run the op once on fake tensors and record what autograd saves (no memory, no compute); on ``device_type``,
+    where ``KERNEL_SAVES`` knows its kernel keeps something else, that."""
+    rule = KERNEL_SAVES.get((device_type, target))
+    if rule is not None:
+        return rule(args, kwargs, requires_grad)
     from autopar import _compat
     from autopar._compat import pytree
 
@@ -309,6 +328,8 @@ def probe_saved(target, args: tuple, kwargs: dict, requires_grad: tuple) -> Save
             out = target(*fargs, **fkwargs)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         inputs, output, internal = set(), False, 0
+        counted: set[int] = set()  # one tensor kept by two of the op's backward nodes (a cross-entropy's
+        # log-probabilities: its log_softmax's output and its nll_loss's input) is held once
         for t in kept:
             base = t._base if t._base is not None else t
             hit = next((i for i, m in enumerate(made) if base is m or t is m), None)
@@ -316,9 +337,40 @@ def probe_saved(target, args: tuple, kwargs: dict, requires_grad: tuple) -> Save
                 inputs.add(hit)
             elif any(base is o or t is o for o in outs):
                 output = True
-            else:
-                internal += t.numel() * t.element_size()
+            elif id(base) not in counted:
+                counted.add(id(base))
+                internal += base.numel() * base.element_size()
     return Saved(frozenset(inputs), output, internal)
+
+
+def probe_backward_peak(target, args: tuple, kwargs: dict, requires_grad: tuple) -> int:
+    """Bytes the op's backward holds at its peak, on fake tensors: the gradients it makes (of the inputs in
+    ``requires_grad``) and the temporaries it makes them through, from a gradient of ones for its output. A
+    cross-entropy makes the gradient of its log-probabilities and from it that of its logits, both alive at once:
+    twice its logits; an MSE the one gradient of its prediction."""
+    from autopar import _compat
+    from autopar._compat import pytree
+
+    with _compat.fake_mode():
+        made: list[torch.Tensor] = []
+
+        def fake(a):
+            if isinstance(a, TensorMeta):
+                t = torch.empty(a.shape, dtype=a.dtype)
+                if requires_grad[len(made)] and a.dtype.is_floating_point:
+                    t.requires_grad_(True)
+                made.append(t)
+                return t
+            return a
+
+        fargs, fkwargs = pytree.tree_map(fake, (list(args), dict(kwargs)), is_leaf=lambda a: isinstance(a, TensorMeta))
+        out = target(*fargs, **fkwargs)
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        wrt = [t for t in made if t.requires_grad]
+        ones = [torch.ones_like(o) for o in outs]
+        if not outs or not wrt:
+            return 0
+        return _compat.live_peak(lambda: torch.autograd.grad(outs, wrt, ones, allow_unused=True))
 
 
 RECOMPUTE = ("none", "selective", "full")

@@ -11,7 +11,10 @@ torchtitan's Llama-3 runs on A100s): a large matmul reaches 68% of peak and half
 of 128; FlashAttention-2 60% of the FLOPs it runs (causal: the tiles on and below the diagonal); collectives 65%
 of NVLink's and 90% of InfiniBand's line rate. The H100/H200 presets (700 W SXM) reuse the A100's efficiencies and
 are checked, not fitted (plan_quality's check rows): NVIDIA's DGX-H100 Llama3-8B FSDP run in FP8 is predicted
-within 2%. torchtitan's published H100 runs were on 500 W parts with HBM2e: ``h100-500w`` describes them, with one
+within 2%. One H200 was measured with ``benchmarks/calibrate_gpu.py`` (its table prints preset beside measured):
+the elementwise rate is the preset's, large bf16 matmuls reach 0.78 of peak (above the 0.68 the A100 runs were
+fitted with, which holds what a whole step loses besides), torch's SDPA forward + backward 0.45 (the h200 preset
+takes it), and whole training steps on it are predicted within 13% (time) and 4% (peak memory). torchtitan's published H100 runs were on 500 W parts with HBM2e: ``h100-500w`` describes them, with one
 constant fitted (the tensor-core clocks the power limit leaves) on one of their runs and checked on the others.
 The runtime fields (``overlap``, ``reduce_overlap``, ``grad_reduce_bytes``, ``attention_skips_masked``,
 ``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``, ``fused_elementwise``) describe autopar's runtime
@@ -146,6 +149,9 @@ class Hardware:
     tp_overlap: float = 0.0  # fraction of a tensor-parallel collective's time hidden behind the linear it feeds or
     # follows (Transformer Engine's userbuffer overlap in Megatron-Core, torch's AsyncTP): all-gather + GEMM and
     # GEMM + reduce-scatter run as one pipelined kernel pair; 0: autopar's runtime runs them one after the other
+    device_type: str = "cuda"  # the devices' torch device type, which decides the kernels an op runs and so what
+    # its backward keeps (``cost.KERNEL_SAVES``: an RMSNorm keeps its input and one fp32 statistic per row in CUDA's
+    # fused kernel, four fp32 copies of its input where it is composed of smaller ops, as on CPUs)
     fused_elementwise: bool = False  # torch.compile's Inductor fuses each chain of memory-bound ops of a repeated
     # block into one kernel: a value passed between two of them is neither written nor read back (torchtitan compiles
     # block by block); autopar's runtime runs each op as its own kernel
@@ -238,6 +244,7 @@ class Hardware:
             "float8_linears": self.float8_linears,
             "tp_overlap": self.tp_overlap,
             "fused_elementwise": self.fused_elementwise,
+            "device_type": self.device_type,
         }
 
     @staticmethod
@@ -267,6 +274,7 @@ class Hardware:
             float8_linears=bool(d.get("float8_linears", False)),
             tp_overlap=float(d.get("tp_overlap", 0.0)),
             fused_elementwise=bool(d.get("fused_elementwise", False)),
+            device_type=str(d.get("device_type", "cuda")),
         )
 
 
@@ -315,7 +323,9 @@ PRESETS: dict[str, Hardware] = {
         inter_node=Link(bandwidth=0.9 * 50 * _GB, latency=8e-6, launch=15e-6),
         matmul_efficiency=0.68,  # the A100 calibration, checked on a DGX-H100 run (plan_quality --cases check)
         matmul_half_dim=128,
-        attention_efficiency=0.6,  # FlashAttention-2 through SDPA: ~70% of peak forward, ~55% backward
+        attention_efficiency=0.45,  # torch's SDPA (FlashAttention-2) forward + backward, causal, bf16, head dim 128,
+        # measured on an H200 (benchmarks/calibrate_gpu.py, 2026-12-04): 0.45 at 8K tokens, 0.40 at 4K; the A100's
+        # 0.6 is not reached on Hopper without FlashAttention-3
     ),
     "cpu-gloo": Hardware(  # one rank of 4 sharing the 2-core machine; benchmarks/calibrate_cpu.py (module docstring)
         name="cpu-gloo",
@@ -335,6 +345,7 @@ PRESETS: dict[str, Hardware] = {
         # 9.5 ns measured beside it in the same run (foreach's list of temporaries leaves the cache)
         optimizer_kernel="for-loop",  # torch's AdamW on CPU tensors by default
         cores_per_rank=0.5,  # 4 ranks of one thread on 2 cores
+        device_type="cpu",
     ),
 }
 

@@ -107,7 +107,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.cost import CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_saved
+from autopar.cost import ATTENTION_OPS, CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_backward_peak, probe_saved
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.milp import INF, Model, Solution
@@ -184,6 +184,9 @@ class Problem:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     # a pipeline's stage problem: its parameters' costs hold their gradients in the state (alive all step)
     grads_held: bool = False
+    # loss op (``loss_gradients``) -> what its backward holds at its peak over the gradients it makes first (a
+    # cross-entropy: 2, its log-probabilities' gradient beside its logits'); 1 where absent
+    loss_backward: dict[str, float] = field(default_factory=dict)
 
     def index(self, node: str, root_index: int) -> int:
         """The strategy index of ``node`` when its root runs strategy ``root_index``."""
@@ -250,26 +253,51 @@ def _partials(spec: Spec) -> int:
     return sum(isinstance(p, Partial) for p in spec.placements)
 
 
+def _contiguous_at_run_time(node: fx.Node) -> bool:
+    """Whether ``node``'s value is contiguous as the kernels lay it out when the program runs. The trace says so
+    for all but one case: a fused attention's output, which FlashAttention, memory-efficient and cuDNN attention
+    on GPUs and the flash kernel on CPUs write (batch, sequence, heads, head dim) and return transposed to
+    (batch, heads, sequence, head dim), where a model traced on the meta device (as large ones are planned) gets
+    torch's contiguous default. So the reshape to (batch, sequence, features) after the usual transpose copies
+    nothing (measured: eager torch and autopar's runtime keep one tensor there, on an H200 and on CPUs), though
+    such a trace says it copies."""
+    if node.meta["val"].is_contiguous():
+        return True
+    views = []
+    while node.op == "call_function" and node.target in VIEW_OPS and node.target not in (aten.reshape.default, aten._unsafe_view.default):
+        views.append(node)
+        node = node.args[0]
+    if node.op != "call_function" or node.target not in ATTENTION_OPS:
+        return False
+    b, h, t, d = node.meta["val"].shape
+    x = torch.empty(b, t, h, d, device="meta").transpose(1, 2)
+    for v in reversed(views):
+        x = v.target(x, *v.args[1:], **v.kwargs)
+    return x.is_contiguous()
+
+
 def _storage_root(node: fx.Node) -> fx.Node:
     """The node whose output owns ``node``'s storage (views, and reshapes that need no copy, alias their input)."""
     while node.op == "call_function":
         t = node.target
         if t is operator.getitem or (t in VIEW_OPS and t not in (aten.reshape.default, aten._unsafe_view.default)):
             node = node.args[0]
-        elif t in (aten.reshape.default, aten._unsafe_view.default) and node.args[0].meta["val"].is_contiguous():
+        elif t in (aten.reshape.default, aten._unsafe_view.default) and _contiguous_at_run_time(node.args[0]):
             node = node.args[0]
         else:
             break
     return node
 
 
-def loss_gradients(problem: Problem) -> list[tuple[str, int, TensorMeta]]:
-    """Where backward starts: the (op, input slot, value) whose gradient the loss's backward makes first, beside
-    every activation kept for backward -- walking back from each scalar output through the scalars it is computed
-    from (a mean, a division by a count) to the ops that read a larger value needing a gradient (a cross-entropy's
-    logits, an MSE's prediction). Measured on one gloo rank: a GPT of vocabulary 50304 peaked one logits-sized
-    gradient (196 MiB at batch 8 x 128) over its priced activations (``benchmarks/zero_memory.py``). An output that
-    is not a scalar (a loss taken outside the model) names none: its gradient is the caller's."""
+def loss_gradients(problem: Problem) -> list[tuple[str, int, TensorMeta, float]]:
+    """Where backward starts: the (op, input slot, value, factor) whose gradient the loss's backward makes first,
+    beside every activation kept for backward -- walking back from each scalar output through the scalars it is
+    computed from (a mean, a division by a count) to the ops that read a larger value needing a gradient (a
+    cross-entropy's logits, an MSE's prediction); ``factor``: what the op's backward holds at its peak over those
+    gradients (``Problem.loss_backward``: a cross-entropy makes its log-probabilities' gradient, then its logits',
+    two logits-sized tensors at once). Measured on one gloo rank: a GPT of vocabulary 50304 peaked two
+    logits-sized tensors over the activations kept (one, its log-probabilities) (``benchmarks/zero_memory.py``).
+    An output that is not a scalar (a loss taken outside the model) names none: its gradient is the caller's."""
     into: dict[str, list] = {}
     for u, v, i, m in problem.edges:
         into.setdefault(v, []).append((u, i, m))
@@ -286,16 +314,36 @@ def loss_gradients(problem: Problem) -> list[tuple[str, int, TensorMeta]]:
             if math.prod(m.shape) <= 1:
                 todo.append(u)
             else:
-                found.add((n, i, m))
+                found.add((n, i, m, problem.loss_backward.get(n, 1.0)))
     return sorted(found, key=lambda t: (t[0], t[1]))
 
 
 def loss_gradient_bytes(found: list, strategy_of, mesh: Mesh) -> dict[str, float]:
-    """Per op of ``found`` (``loss_gradients``), the bytes on a device of the gradients it makes first, each at the
-    local shape the op reads its input in under ``strategy_of`` (a node's Strategy)."""
+    """Per op of ``found`` (``loss_gradients``), the bytes on a device its backward holds as backward starts: the
+    gradients it makes first, each at the local shape the op reads its input in under ``strategy_of`` (a node's
+    Strategy), times the op's factor (its temporaries scale with its input's local share)."""
     out: dict[str, float] = {}
-    for n, i, m in found:
-        out[n] = out.get(n, 0.0) + math.prod(strategy_of(n).inputs[i].local_shape(m.shape, mesh.sizes)) * itemsize(m.dtype)
+    for n, i, m, factor in found:
+        local = math.prod(strategy_of(n).inputs[i].local_shape(m.shape, mesh.sizes)) * itemsize(m.dtype)
+        out[n] = out.get(n, 0.0) + local * factor
+    return out
+
+
+def _loss_backward(problem: Problem, nodes: dict[str, fx.Node], rg: dict[str, bool]) -> dict[str, float]:
+    """``Problem.loss_backward``: each loss op's backward run once on fake tensors (``cost.probe_backward_peak``),
+    its peak over the single-device bytes of the gradients ``loss_gradients`` names for it."""
+    firsts: dict[str, float] = {}
+    for n, _i, m, _f in loss_gradients(problem):
+        firsts[n] = firsts.get(n, 0.0) + math.prod(m.shape) * itemsize(m.dtype)
+    out = {}
+    for n, first in firsts.items():
+        node = nodes[n]
+        info = op_info(node)
+        try:
+            peak = probe_backward_peak(node.target, info.args, info.kwargs, tuple(rg.get(a.name, False) for a in tensor_inputs(node)))
+        except Exception:  # an op fake tensors cannot run backward: its first gradients alone
+            peak = 0
+        out[n] = max(1.0, peak / first) if first else 1.0
     return out
 
 
@@ -314,12 +362,13 @@ def kept_values(problem: Problem, strategy: dict, cost: CostModel) -> dict[tuple
     return out
 
 
-def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool]) -> tuple[dict[str, bool], dict[str, int], frozenset]:
+def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool], device_type: str = "cpu") -> tuple[dict[str, bool], dict[str, int], frozenset]:
     """Which nodes' outputs some backward keeps, the bytes each op keeps of its own (single-device shapes), and
     which (op, input slot) pairs it keeps.
 
     Each distinct op (target, shapes, arguments, which inputs need gradients) is run once on fake tensors under
-    saved-tensor hooks (``cost.probe_saved``); a kept view counts at the node that owns its storage, once.
+    saved-tensor hooks (``cost.probe_saved``; on ``device_type``, the kernels it runs); a kept view counts at the
+    node that owns its storage, once.
     """
     cache: dict[str, object] = {}
     saved_out: dict[str, bool] = {}
@@ -334,7 +383,7 @@ def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool]) -> tuple[dict[
         key = repr((str(n.target), info.args, sorted(info.kwargs.items(), key=str), flags))
         if key not in cache:
             try:
-                cache[key] = probe_saved(n.target, info.args, info.kwargs, flags)
+                cache[key] = probe_saved(n.target, info.args, info.kwargs, flags, device_type)
             except Exception:  # an op fake tensors cannot run: assume it keeps its inputs (conservative)
                 cache[key] = Saved(frozenset(range(len(ins))), False, 0)
         sv = cache[key]
@@ -430,9 +479,10 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             for a in n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]:
                 if isinstance(a, fx.Node):
                     uses.setdefault(a.name, []).append(("output", -1))
-    if "saved_activations" not in tg.memo:  # the graph's own fact: the same on every mesh
-        tg.memo["saved_activations"] = _saved_activations(graph_nodes, rg)
-    saved_out, internal, saved_in = tg.memo["saved_activations"]
+    device_type = mesh.hardware.device_type
+    if ("saved_activations", device_type) not in tg.memo:  # the graph's own fact: the same on every mesh of a device type
+        tg.memo[("saved_activations", device_type)] = _saved_activations(graph_nodes, rg, device_type)
+    saved_out, internal, saved_in = tg.memo[("saved_activations", device_type)]
     folded_use: dict[str, tuple[str, int]] = {}
     direct_use: dict[str, tuple[str, int]] = {}
     wide = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and sizes[a] > 1]
@@ -534,6 +584,9 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     problem = Problem(order, kind, root, cands, costs, {}, meta, rg, source, edges, outputs,
                       [_output_specs(m, sizes) for _, m in outputs], tg.rep, main_slot, folded_use,
                       direct_use, saved={n: (saved_out.get(n, False), internal.get(n, 0)) for n in order}, saved_in=saved_in)
+    if "loss_backward" not in tg.memo:  # the graph's own fact, like what its ops keep
+        tg.memo["loss_backward"] = _loss_backward(problem, {n.name: n for n in graph_nodes}, rg)
+    problem.loss_backward = tg.memo["loss_backward"]
     # derived strategies of followers (graph order: a follower's input is resolved before it) and folded nodes
     ins_of = {v: {} for v in order}
     for u, v, i, m in edges:
@@ -1154,7 +1207,7 @@ def solve(
     found = loss_gradients(P_) if memory_rows else []
     if found:
         form = []
-        for n in sorted({n for n, _i, _m in found}):
+        for n in sorted({n for n, _i, _m, _f in found}):
             for s, xv in enumerate(x[rep(P_.root[n])]):
                 b = loss_gradient_bytes(found, lambda v, s=s: P_.strategy(v, s), mesh).get(n, 0.0) if xv is not None else 0.0
                 if b:

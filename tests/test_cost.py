@@ -445,3 +445,30 @@ def test_the_hardware_says_how_to_build_the_adamw_it_prices(kernel):
     assert (bool(opt.defaults["fused"]), bool(opt.defaults["foreach"])) == {"fused": (True, False), "foreach": (False, True),
                                                                              "for-loop": (False, False)}[kernel]
     assert get_hardware("cpu-gloo").adamw_kwargs() == {"foreach": False}  # torch's default on CPU tensors
+
+
+def test_what_a_cross_entropy_keeps_and_what_its_backward_holds():
+    """A cross-entropy keeps its log-probabilities once, though two of its backward nodes keep them (its log_softmax
+    its output, its nll_loss its input); its backward then holds the gradient of its log-probabilities and that of
+    its logits at once. An MSE's backward makes its prediction's gradient alone (and its target's, when that needs
+    one too)."""
+    from autopar.cost import probe_backward_peak, probe_saved
+    from autopar.strategies import TensorMeta
+
+    logits, target = TensorMeta((512, 1000), torch.float32), TensorMeta((512,), torch.int64)
+    nbytes = 512 * 1000 * 4
+    ce = torch.ops.aten.cross_entropy_loss.default
+    assert probe_saved(ce, (logits, target), {}, (True, False)).internal == pytest.approx(nbytes, abs=16)
+    assert probe_backward_peak(ce, (logits, target), {}, (True, False)) == 2 * nbytes
+    mse = torch.ops.aten.mse_loss.default
+    assert probe_backward_peak(mse, (logits, logits), {}, (True, False)) == nbytes
+    assert probe_backward_peak(mse, (logits, logits), {}, (True, True)) == 2 * nbytes
+    # the same in eager torch on this machine: what backward's first node allocates beside what forward kept
+    x = torch.randn(512, 1000, requires_grad=True)
+    y = torch.randint(0, 1000, (512,))
+    loss = torch.nn.functional.cross_entropy(x, y)
+    grads = []
+    log_softmax = loss.grad_fn  # nll_loss's node; its input's node is the log_softmax's
+    log_softmax.next_functions[0][0].register_prehook(lambda g: grads.append(g[0].nbytes))  # log-probabilities' grad
+    loss.backward()
+    assert grads == [nbytes] and x.grad.nbytes == nbytes

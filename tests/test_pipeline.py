@@ -92,7 +92,7 @@ def test_a_rank_counts_the_block_it_recomputes_beside_its_checkpoints():
     reported peak all count it; they left it out, 12% under on the first rank here). Beside it, a microbatch after
     the first computes each gradient before adding it to the accumulated one: the unit's largest gradient too (the
     tied embedding's on both ranks here, and a block's c_fc beside its recomputation); and on the head's rank, where
-    a microbatch's backward starts, the loss's gradient (``solver.loss_gradients``: its logits')."""
+    a microbatch's backward starts, the loss's gradient (``solver.loss_gradients``: its log-probabilities' and its logits')."""
     model, inputs = build("gpt2-small")
     mesh = autopar.Mesh({"pp": 2}, hardware="h100-80gb")
     extra, act = {}, {}
@@ -105,8 +105,8 @@ def test_a_rank_counts_the_block_it_recomputes_beside_its_checkpoints():
     blocks = 6  # the first rank's: the embedding and h.0-h.5
     wte, c_fc = (p.numel() * p.element_size() for p in (model.wte.weight, model.h[0].mlp.c_fc.weight))
     logits = 16 // 4 * 1024 * 50304 * 4  # the head's: a microbatch's loss gradient, where its backward starts
-    assert extra["none"] == [wte, wte + logits]
-    assert wte <= extra["selective"][0] < extra["full"][0] and extra["full"][1] == pytest.approx(max(extra["full"][0], wte + logits))
+    assert extra["none"] == [wte, wte + 2 * logits]  # (its log-probabilities' gradient beside its logits')
+    assert wte <= extra["selective"][0] < extra["full"][0] and extra["full"][1] == pytest.approx(max(extra["full"][0], wte + 2 * logits))
     assert extra["full"][0] == pytest.approx((act["none"] - act["full"]) / blocks + c_fc, rel=0.01)
 
 

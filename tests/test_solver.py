@@ -446,11 +446,12 @@ def test_an_expert_axis_splits_the_batch_or_the_experts():
 
 
 def test_backward_starts_with_the_losss_gradient_beside_every_kept_activation():
-    """A language model's backward first makes the gradient of its logits (the cross-entropy's input), while every
-    activation kept for backward is alive: the activation peak holds it (measured on one gloo rank,
-    ``benchmarks/zero_memory.py``: a GPT of vocabulary 50304 peaked exactly one logits-sized gradient over its
-    priced activations, 685.0 MiB measured against 488.5 priced). With the batch split it is a rank's share; the
-    solver's rows price it as the planner does; a model returning its logits (its loss taken outside) names none."""
+    """A language model's backward first makes the gradient of its log-probabilities and from it that of its logits
+    (the cross-entropy's input), while every activation kept for backward is alive: the activation peak holds both
+    (measured on one gloo rank, ``benchmarks/zero_memory.py``: a GPT of vocabulary 50304 peaked exactly two
+    logits-sized tensors over the activations kept, its log-probabilities among them). With the batch split it is
+    a rank's share; the solver's rows price it as the planner does; a model returning its logits (its loss taken
+    outside) names none."""
     from autopar.cost import CostModel
     from autopar.solver import build_problem, loss_gradients
     from autopar.trace import trace
@@ -462,12 +463,12 @@ def test_backward_starts_with_the_losss_gradient_beside_every_kept_activation():
     logits = 8 * 64 * 4096 * 4
     whole = autopar.plan(model, autopar.Mesh({"dp": 1}), (x, x)).cost
     b = whole.memory_breakdown
-    assert b["transient"] == logits and whole.memory_per_device == pytest.approx(b["state"] + b["activations"] + logits)
+    assert b["transient"] == 2 * logits and whole.memory_per_device == pytest.approx(b["state"] + b["activations"] + 2 * logits)
     tg = trace(model, (x, x))
     (found,) = loss_gradients(build_problem(tg, autopar.Mesh({"dp": 1}), CostModel(autopar.Mesh({"dp": 1}))))
-    assert found[2].shape == (8 * 64, 4096)
+    assert found[2].shape == (8 * 64, 4096) and found[3] == 2.0  # the cross-entropy's backward: two of its input
     # the batch split on dp=2: each rank makes its half
-    assert autopar.plan(model, autopar.Mesh({"dp": 2}), (x, x)).cost.memory_breakdown["transient"] == logits / 2
+    assert autopar.plan(model, autopar.Mesh({"dp": 2}), (x, x)).cost.memory_breakdown["transient"] == logits
     # the smallest plan the solver finds needs what the planner prices, the loss's gradient included
     with pytest.raises(autopar.InfeasibleError) as e:
         autopar.plan(model, autopar.Mesh({"dp": 1}), (x, x), memory_budget=whole.memory_per_device - logits / 2)
@@ -475,3 +476,68 @@ def test_backward_starts_with_the_losss_gradient_beside_every_kept_activation():
     with torch.device("meta"):
         head = GPT(cfg)
     assert loss_gradients(build_problem(trace(head, (x,)), autopar.Mesh({"dp": 1}), CostModel(autopar.Mesh({"dp": 1})))) == []
+
+
+def _eager_saved_bytes(model, inputs) -> int:
+    """Bytes eager torch keeps for backward after one forward: every distinct storage autograd saves, parameters'
+    aside (counted once however many backward nodes keep it, as an allocator holds it)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*inputs)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_the_activations_a_plan_keeps_are_what_eager_torch_keeps(arch):
+    """The activation bytes priced on one device equal what autograd keeps when the model runs eagerly on this
+    machine: a tensor two backward nodes keep counts once (a cross-entropy's log-probabilities), and the
+    (batch, sequence, features) reshape after a fused attention's transpose copies nothing (its kernels write the
+    output sequence-major, which fake tensors do not say). Checked on an H200 too (``benchmarks/calibrate_gpu.py``:
+    a GPT's 24 blocks in fp32, 17.58 GiB priced after forward, 17.64 measured)."""
+    from models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    if arch == "gpt":
+        build = lambda: GPT(GPTConfig(vocab_size=2048, block_size=128, n_layer=2, n_head=4, n_embd=128))  # noqa: E731
+    else:
+        build = lambda: Llama(LlamaConfig(vocab_size=2048, max_seq_len=128, n_layer=2, n_head=4, n_kv_head=2, dim=128, ffn_dim=256))  # noqa: E731
+    x = torch.randint(0, 2048, (4, 128))
+    kept = _eager_saved_bytes(build(), (x, x))
+    with torch.device("meta"):  # planned as large models are: on the meta device, where attention has no kernel
+        meta = build()
+    priced = autopar.plan(meta, autopar.Mesh({"dp": 1}), (x.to("meta"), x.to("meta"))).cost.memory_breakdown["activations"]
+    assert priced == pytest.approx(kept, rel=0.01), (priced, kept)
+
+
+def test_a_cuda_rms_norm_keeps_its_input_and_one_statistic_per_row():
+    """On fake CPU tensors ``aten.rms_norm`` is composed of smaller ops and keeps fp32 copies of its input; CUDA's
+    fused kernel keeps the input, the weight and one fp32 reciprocal RMS per row (measured on an H200). Plans for
+    GPU hardware (``Hardware.device_type``) price that kernel."""
+    import dataclasses
+
+    from autopar.cost import probe_saved
+    from autopar.strategies import TensorMeta
+    from models.llama import Llama, LlamaConfig
+
+    x, w = TensorMeta((2, 64, 256), torch.bfloat16), TensorMeta((256,), torch.bfloat16)
+    cpu = probe_saved(torch.ops.aten.rms_norm.default, (x, [256], w, 1e-5), {}, (True, True))
+    cuda = probe_saved(torch.ops.aten.rms_norm.default, (x, [256], w, 1e-5), {}, (True, True), "cuda")
+    assert cuda.inputs == {0, 1} and not cuda.output and cuda.internal == 2 * 64 * 4
+    assert cpu.internal >= 2 * 2 * 64 * 256 * 4  # fp32 copies of the input
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=512, max_seq_len=64, n_layer=1, n_head=4, n_kv_head=2, dim=256, ffn_dim=512)).to(torch.bfloat16)
+    t = torch.empty(2, 64, dtype=torch.long, device="meta")
+    hw = autopar.PRESETS["a100-80gb"]
+    act = {d: autopar.plan(model, autopar.Mesh({"dp": 1}, dataclasses.replace(hw, device_type=d)), (t, t)).cost.memory_breakdown["activations"]
+           for d in ("cpu", "cuda")}
+    # three norms (attention, feed-forward, final), each keeping what its kernel keeps: the fp32 copies go, and the
+    # input (a residual sum) is kept where nothing else kept it
+    saved = 3 * (cpu.internal - cuda.internal)
+    assert saved - 3 * 2 * 64 * 256 * 2 <= act["cpu"] - act["cuda"] <= saved

@@ -296,6 +296,26 @@ def _fused_rms_norm_saves(args: tuple, kwargs: dict, requires_grad: tuple) -> Sa
 KERNEL_SAVES = {("cuda", aten.rms_norm.default): _fused_rms_norm_saves}
 
 
+def _fake_inputs(args: tuple, kwargs: dict, requires_grad: tuple) -> tuple[list, dict, list]:
+    """An op's arguments with each TensorMeta made a (fake, under ``fake_mode``) tensor, those ``requires_grad``
+    flags (floating ones) requiring it; and the tensors made, in order."""
+    from autopar._compat import pytree
+
+    made: list[torch.Tensor] = []
+
+    def fake(a):
+        if isinstance(a, TensorMeta):
+            t = torch.empty(a.shape, dtype=a.dtype)
+            if requires_grad[len(made)] and a.dtype.is_floating_point:
+                t.requires_grad_(True)
+            made.append(t)
+            return t
+        return a
+
+    fargs, fkwargs = pytree.tree_map(fake, (list(args), dict(kwargs)), is_leaf=lambda a: isinstance(a, TensorMeta))
+    return fargs, fkwargs, made
+
+
 def probe_saved(target, args: tuple, kwargs: dict, requires_grad: tuple, device_type: str = "cpu") -> Saved:
     """Run the op once on fake tensors and record what autograd saves (no memory, no compute); on ``device_type``,
     where ``KERNEL_SAVES`` knows its kernel keeps something else, that."""
@@ -306,18 +326,7 @@ def probe_saved(target, args: tuple, kwargs: dict, requires_grad: tuple, device_
     from autopar._compat import pytree
 
     with _compat.fake_mode():
-        made: list[torch.Tensor] = []
-
-        def fake(a):
-            if isinstance(a, TensorMeta):
-                t = torch.empty(a.shape, dtype=a.dtype)
-                if requires_grad[len(made)] and a.dtype.is_floating_point:
-                    t.requires_grad_(True)
-                made.append(t)
-                return t
-            return a
-
-        fargs, fkwargs = pytree.tree_map(fake, (list(args), dict(kwargs)), is_leaf=lambda a: isinstance(a, TensorMeta))
+        fargs, fkwargs, made = _fake_inputs(args, kwargs, requires_grad)
         kept: list[torch.Tensor] = []
 
         def pack(t):
@@ -352,18 +361,7 @@ def probe_backward_peak(target, args: tuple, kwargs: dict, requires_grad: tuple)
     from autopar._compat import pytree
 
     with _compat.fake_mode():
-        made: list[torch.Tensor] = []
-
-        def fake(a):
-            if isinstance(a, TensorMeta):
-                t = torch.empty(a.shape, dtype=a.dtype)
-                if requires_grad[len(made)] and a.dtype.is_floating_point:
-                    t.requires_grad_(True)
-                made.append(t)
-                return t
-            return a
-
-        fargs, fkwargs = pytree.tree_map(fake, (list(args), dict(kwargs)), is_leaf=lambda a: isinstance(a, TensorMeta))
+        fargs, fkwargs, made = _fake_inputs(args, kwargs, requires_grad)
         out = target(*fargs, **fkwargs)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         wrt = [t for t in made if t.requires_grad]

@@ -17,7 +17,8 @@ no gradient or optimizer state to shard) and ZeRO-3 (they are sharded and gather
 Then mixed precision (``autopar.MixedPrecision(torch.bfloat16, torch.float32)``, torchtitan's): the fp32 model
 computing in bf16 with fp32 master parameters, gradients and AdamW state, stages 0-3 (and on the pipeline above).
 Last, a language model whose activations peak: a GPT of GPT-2's vocabulary, where backward starts with the
-gradient of the logits beside every kept activation (``solver.loss_gradients``), on 1 and on 2 ranks.
+gradients of the log-probabilities and of the logits beside every kept activation, the log-probabilities among
+them (``solver.loss_gradients``), on 1 and on 2 ranks.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def main() -> None:
         rows.append([f"dp={ranks}", f"{r['predicted'] / mib:.2f}", f"{m['total'] / mib:.2f}", f"{r['predicted'] / m['total']:.3f}",
                      " ".join(f"{k}={v / mib:.1f}" for k, v in b.items())])
     print(f"\nGPT {GPT_CFG}, global batch 8 x {GPT_CFG.block_size} tokens, ZeRO-0 (the peak: backward starting with the "
-          "logits' gradient, the transient); MiB per rank")
+          "log-probabilities' and the logits' gradients, the transient); MiB per rank")
     print(tabulate.tabulate(rows, headers=["ranks", "predicted peak", "measured peak", "pred/meas", "predicted breakdown"]))
 
 if __name__ == "__main__":

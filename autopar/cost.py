@@ -178,10 +178,9 @@ def op_flops(target, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]) ->
     """Forward FLOPs of one op on the given (local) shapes."""
     if target in MATMUL_OPS:
         return 2.0 * math.prod(outs[0]) * contracted(target, ins)
-    if target in ATTENTION_OPS:
-        b, h, t, d = ins[0]
-        s = ins[1][2]
-        return 4.0 * b * h * t * s * d
+    if target in ATTENTION_OPS:  # (..., T, d) queries over (..., S, d) keys: any batch dims, heads among them
+        t, d, s = ins[0][-2], ins[0][-1], ins[1][-2]
+        return 4.0 * math.prod(ins[0][:-2]) * t * s * d
     if target in VIEW_OPS:
         return 0.0
     return float(sum(math.prod(o) for o in outs))
@@ -433,7 +432,7 @@ class CostModel:
         block: 1 - T / 2S."""
         if info.target not in ATTENTION_OPS or not self.hw.attention_skips_masked or not info.arg(5, "is_causal", False):
             return 1.0
-        t, s = ins[0][2], ins[1][2]
+        t, s = ins[0][-2], ins[1][-2]
         if t < s:
             return 0.5 if s % t == 0 and balances(t, s // t) else 1.0 - t / (2 * s)
         if t != s:
@@ -451,7 +450,7 @@ class CostModel:
         sizes = self.mesh.sizes
         axes = split_query_axes(st, sizes)
         q = st.inputs[0].local_shape(info.inputs[0].shape, sizes)
-        if not axes or not balances(q[2], math.prod(sizes[a] for a in axes)):
+        if not axes or not balances(q[-2], math.prod(sizes[a] for a in axes)):
             return []
         out = st.output.local_shape(info.outputs[0].shape, sizes)
         halves = [math.prod(q) // 2 * itemsize(info.inputs[0].dtype), math.prod(out) // 2 * itemsize(info.outputs[0].dtype)]

@@ -72,6 +72,8 @@ from autopar.errors import MeshError
 
 OPTIMIZER_KERNELS = ("fused", "foreach", "for-loop")  # torch.optim's three implementations (torchtitan's names)
 STEP_TRAFFIC = (("fused", 28.0), ("foreach", 80.0), ("for-loop", 80.0))  # bytes per element each moves (Hardware)
+ADAMW_KWARGS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}  # each's
+# torch.optim.AdamW arguments
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,7 @@ class Hardware:
     def adamw_kwargs(self) -> dict[str, bool]:
         """The arguments of ``torch.optim.AdamW`` that make it step as ``optimizer_kernel`` says (and so allocate what
         the plan prices): ``AdamW(params, lr=..., **hw.adamw_kwargs())``."""
-        return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[self.optimizer_kernel]
+        return dict(ADAMW_KWARGS[self.optimizer_kernel])
 
     def foreign_runtime(self) -> dict[str, object]:
         """The runtime fields set to describe a runtime other than autopar's (``FOREIGN_RUNTIME``), with their values:

@@ -267,8 +267,8 @@ def _contiguous_at_run_time(node: fx.Node) -> bool:
     while node.op == "call_function" and node.target in VIEW_OPS and node.target not in (aten.reshape.default, aten._unsafe_view.default):
         views.append(node)
         node = node.args[0]
-    if node.op != "call_function" or node.target not in ATTENTION_OPS:
-        return False
+    if node.op != "call_function" or node.target not in ATTENTION_OPS or node.meta["val"].dim() != 4:
+        return False  # (the fused kernels' sequence-major layout is of (batch, heads, sequence, head dim) attention)
     b, h, t, d = node.meta["val"].shape
     x = torch.empty(b, t, h, d, device="meta").transpose(1, 2)
     for v in reversed(views):

@@ -59,7 +59,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autopar.hardware import OPTIMIZER_KERNELS  # noqa: E402
+from autopar.hardware import ADAMW_KWARGS, OPTIMIZER_KERNELS  # noqa: E402
 from benchmarks._launch import torchrun  # noqa: E402
 
 SIZES = (4 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)  # bytes of the priced buffer
@@ -169,11 +169,10 @@ def _half_busy(fn, reps: int) -> float:
 def adamw_step(kernel: str, k: int = 16, n: int = 512 * 1024) -> float:
     """Seconds per parameter element of one AdamW step run as ``kernel`` (``Hardware.optimizer_kernel``), on the
     slowest rank, every rank stepping at once."""
-    from autopar.hardware import PRESETS
     params = [torch.nn.Parameter(torch.randn(n)) for _ in range(k)]
     for q in params:
         q.grad = torch.randn(n)
-    opt = torch.optim.AdamW(params, lr=1e-4, **dataclasses.replace(PRESETS["cpu-gloo"], optimizer_kernel=kernel).adamw_kwargs())
+    opt = torch.optim.AdamW(params, lr=1e-4, **ADAMW_KWARGS[kernel])
     return _loop(opt.step, 5) / (k * n)
 
 

@@ -1,7 +1,8 @@
 """Measure one GPU against its hardware preset: the cost model's rates, the AdamW step, and whole training steps.
 
 Run: ``python benchmarks/calibrate_gpu.py --measure --json FILE`` on a machine with a CUDA device (about 2 min on an
-H200; plain torch and ``models/`` only, so any recent torch runs it), then ``python benchmarks/calibrate_gpu.py
+H200; torch, ``models/`` and autopar, which ran there under torch 2.11; ``--runtime-check``'s planning needs
+HiGHS, carried as a wheel where nothing can be installed), then ``python benchmarks/calibrate_gpu.py
 --json FILE [--hardware h200]`` anywhere to print the preset's prediction beside each measurement. Without
 ``--json`` the second form reads the measurement stored in ``benchmarks/data/`` for the preset (one H200, torch
 2.11 + CUDA 13, 2026-12-04).
@@ -38,8 +39,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from autopar.hardware import ADAMW_KWARGS  # noqa: E402
+
 STORED = {"h200": os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h200.json")}
-KERNELS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
 ELEMENTWISE_BYTES = 1 << 30
 MATMUL_MK = 8192
 MATMUL_DIMS = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -106,7 +108,7 @@ def _attention(dev) -> list:
 
 def _adamw(dev) -> list:
     rows = []
-    for kernel, kwargs in KERNELS.items():
+    for kernel, kwargs in ADAMW_KWARGS.items():
         params = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in ADAMW_SIZES]
         for p in params:
             p.grad = torch.randn_like(p)
@@ -154,7 +156,7 @@ def _train(run: dict, dev, steps: int = 6, mesh=None) -> dict:
         mp = autopar.MixedPrecision(torch.bfloat16, torch.float32) if mixed else None
         model = autopar.parallelize(model, mesh, example_inputs=(x, y), mixed_precision=mp)
         x, y = model.local_inputs(x, y)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **KERNELS[run["kernel"]])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **ADAMW_KWARGS[run["kernel"]])
     names = dict(model.named_parameters())
     kept = []
 

@@ -541,3 +541,24 @@ def test_a_cuda_rms_norm_keeps_its_input_and_one_statistic_per_row():
     # input (a residual sum) is kept where nothing else kept it
     saved = 3 * (cpu.internal - cuda.internal)
     assert saved - 3 * 2 * 64 * 256 * 2 <= act["cpu"] - act["cuda"] <= saved
+
+
+def test_an_attention_without_a_heads_dim_is_planned():
+    """SDPA takes any batch dims: a (batch, sequence, features) attention whose output is then transposed and
+    reshaped is planned (on the meta device, where the runtime layout of 4-D fused attention is assumed), its
+    reshape priced as the trace lays it out."""
+    import torch.nn.functional as F
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            y = F.scaled_dot_product_attention(self.proj(x), x, x, is_causal=True)  # (B, T, D): no heads dim
+            return y.transpose(0, 1).reshape(x.shape[1], -1).pow(2).mean()
+
+    with torch.device("meta"):
+        model = Flat()
+    plan = autopar.plan(model, autopar.Mesh({"dp": 1}), (torch.empty(4, 16, 32, device="meta"),))
+    assert plan.cost.memory_breakdown["activations"] > 0

@@ -1208,8 +1208,9 @@ def solve(
     if found:
         form = []
         for n in sorted({n for n, _i, _m, _f in found}):
+            own = [f for f in found if f[0] == n]  # its own gradients: another loss op's strategies are indexed otherwise
             for s, xv in enumerate(x[rep(P_.root[n])]):
-                b = loss_gradient_bytes(found, lambda v, s=s: P_.strategy(v, s), mesh).get(n, 0.0) if xv is not None else 0.0
+                b = loss_gradient_bytes(own, lambda v, s=s: P_.strategy(v, s), mesh).get(n, 0.0) if xv is not None else 0.0
                 if b:
                     form.append((-b * MB, xv))
         add_row(0.0, inf, [(1.0, top_a)] + form)

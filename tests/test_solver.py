@@ -478,6 +478,31 @@ def test_backward_starts_with_the_losss_gradient_beside_every_kept_activation():
     assert loss_gradients(build_problem(trace(head, (x,)), autopar.Mesh({"dp": 1}), CostModel(autopar.Mesh({"dp": 1})))) == []
 
 
+
+class _AuxLoss(torch.nn.Module):
+    """A main loss plus an auxiliary term (a regulariser): two ops that begin backward, with different strategies."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        h = self.a(x)
+        return torch.nn.functional.mse_loss(h, y) + 0.01 * h.amax(0).sum()
+
+
+@pytest.mark.parametrize("axes", [{"dp": 2}, {"tp": 2}])
+def test_a_loss_with_an_auxiliary_term_is_planned_and_trains_as_one_device(axes):
+    """Each op that starts backward is priced by its own strategies (the solver indexed one op's candidates with
+    another's and crashed on a main loss plus a regulariser)."""
+    from tests._util import parity
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    torch.manual_seed(0)
+    r = parity(_AuxLoss(), (x, y), axes)
+    assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
+
 def _eager_saved_bytes(model, inputs) -> int:
     """Bytes eager torch keeps for backward after one forward: every distinct storage autograd saves, parameters'
     aside (counted once however many backward nodes keep it, as an allocator holds it)."""

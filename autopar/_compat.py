@@ -178,11 +178,17 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
 
 
-def fake_mode():
-    """A FakeTensorMode: tensors with shapes and dtypes but no storage (for probing what an op saves)."""
+def fake_mode(allow_non_fake_inputs: bool = False):
+    """A FakeTensorMode: tensors with shapes and dtypes but no storage (for probing what an op saves).
+    ``allow_non_fake_inputs``: real tensors (a module's plain attributes) may meet fake ones."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode()
+    return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
+
+
+def from_real(mode, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a fake tensor of ``mode``: its shape, dtype, device and strides, no data."""
+    return mode.from_tensor(t)
 
 
 def live_peak(fn) -> int:

@@ -179,6 +179,8 @@ def test_tracing_leaves_the_model_as_it_was():
     assert all(torch.equal(p, v) for _, p, v in params)
     assert buffers == list(model.named_buffers(remove_duplicate=False))
     assert model.lm_head.weight is model.wte.weight
+    # the hooks marking which layer runs (``_layer_ops``) went on copies
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
 class _Res(torch.nn.Module):
@@ -265,6 +267,8 @@ class _Net(torch.nn.Module):
     [
         (None, [1.0] * 5, 3),  # the index alone differs between layers: still copies of one layer
         (2, [1.0] * 5, 0),  # layer 2 acts on its index: the 3-layer proof sees it
+        (3, [1.0] * 5, 0),  # layers past the third too: the meta run of every layer sees what each calls
+        (4, [1.0] * 5, 0),
         (None, [1.0, 1.0, 1.0, 0.5, 1.0], 0),  # another attribute differs: not identical
     ],
 )
@@ -273,6 +277,27 @@ def test_layer_attributes(double_at, scales, copied):
     net = _Net([_Indexed(i, double_at, s) for i, s in enumerate(scales)])
     x = torch.randn(3, 8)
     fast, full = _both(net, (x,), copied)
+    assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
+
+
+class _DampedPastTwo(torch.nn.Module):
+    """A layer whose residual branch is scaled by a number made from its index past layer 2 (the copy would give
+    every layer layer 1's)."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.layer_idx = layer_idx
+
+    def forward(self, x):
+        return x + self.lin(x) / (1 + max(self.layer_idx - 2, 0))
+
+
+def test_a_number_a_layer_makes_from_its_index_past_the_third_is_not_copied():
+    torch.manual_seed(0)
+    net = _Net([_DampedPastTwo(i) for i in range(6)])
+    x = torch.randn(3, 8)
+    fast, full = _both(net, (x,), 0)
     assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
 
 

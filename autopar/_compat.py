@@ -352,3 +352,11 @@ def collective_group(op) -> int | None:
     if packet is None or getattr(packet, "_qualified_op_name", "").split("::")[0] != "_c10d_functional":
         return None
     return _COLLECTIVE_GROUP_ARG.get(packet.__name__)
+
+
+def fx_reserved_names() -> frozenset:
+    """Names torch.fx will not give a node (Python's builtins and keywords, and its own: ``torch``, ``device``...):
+    a node exported under one (a forward argument called ``input``) is renamed when its graph is copied."""
+    from torch.fx.graph import _illegal_names
+
+    return frozenset(_illegal_names)

@@ -24,7 +24,7 @@ from autopar.precision import (MixedPrecision, cast_inputs, check, compute_twin,
 from autopar.planner import make_plan
 from autopar.runtime import ParallelModule
 from autopar.solver import Pin, ZeroPin
-from autopar.trace import trace
+from autopar.trace import mode_difference, trace
 
 
 def _pins(constraints) -> list[Pin]:
@@ -165,9 +165,10 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
             rows = args[0].shape[0] if isinstance(args[0], torch.Tensor) and args[0].ndim else None
             if rows != pp.batch:
                 raise PlanMismatchError(f"the plan was made for a global batch of {pp.batch} rows, these inputs have {rows}; re-plan")
-            tg = trace(model, slice_batch(args, pp.batch // pp.microbatches))
+            traced_args = slice_batch(args, pp.batch // pp.microbatches)
         else:
-            tg = trace(model, args)
+            traced_args = args
+        tg = trace(model, traced_args)
         if plan is None:
             the_plan = _planned(make_plan(tg, _priced(mesh, mp), memory_budget, pins, recompute), mesh, mp)
         else:
@@ -182,9 +183,12 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
         t0 = time.perf_counter()
         gm = passes.run_all(tg.gm, the_plan, mesh)
         the_plan.timings["rewrite"] = time.perf_counter() - t0
+        # how the model's forward differs between training and eval mode: ``pm.train()`` / ``pm.eval()`` refuse
+        # what the traced program cannot do
+        modes = mode_difference(model, traced_args)
     _warn_dropout(tg)
     _warn_sixteen_bit(user_model, mp)
-    return ParallelModule(tg, the_plan, gm, mesh, user_model)
+    return ParallelModule(tg, the_plan, gm, mesh, user_model, modes)
 
 
 def _warn_sixteen_bit(model, mp) -> None:

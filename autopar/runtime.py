@@ -63,8 +63,10 @@ def distribute(full: torch.Tensor, spec: Spec, mesh: Mesh, zero_axes: tuple[int,
 
 
 class ParallelModule(nn.Module):
-    def __init__(self, tg: TracedGraph, plan: Plan, gm: fx.GraphModule, mesh: Mesh, model: nn.Module):
+    def __init__(self, tg: TracedGraph, plan: Plan, gm: fx.GraphModule, mesh: Mesh, model: nn.Module, modes: dict | None = None):
         super().__init__()
+        # the mode the program was traced in, and how the model's forward differs in the other (``_check_mode``)
+        self._traced_training, self._modes = model.training, modes
         object.__setattr__(self, "_tg", tg)
         object.__setattr__(self, "_plan", plan)
         object.__setattr__(self, "_gm", gm)
@@ -402,14 +404,40 @@ class ParallelModule(nn.Module):
             optimizer.state[p] = entry
 
     def train(self, mode: bool = True) -> "ParallelModule":
-        """``nn.Module.train``, and the program follows it: ``pmodel.eval()`` turns the dropout and BatchNorm that
-        training-mode tracing put in into what eval mode does (no masks; running statistics read, not updated), and
-        ``pmodel.train()`` turns them back."""
+        """``nn.Module.train``, and the program follows it: ``pmodel.eval()`` turns the dropout, BatchNorm,
+        InstanceNorm and RReLU that training-mode tracing put in into what eval mode does (no masks; running
+        statistics read, not updated; RReLU's mean slope), and ``pmodel.train()`` turns them back.
+
+        The program is the model traced in the mode it was in. Where the model's forward differs between the modes
+        in other ways (``trace.mode_difference``: a branch on ``self.training`` of its own; or, traced in eval mode,
+        any op training would add) the other mode raises an AutoparError instead of running the wrong program."""
         changed = bool(mode) != self.training
+        if changed and bool(mode) != self._traced_training:
+            self._check_mode(bool(mode))
         super().train(mode)
         if changed and getattr(self, "_gm", None) is not None:  # (recompiled only when the mode changes)
             _set_mode(self._gm, mode, self._tg.fqns)
         return self
+
+    def _check_mode(self, mode: bool) -> None:
+        """Raise where the traced program cannot act as the model does in ``mode`` (the other mode than traced's)."""
+        diff = self._modes
+        if diff is None:
+            warnings.warn("autopar could not run the model's forward on fake tensors to compare its training and eval modes; "
+                          f"{'eval' if not mode else 'train'}() switches only dropout, BatchNorm, InstanceNorm and RReLU in the "
+                          "traced program", stacklevel=3)
+            return
+        if not mode and diff["switched"]:
+            raise AutoparError(
+                f"the model's forward differs between training and eval mode in more than autopar switches (dropout, BatchNorm, "
+                f"InstanceNorm, RReLU): first at {diff['switched']}. This ParallelModule runs the program traced in training "
+                "mode and cannot evaluate the model: parallelize an eval-mode copy for evaluation "
+                "(autopar.parallelize(copy.deepcopy(model).eval(), mesh, inputs), loading pm.full_state_dict() into it)")
+        if mode and diff["raw"]:
+            raise AutoparError(
+                f"this ParallelModule was traced from a model in eval mode, and the model's forward differs in training mode "
+                f"(first at {diff['raw']}): its program cannot train as the model does. Call model.train() before "
+                "autopar.parallelize(model, ...)")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -526,7 +554,9 @@ def _eval_args() -> dict:
     from passes.reseed_random import DROPOUTS
 
     out = {op: (t, "train", False) if t is not None else (i, key, 0.0) for op, (i, key, t) in DROPOUTS.items()}
-    return out | {_aten.batch_norm.default: (5, "training", False)}
+    # InstanceNorm with running statistics reads them in eval mode (one without keeps using the input's: below)
+    return out | {_aten.batch_norm.default: (5, "training", False), _aten.instance_norm.default: (5, "use_input_stats", False),
+                  _aten.rrelu.default: (3, "training", False)}
 
 
 def _unchanged(x, *_args, **_kwargs):
@@ -560,6 +590,8 @@ def _set_mode(gm: fx.GraphModule, training: bool, fqns: dict[str, str]) -> None:
                      and node.args[0].op == "placeholder" and fqns.get(node.args[0].name, "").endswith("num_batches_tracked"))
             if op not in eval_args and not bumps:
                 continue
+            if op is _aten.instance_norm.default and len(node.args) > offset + 3 and node.args[offset + 3] is None:
+                continue  # no running statistics: the input's, in eval mode too
             node.meta["autopar_traced"] = (node.target, node.args, dict(node.kwargs))
             if bumps:
                 node.target = _unchanged

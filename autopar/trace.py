@@ -468,9 +468,18 @@ class _Exported:
 
 def _exported(ep: torch.export.ExportedProgram) -> _Exported:
     sig = ep.graph_signature
+    gm, names = ep.graph_module, {}
+    reserved = _compat.fx_reserved_names()
+    if any(n.name in reserved for n in gm.graph.nodes):
+        # export keeps a forward argument's name even where torch.fx reserves it (``input``: nn.Linear's), and the
+        # first copy of the graph renames it (``input_1``): copy once here, so that every later copy (the passes')
+        # keeps the names the plan gives
+        copied = copy.deepcopy(gm)
+        names = {a.name: b.name for a, b in zip(gm.graph.nodes, copied.graph.nodes)}
+        gm = copied
     return _Exported(
-        gm=ep.graph_module,
-        inputs=[(s.arg.name, s.kind.name, s.target) for s in sig.input_specs],
+        gm=gm,
+        inputs=[(names.get(s.arg.name, s.arg.name), s.kind.name, s.target) for s in sig.input_specs],
         outputs=[(s.kind.name, s.target) for s in sig.output_specs],
         in_spec=ep.call_spec.in_spec,
         out_spec=ep.call_spec.out_spec,
@@ -970,6 +979,101 @@ def _layer_ops(model: torch.nn.Module, path: str, args: tuple) -> list[list[tupl
         except Exception:  # noqa: BLE001  (the full export reports what fails in the model's terms)
             current[0] = None
     return None
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks_with_kwargs")
+# modules whose train / eval difference the runtime switches itself (``runtime._set_mode``), and functions whose
+# mode-dependent arguments it sets (dropout's are dropped: eval mode draws nothing)
+_SWITCHED_MODULES = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm,
+                     torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)
+_DROPPED = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
+_FLAGGED = {"batch_norm", "instance_norm", "rrelu", "scaled_dot_product_attention"}
+
+
+def _mode_calls(model: torch.nn.Module, args: tuple, training: bool) -> list[tuple] | None:
+    """The torch functions ``model``'s forward calls in ``training`` mode, in order, each as (the innermost
+    module's FQN, whether a module the runtime switches itself is running, the function, its arguments' shapes
+    and dtypes or values), from one run on fake tensors (no data, no compute); None where they cannot run it.
+    Runs on a copy of the module tree (``shallow_copy`` of every module, hook dicts of their own): the user's
+    modules keep their mode and hooks."""
+    copies: dict[int, torch.nn.Module] = {}
+
+    def tree(m: torch.nn.Module) -> torch.nn.Module:
+        if id(m) not in copies:
+            c = copies[id(m)] = shallow_copy(m)
+            for hooks in _HOOK_DICTS:
+                if hooks in c.__dict__:
+                    c.__dict__[hooks] = type(c.__dict__[hooks])(c.__dict__[hooks])
+            c.__dict__["training"] = training
+            for k, child in list(c._modules.items()):
+                if child is not None:
+                    c._modules[k] = tree(child)
+        return copies[id(m)]
+
+    root = tree(model)
+    stack: list[tuple[str, bool]] = [("", isinstance(model, _SWITCHED_MODULES))]
+    for name, m in model.named_modules():
+        if name:
+            c = copies[id(m)]
+            c.register_forward_pre_hook(lambda _m, _a, name=name, sw=isinstance(m, _SWITCHED_MODULES): stack.append((name, sw or stack[-1][1])))
+            c.register_forward_hook(lambda _m, _a, _o: stack.pop() and None)  # (a hook's value would replace the output)
+    calls: list[tuple] = []
+
+    def sig(a):
+        if isinstance(a, torch.Tensor):
+            return ("T", tuple(a.shape), str(a.dtype))
+        return a if isinstance(a, (bool, int, float, str, type(None), torch.dtype, torch.device)) else type(a).__name__
+
+    class Record(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", str(func))
+            p = args[1] if len(args) > 1 else (kwargs or {}).get("p", 0.5)
+            if name in _DROPPED and isinstance(p, (int, float)) and p == 0:  # the same in either mode: nothing dropped
+                return func(*args, **(kwargs or {}))
+            calls.append((stack[-1][0], stack[-1][1], name, str(pytree.tree_map(sig, list(args))),
+                          str(sorted((k, pytree.tree_map(sig, v)) for k, v in (kwargs or {}).items()))))
+            return func(*args, **(kwargs or {}))
+
+    fake = _compat.fake_mode(allow_non_fake_inputs=True)
+    to = lambda t: _compat.from_real(fake, t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    try:
+        with fake:
+            state = {k: to(v) for k, v in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()}
+            fargs = pytree.tree_map(to, args)
+            with torch.no_grad(), Record():
+                torch.func.functional_call(root, state, fargs)
+    except Exception:  # noqa: BLE001
+        return None
+    return calls
+
+
+def mode_difference(model: torch.nn.Module, args: tuple) -> dict[str, str | None] | None:
+    """How ``model``'s forward differs between training and eval mode, for a program traced in ``model``'s mode
+    to follow ``train()`` / ``eval()``: "raw", the first call that differs at all (module FQN and function), or
+    None; "switched", the first that differs other than inside the modules and in the function arguments the
+    runtime switches itself (BatchNorm, InstanceNorm, dropout, RReLU; dropout calls, attention's ``dropout_p``),
+    or None. None (both unknown) where fake tensors cannot run the forward."""
+    both = [_mode_calls(model, args, t) for t in (True, False)]
+    if any(c is None for c in both):
+        return None
+
+    def first(a: list, b: list) -> str | None:
+        for x, y in itertools.zip_longest(a, b):
+            if x != y:
+                where = x or y
+                return f"{where[2]} in {where[0] or 'the model'}'s forward"
+        return None
+
+    def switched(calls: list) -> list:
+        out = []
+        for fqn, inside, name, a, kw in calls:
+            if inside or name in _DROPPED:
+                continue
+            out.append((fqn, inside, name) + (() if name in _FLAGGED else (a, kw)))
+        return out
+
+    return {"raw": first(*both), "switched": first(*(switched(c) for c in both))}
 
 
 def _repeated(model: torch.nn.Module, args: tuple) -> _Exported | None:

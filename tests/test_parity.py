@@ -271,7 +271,21 @@ class NormDrop(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.down(self.drop(self.norm(self.up(x)))), y)
 
 
-@pytest.mark.parametrize("name,axes", [("normdrop", {"dp": 2}), ("gpt", {"dp": 2, "tp": 2})])
+class InstanceRReLU(torch.nn.Module):
+    """An InstanceNorm keeping running statistics (per-sample statistics in training, the running ones in eval) and
+    an RReLU (a random slope per element in training, their mean in eval)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.act, self.down = (torch.nn.Linear(16, 32), torch.nn.InstanceNorm1d(4, track_running_stats=True, affine=True),
+                                                   torch.nn.RReLU(), torch.nn.Linear(32, 16))
+
+    def forward(self, x, y):
+        h = self.norm(self.up(x).view(x.shape[0], 4, 8)).view(x.shape[0], 32)
+        return torch.nn.functional.mse_loss(self.down(self.act(h)), y)
+
+
+@pytest.mark.parametrize("name,axes", [("normdrop", {"dp": 2}), ("instance-rrelu", {"dp": 2}), ("gpt", {"dp": 2, "tp": 2})])
 def test_eval_mode_turns_off_dropout_and_reads_batchnorms_running_statistics(name, axes):
     """A program traced in training mode follows ``pmodel.eval()`` as the module would: its validation loss is the
     single-device model's in eval mode (no dropout masks, attention's included; BatchNorm normalised by its
@@ -287,7 +301,7 @@ def test_eval_mode_turns_off_dropout_and_reads_batchnorms_running_statistics(nam
         model = GPT(replace(GPTConfig.tiny(), dropout=0.3))
         inputs = _inputs()
     else:
-        model = NormDrop()
+        model = NormDrop() if name == "normdrop" else InstanceRReLU()
         g = torch.Generator().manual_seed(1)
         inputs = (torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
     reference = copy.deepcopy(model)
@@ -318,9 +332,9 @@ def test_eval_mode_turns_off_dropout_and_reads_batchnorms_running_statistics(nam
             with torch.no_grad():
                 want = float(reference(*inputs))
             assert all(torch.equal(before[k], after[k]) for k in before), "eval mode changed a buffer"
-            if name == "normdrop":
+            if name != "gpt":
                 assert float((after["norm.running_mean"] - reference.norm.running_mean).abs().max()) < 1e-6
-                assert int(after["norm.num_batches_tracked"]) == 1
+                assert int(after["norm.num_batches_tracked"]) == int(reference.norm.num_batches_tracked) == (name == "normdrop")
             with torch.no_grad():
                 reference.train()  # the two training-mode calls move BatchNorm's statistics on both sides
                 for _ in range(2):
@@ -332,6 +346,46 @@ def test_eval_mode_turns_off_dropout_and_reads_batchnorms_running_statistics(nam
     assert abs(sum(float(v) for v in again.values()) / n - want_again) < 1e-5, (again, want_again)
     means = [sum(float(v) for v in t.values()) / n for t in trained]  # masks again: a new one each call
     assert means[0] != means[1] and all(abs(m - want) > 1e-6 for m in means), (means, want)
+
+
+class _Ema(torch.nn.Module):
+    """A forward of its own that differs in training mode: it moves an average of its features (``if
+    self.training``), which no op autopar switches expresses."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("average", torch.zeros(16))
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        if self.training:
+            self.average.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+        return torch.nn.functional.mse_loss(h, y)
+
+
+def test_a_mode_the_traced_program_cannot_act_is_refused():
+    """A program is the model traced in the mode it was in. Traced in eval mode, a model whose forward differs in
+    training (BatchNorm's batch statistics and running updates, dropout's masks) cannot train: ``pm.train()`` says
+    so (before, the flag changed and the eval program trained, silently); one whose forward is the same in both
+    modes switches freely. Traced in training mode, a branch of the model's own on ``self.training`` cannot be
+    switched off: ``pm.eval()`` says so."""
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
+    with fake_world(2), _compat.local_tensor_mode(2):
+        pm = autopar.parallelize(NormDrop().eval(), autopar.Mesh({"dp": 2}), inputs)
+        with pytest.raises(autopar.AutoparError, match=r"traced from a model in eval mode.*first at add_ in norm's forward.*model.train\(\)"):
+            pm.train()
+        assert not pm.training
+        # (its forward's argument is called ``input``, a name torch.fx renames when it copies a graph: the plan
+        # names the copy's)
+        plain = autopar.parallelize(torch.nn.Sequential(torch.nn.Linear(16, 16)).eval(), autopar.Mesh({"dp": 2}), inputs[:1])
+        assert plain.train().training and not plain.eval().training
+        ema = autopar.parallelize(_Ema(), autopar.Mesh({"dp": 2}), inputs)
+        with pytest.raises(autopar.AutoparError, match=r"first at mul_ in the model's forward.*cannot evaluate"):
+            ema.eval()
+        assert ema.training
+        assert autopar.parallelize(NormDrop(), autopar.Mesh({"dp": 2}), inputs).eval().training is False
 
 
 def test_data_parallel_splits_the_batch_and_returns_share_means():

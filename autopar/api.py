@@ -173,8 +173,12 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
             the_plan = _planned(make_plan(tg, _priced(mesh, mp), memory_budget, pins, recompute), mesh, mp)
         else:
             if plan.graph_hash != tg.hash:
+                planned = [plan.nodes[n].shape for n in tg.user_inputs if n in plan.nodes and plan.nodes[n].op == "input"]
+                given = [tuple(tg.nodes[n].meta["val"].shape) for n in tg.user_inputs]
+                why = (f": its inputs had shapes {planned}, these have {given}" if len(planned) == len(given) and planned != given
+                       else " (the model differs from the one planned)")
                 raise PlanMismatchError(
-                    f"the plan was made for a different graph (hash {plan.graph_hash}, this model and inputs give {tg.hash}); "
+                    f"the plan was made for a different graph (hash {plan.graph_hash}, this model and inputs give {tg.hash}){why}; "
                     "re-plan with autopar.plan(model, mesh, example_inputs)"
                 )
             if plan.mesh != mesh:

@@ -59,6 +59,7 @@ import contextlib
 import copy
 import functools
 import hashlib
+import inspect
 import itertools
 import operator
 import re
@@ -1106,8 +1107,21 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
     (for a forward that behaves differently past its third layer; see the module docstring)."""
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"autopar parallelizes an nn.Module; got {type(model).__name__}")
+    if isinstance(example_inputs, dict):
+        raise TraceError("example_inputs is a dict; autopar takes a tuple of the forward's positional arguments (keyword "
+                         "arguments are not supported): pass (x, labels), or wrap the model in a module whose forward takes them positionally")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    try:
+        inspect.signature(model.forward).bind(*example_inputs)
+    except TypeError as e:
+        raise TraceError(
+            f"example_inputs do not fit {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}. autopar "
+            "passes example_inputs (a tuple) as the forward's positional arguments, and keyword arguments are not "
+            "supported: give every argument positionally, or wrap the model in a module whose forward takes them so "
+            "(def forward(self, x, labels): return self.model(x, labels=labels))") from None
+    except ValueError:  # no signature to read (a builtin): export says what fails
+        pass
     # the same tensor passed twice would be traced as one input: give each argument its own tensor
     seen: set[int] = set()
 
@@ -1165,6 +1179,16 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
             raise TraceError(f"input {n.name!r} is not a tensor; pass non-tensor settings to the model's constructor instead")
     _inline_grad_regions(gm)
     _canonicalize(gm)
+    for n in gm.graph.nodes:  # a shape only the data decides (boolean-mask indexing, nonzero): nothing to plan by
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
+            frame = (n.meta.get("stack_trace") or "").strip().splitlines()
+            raise TraceError(
+                f"the model's forward makes a tensor whose shape depends on the values of its inputs: node {n.name} "
+                f"({n.target}) in module '{_module_of(n) or '<root>'}', shape {tuple(val.shape)}"
+                + (f", at {frame[-2].strip()}: {frame[-1].strip()}" if len(frame) >= 2 else "") + ". autopar plans on shapes known before "
+                "the data: write it with fixed shapes, e.g. a masked sum (x * mask).sum() or torch.where(mask, x, 0) "
+                "instead of x[mask], and a loss's ignore_index instead of dropping rows")
     module_of = {n.name: _module_of(n) for n in gm.graph.nodes}
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.name in fqns:

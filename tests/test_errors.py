@@ -142,10 +142,45 @@ def test_parallelize_leaves_the_users_model_as_it_was_even_after_training():
 def test_a_plan_for_another_model_or_mesh_is_refused():
     plan = autopar.plan(_gpt(), autopar.Mesh({"tp": 2}), _ids())
     with fake_world(2):
-        with pytest.raises(autopar.PlanMismatchError, match="different graph"):
+        with pytest.raises(autopar.PlanMismatchError, match=r"different graph .*\(the model differs"):
             autopar.parallelize(_gpt(n_layer=3), autopar.Mesh({"tp": 2}), _ids(), plan=plan)
+        short = _ids(t=4)  # the same model on other shapes: says which
+        with pytest.raises(autopar.PlanMismatchError, match=r"its inputs had shapes \[\(4, 16\), \(4, 16\)\], these have \[\(4, 4\), \(4, 4\)\]"):
+            autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), short, plan=plan)
         with pytest.raises(autopar.PlanMismatchError, match="mesh"):
             autopar.parallelize(_gpt(), autopar.Mesh({"dp": 2}), _ids(), plan=plan)
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return self.lin(x)[y > 0].sum()  # a shape only the data decides
+
+
+class _KeywordOnly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 4)
+
+    def forward(self, x, *, labels):
+        return torch.nn.functional.cross_entropy(self.lin(x), labels)
+
+
+def test_a_data_dependent_shape_and_keyword_inputs_are_explained():
+    """Boolean-mask indexing traces (to a shape of unknown size) but cannot be planned: the error names the node,
+    the line and the fix (it was torch's GuardOnDataDependentSymNode from the strategy layer); example_inputs that
+    do not fit the forward's signature say that they are its positional arguments (it was export's "missing a
+    required argument")."""
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with pytest.raises(autopar.TraceError, match=r"shape depends on the values.*node index.*return self.lin\(x\)\[y > 0\].*masked sum"):
+        autopar.plan(_Masked(), autopar.Mesh({"dp": 2}), (x, y))
+    labels = torch.zeros(8, dtype=torch.long)
+    for inputs in ((x, labels), ((x,), {"labels": labels})):
+        with pytest.raises(autopar.TraceError, match=r"do not fit _KeywordOnly.forward\(x, \*, labels\).*positional arguments"):
+            autopar.plan(_KeywordOnly(), autopar.Mesh({"dp": 2}), inputs)
 
 
 def test_wrong_input_shapes_are_explained():

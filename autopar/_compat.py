@@ -360,3 +360,13 @@ def fx_reserved_names() -> frozenset:
     from torch.fx.graph import _illegal_names
 
     return frozenset(_illegal_names)
+
+
+def mode_switched_modules() -> tuple:
+    """The module classes whose training / eval difference is an op argument ``runtime._set_mode`` switches:
+    BatchNorm's, InstanceNorm's and dropout's bases (private in torch), and RReLU."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    return (_BatchNorm, _InstanceNorm, _DropoutNd, torch.nn.RReLU)

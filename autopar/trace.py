@@ -986,8 +986,7 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwar
                "_forward_pre_hooks_with_kwargs")
 # modules whose train / eval difference the runtime switches itself (``runtime._set_mode``), and functions whose
 # mode-dependent arguments it sets (dropout's are dropped: eval mode draws nothing)
-_SWITCHED_MODULES = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm,
-                     torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)
+_SWITCHED_MODULES = _compat.mode_switched_modules()
 _DROPPED = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
 _FLAGGED = {"batch_norm", "instance_norm", "rrelu", "scaled_dot_product_attention"}
 

@@ -182,7 +182,12 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
                     "re-plan with autopar.plan(model, mesh, example_inputs)"
                 )
             if plan.mesh != mesh:
-                raise PlanMismatchError(f"the plan was made for mesh {plan.mesh}, not {mesh}; re-plan for this mesh")
+                why = ""
+                if str(plan.mesh) == str(mesh):  # same axes and preset name: the hardware's numbers differ
+                    a, b = plan.mesh.hardware.to_json(), mesh.hardware.to_json()
+                    fields = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+                    why = f" (the hardware {mesh.hardware.name!r} differs in {', '.join(fields)}: the plan was priced with other numbers)"
+                raise PlanMismatchError(f"the plan was made for mesh {plan.mesh}, not {mesh}{why}; re-plan for this mesh")
             the_plan = plan
         t0 = time.perf_counter()
         gm = passes.run_all(tg.gm, the_plan, mesh)

@@ -175,6 +175,9 @@ def _megatron_3d(model, mesh: Mesh, example_inputs, pipe: int, data, tp_axes, ba
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     replicas = math.prod(mesh.sizes[a] for a in data) if data else 1
     per_replica = (batch or 1) // replicas
+    for knob, value in (("microbatch_size", microbatch_size), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise AutoparError(f"megatron-3d: {knob}={value!r}; give a whole number >= 1 (or leave it out)")
     if microbatches is None:
         size = microbatch_size or 1
         if per_replica % size:

@@ -72,6 +72,25 @@ class PipelinePin:
     virtual: int | None = None
     cuts: "str | tuple[int, ...] | None" = None
 
+    def __post_init__(self):
+        def count(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        if self.schedule is not None and self.schedule not in sched.SCHEDULES:
+            raise AutoparError(f"PipelinePin: unknown schedule {self.schedule!r}; known: {', '.join(sched.SCHEDULES)}")
+        if self.microbatches is not None and not count(self.microbatches):
+            raise AutoparError(f"PipelinePin: microbatches={self.microbatches!r}; give a whole number >= 1 (or None: searched)")
+        if self.virtual is not None and not count(self.virtual):
+            raise AutoparError(f"PipelinePin: virtual={self.virtual!r}; give a whole number of stages per rank >= 1 (or None: searched)")
+        if self.virtual is not None and self.virtual > 1 and self.schedule in ("gpipe", "1f1b"):
+            raise AutoparError(f"PipelinePin: virtual={self.virtual} stages per rank needs the interleaved schedule, not {self.schedule}")
+        if self.virtual == 1 and self.schedule == "interleaved":
+            raise AutoparError("PipelinePin: the interleaved schedule runs virtual >= 2 stages per rank; with one, use 1f1b")
+        if isinstance(self.cuts, list):
+            object.__setattr__(self, "cuts", tuple(self.cuts))
+        if self.cuts is not None and self.cuts != "equal" and not (
+                isinstance(self.cuts, tuple) and self.cuts and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.cuts)):
+            raise AutoparError(f"PipelinePin: cuts={self.cuts!r}; give \"equal\" or a tuple of blocks per stage, e.g. (3, 2)")
+
 
 # --- specs between the inner mesh (no pp) and the whole mesh ----------------------------------------------------
 def lift_spec(spec: Spec, inner_mesh: Mesh, axis: int) -> Spec:
@@ -744,6 +763,8 @@ def _schedules(pin: PipelinePin, p: int, m: int, L: int, U: int) -> tuple[list[t
             bad = sched.check(name, p, m, v)
             if bad is None and p * v > U:
                 bad = f"{name} needs {p * v} stages but the model has {U} units (embedding, {L} blocks, head)"
+            if bad is None and isinstance(pin.cuts, tuple) and len(pin.cuts) != p * v:  # the cuts say how many stages
+                bad = f"cuts {pin.cuts} give {len(pin.cuts)} stages, {name}{'' if v == 1 else f' v={v}'} runs {p * v}"
             if bad is None:
                 out.append((name, v))
             else:

@@ -712,6 +712,14 @@ class ZeroPin:
     stage: int
     shard: tuple[str, ...] | None = None
 
+    def __post_init__(self):
+        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise AutoparError(f"ZeroPin({self.group!r}, {self.stage!r}): the stage is 0, 1, 2 or 3")
+        if isinstance(self.shard, str):
+            raise AutoparError(f"ZeroPin({self.group!r}, {self.stage}, shard={self.shard!r}): shard is a tuple of axis names, e.g. ({self.shard!r},)")
+        if isinstance(self.shard, list):
+            object.__setattr__(self, "shard", tuple(self.shard))
+
 
 def zero_groups(tg: TracedGraph, order: list[str]) -> dict[str, tuple[str, int]]:
     """Parameter -> (group, copies of the group): every parameter, frozen ones too (ZeRO-3 shards them with their

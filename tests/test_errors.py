@@ -149,6 +149,14 @@ def test_a_plan_for_another_model_or_mesh_is_refused():
             autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), short, plan=plan)
         with pytest.raises(autopar.PlanMismatchError, match="mesh"):
             autopar.parallelize(_gpt(), autopar.Mesh({"dp": 2}), _ids(), plan=plan)
+        # the same axes and preset name, other numbers (a recalibrated preset, a changed field): says which
+        import dataclasses
+
+        from autopar.hardware import get_hardware
+
+        fused = autopar.plan(_gpt(), autopar.Mesh({"tp": 2}, hardware=dataclasses.replace(get_hardware("cpu-gloo"), optimizer_kernel="fused")), _ids())
+        with pytest.raises(autopar.PlanMismatchError, match=r"the hardware 'cpu-gloo' differs in optimizer_kernel"):
+            autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), _ids(), plan=fused)
 
 
 class _Masked(torch.nn.Module):

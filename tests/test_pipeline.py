@@ -30,6 +30,36 @@ def _batch(rows: int = 8):
 
 
 # --- planning ------------------------------------------------------------------------------------------------------
+def test_cuts_pinned_alone_choose_among_the_schedules_with_that_many_stages():
+    """``PipelinePin(cuts=...)`` without a schedule: the cuts say how many stages (2 on pp=2: gpipe or 1f1b; 4:
+    interleaved, v=2). The search skipped none and failed on every pin (the interleaved option's 4 stages refused
+    2 cuts); cuts no schedule can run say so."""
+    mesh = autopar.Mesh({"pp": 2}, hardware="cpu-gloo")
+    plan = autopar.plan(_gpt(4), mesh, _batch(), constraints=[PipelinePin(cuts=(3, 1))])
+    assert plan.pipeline.schedule in ("gpipe", "1f1b") and [s.label for s in plan.pipeline.stages] == ["embed .. h.2 (4)", "h.3 .. head (2)"]
+    plan = autopar.plan(_gpt(4), mesh, _batch(), constraints=[PipelinePin(cuts=(1, 1, 1, 1))])
+    assert plan.pipeline.schedule == "interleaved" and plan.pipeline.virtual == 2
+    with pytest.raises(autopar.AutoparError, match=r"cuts \(3,\) give 1 stages, 1f1b runs 2"):
+        autopar.plan(_gpt(4), mesh, _batch(), constraints=[PipelinePin(cuts=(3,))])
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: PipelinePin(microbatches=0), "microbatches=0"),
+    (lambda: PipelinePin(cuts="uneven"), "cuts='uneven'"),
+    (lambda: PipelinePin("gpipe", virtual=2), "needs the interleaved schedule"),
+    (lambda: PipelinePin("interleaved", virtual=1), "use 1f1b"),
+    (lambda: PipelinePin("zigzag"), "unknown schedule 'zigzag'"),
+    (lambda: autopar.ZeroPin("*", 4), "the stage is 0, 1, 2 or 3"),
+    (lambda: autopar.ZeroPin("*", True), "the stage is 0, 1, 2 or 3"),
+    (lambda: autopar.ZeroPin("*", 3, shard="dp"), r"shard is a tuple of axis names, e.g. \('dp',\)"),
+    (lambda: autopar.handwritten(_gpt(4), autopar.Mesh({"pp": 2}), _batch(), "megatron-3d", virtual_stages=0), "virtual_stages=0"),
+    (lambda: autopar.handwritten(_gpt(4), autopar.Mesh({"pp": 2}), _batch(), "megatron-3d", microbatch_size=0), "microbatch_size=0"),
+])
+def test_pins_with_values_that_mean_nothing_are_refused_when_made(make, message):
+    with pytest.raises(autopar.AutoparError, match=message):
+        make()
+
+
 def test_microbatches_shrink_the_step_until_activation_memory_binds():
     model, inputs = build("gpt2-small")
     mesh = autopar.Mesh({"pp": 4}, hardware="h100-80gb")

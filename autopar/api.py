@@ -8,6 +8,7 @@ Out: a Plan, or a ParallelModule ready to train on this rank. The user's model i
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 
@@ -55,7 +56,7 @@ def _as_mesh(mesh) -> Mesh:
 def _check_budget(memory_budget) -> None:
     """A memory budget is bytes per device: a positive number, or None for the device's memory."""
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
-                                      or not memory_budget > 0):
+                                      or not 0 < memory_budget < math.inf):  # (nan and inf are neither)
         raise AutoparError(f"memory_budget={memory_budget!r}: give the bytes each device may hold (a positive number, "
                            "e.g. 40 * 2**30), or None for the device's memory")
 

@@ -44,6 +44,8 @@ def _parse_mesh(text: str) -> dict[str, int]:
         name, _, size = part.partition("=")
         if not size.strip().isdigit():
             raise SystemExit(f"autopar: --mesh wants name=size pairs like dp=8,tp=8; got {text!r}")
+        if name.strip() in axes:
+            raise SystemExit(f"autopar: --mesh names axis {name.strip()!r} twice ({text!r}); give each axis once")
         axes[name.strip()] = int(size)
     return axes
 
@@ -55,7 +57,12 @@ def _load_model(spec: str, dtype, context: int | None = None):
         return models.build(spec, device="meta", dtype=dtype, context=context)
     if ":" in spec:
         mod, _, fn = spec.partition(":")
-        out = getattr(importlib.import_module(mod), fn)()
+        try:
+            make = getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError) as e:
+            raise SystemExit(f"autopar: cannot load the model {spec!r} ({type(e).__name__}: {e}); give module:callable, the "
+                             "module importable from here (PYTHONPATH) and the callable returning (model, inputs(batch, seq))") from None
+        out = make()
         if isinstance(out, tuple):
             return out
         raise SystemExit(f"autopar: {spec} must return (model, inputs(batch, seq))")
@@ -122,7 +129,7 @@ def cmd_plan_cluster(args) -> int:
     cluster = autopar.Cluster(nodes, gpus, args.hardware)
     print(f"planning {args.model} on {cluster} ({cluster.devices} devices; global batch {args.batch} x seq {args.seq}, {_dtypes(args)}): "
           "searching dp x pp x tp and dp x cp x tp (a mixture of experts: dp x ep too), microbatches, schedule, recomputation ...", flush=True)
-    budget = args.memory_budget * 2**30 if args.memory_budget else None
+    budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
     plan = autopar.plan(model, cluster, inputs(args.batch, args.seq), memory_budget=budget, mixed_precision=_policy(args))
     print(plan.table())
     print("\nscreened (best first):")
@@ -147,7 +154,7 @@ def cmd_plan(args) -> int:
     model, inputs = _load_model(args.model, dtype, getattr(args, "context", None))
     mesh = autopar.Mesh(_parse_mesh(args.mesh), hardware=args.hardware)
     print(f"planning {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {_dtypes(args)})", flush=True)
-    budget = args.memory_budget * 2**30 if args.memory_budget else None
+    budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
     batch = inputs(args.batch, args.seq)
     traces: dict = {}
     check(model, mp)
@@ -183,7 +190,7 @@ def cmd_compare(args) -> int:
     model, inputs = _load_model(args.model, DTYPES[args.dtype], getattr(args, "context", None))
     mesh = autopar.Mesh(_parse_mesh(args.mesh), hardware=args.hardware)
     plans = [p.strip() for p in args.plans.split(",")] if args.plans else ["auto"] + [p for p in _handwritten_for(mesh)]
-    budget = args.memory_budget * 2**30 if args.memory_budget else None
+    budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
     t0 = time.perf_counter()
     print(f"comparing plans for {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {_dtypes(args)}) ...", flush=True)
     print(autopar.compare(model, mesh, inputs(args.batch, args.seq), plans=plans, memory_budget=budget,
@@ -270,6 +277,16 @@ def main(argv: list[str] | None = None) -> int:
             args.hardware = dataclasses.replace(get_hardware(args.hardware), optimizer_kernel=args.optimizer)
         except AutoparError as e:
             raise SystemExit(f"autopar: {e}")
+    if getattr(args, "memory_budget", None) is not None and not 0 < args.memory_budget < math.inf:
+        raise SystemExit(f"autopar: --memory-budget wants a positive number of GiB per device; got {args.memory_budget}")
+    if getattr(args, "json", None):  # before the planning: a path it cannot write would fail only after it
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            raise SystemExit(f"autopar: --json {args.json}: the folder {folder} does not exist")
+    if getattr(args, "cluster", None) and getattr(args, "explain", None):
+        raise SystemExit("autopar plan: --explain reads a plan on one mesh (--mesh); with --cluster, plan the chosen mesh with --mesh to explain it")
+    if args.cmd == "demo" and args.nproc < 1:
+        raise SystemExit(f"autopar demo: --nproc wants a positive number of processes; got {args.nproc}")
     for flag in ("batch", "seq"):  # a zero-row or zero-token example would fail deep in tracing, or plan nothing
         value = getattr(args, flag, None)
         if value is not None and value < 1:

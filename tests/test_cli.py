@@ -33,6 +33,21 @@ def test_bad_command_line_input_is_a_clear_message_not_a_traceback(capsys):
         with pytest.raises(SystemExit) as e:
             main(["plan", "gpt-tiny", "--mesh", "dp=2", flag, value])
         assert f"autopar: {flag} wants a positive number of {what}" in str(e.value) and f"got {value}" in str(e.value)
+    # each refused before any planning, with what was wrong and how to fix it
+    for argv, says in ((["--mesh", "dp=2,dp=2"], "names axis 'dp' twice"),
+                       (["--mesh", "dp=2", "--memory-budget", "0"], "--memory-budget wants a positive number"),
+                       (["--mesh", "dp=2", "--memory-budget", "nan"], "--memory-budget wants a positive number"),
+                       (["--mesh", "dp=2", "--json", "/nonexistent-autopar/p.json"], "the folder /nonexistent-autopar does not exist"),
+                       (["--cluster", "1x2", "--explain", "h.0"], "--explain reads a plan on one mesh")):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "gpt-tiny", *argv])
+        assert says in str(e.value), (argv, str(e.value))
+    for spec, says in (("autopar_no_such_module:make", "ModuleNotFoundError"), ("os:no_such_callable", "AttributeError")):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", spec, "--mesh", "dp=2"])
+        assert f"cannot load the model {spec!r} ({says}" in str(e.value) and "module:callable" in str(e.value)
+    with pytest.raises(SystemExit, match="--nproc wants a positive number"):
+        main(["demo", "--nproc", "0"])
 
 
 def test_plan_command_on_a_real_size_model_is_fast(capsys):

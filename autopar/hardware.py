@@ -252,6 +252,30 @@ class Hardware:
 
     @staticmethod
     def from_json(d: dict) -> "Hardware":
+        """The Hardware ``to_json`` wrote (a dict, e.g. ``json.load(f)``); a field missing, of the wrong kind, or a
+        rate or size that is not a positive number is an error naming it."""
+        if not isinstance(d, dict):
+            raise MeshError(f"Hardware.from_json takes the dict Hardware.to_json writes (json.load(f)); got {type(d).__name__}")
+        try:
+            hw = Hardware._from_json(d)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"field {e.args[0]!r} is missing" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise MeshError(f"hardware {d.get('name', '?')!r} from JSON: {what}; give every field Hardware.to_json writes") from None
+
+        def positive(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+        bad = [k for k in ("hbm_bandwidth", "memory", "devices_per_node", "input_bandwidth", "matmul_efficiency", "memory_efficiency")
+               if not positive(getattr(hw, k))]
+        bad += [f"{side}.bandwidth" for side in ("intra_node", "inter_node") if not positive(getattr(hw, side).bandwidth)]
+        bad += [f"peak_flops[{k!r}]" for k, v in hw.peak_flops if not positive(v)]
+        if bad or not hw.peak_flops or "float32" not in dict(hw.peak_flops):
+            what = ", ".join(bad) if bad else "peak_flops needs a 'float32' entry"
+            raise MeshError(f"hardware {hw.name!r} from JSON: {what} must each be a positive number (FLOP/s, bytes/s, bytes)"
+                            if bad else f"hardware {hw.name!r} from JSON: {what}")
+        return hw
+
+    @staticmethod
+    def _from_json(d: dict) -> "Hardware":
         return Hardware(
             name=d["name"],
             peak_flops=tuple(d["peak_flops"].items()),

@@ -496,6 +496,29 @@ class Plan:
             raise AutoparError("not an autopar plan (missing 'format': 'autopar.plan')")
         if d.get("version") != VERSION:
             raise PlanMismatchError(f"plan format version {d.get('version')} is not supported (this autopar reads version {VERSION}); re-plan")
+        try:
+            plan = Plan._from_json(d)
+        except AutoparError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            what = f"field {e.args[0]!r} is missing" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise AutoparError(f"the plan JSON is malformed ({what}): read a file Plan.to_json wrote, or re-plan") from None
+        for n in plan.nodes.values():  # every Spec names each mesh axis once, and splits a dim the tensor has
+            st = n.strategy
+            for spec in (*st.inputs, st.output):
+                if len(spec.placements) != plan.mesh.ndim:
+                    raise AutoparError(f"the plan JSON is malformed: node {n.name} ({n.path}) has strategy {st}, whose "
+                                       f"{spec} places {len(spec.placements)} mesh axes; mesh {plan.mesh} has {plan.mesh.ndim}")
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in n.shape):
+                raise AutoparError(f"the plan JSON is malformed: node {n.name} ({n.path}) has shape {list(n.shape)}, not sizes")
+            dims = [p.dim for p in st.output.placements if isinstance(p, Shard)]
+            if any(not 0 <= dim < len(n.shape) for dim in dims):
+                raise AutoparError(f"the plan JSON is malformed: node {n.name} ({n.path}) of shape {list(n.shape)} has "
+                                   f"output {st.output}, which splits a dim it does not have")
+        return plan
+
+    @staticmethod
+    def _from_json(d: dict) -> "Plan":
         nodes = {}
         for e in d["nodes"]:
             nodes[e["name"]] = NodePlan(

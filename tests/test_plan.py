@@ -47,6 +47,24 @@ def test_json_errors_are_clear(plans):
     with pytest.raises(autopar.AutoparError, match=r"zero3\[h.0\]\(dp\).*'sometimes' is not one of regather, recompute, keep"):
         autopar.Plan.from_json(json.dumps(d))
 
+    # a file edited by hand: each a clear error naming what is wrong (they were raw KeyErrors and TypeErrors, or
+    # loaded and failed in the program's collectives)
+    def edited(change) -> str:
+        d = json.loads(auto.to_json())
+        change(d)
+        return json.dumps(d)
+
+    node = next(i for i, n in enumerate(json.loads(auto.to_json())["nodes"]) if n["path"] == "h.0.ln_1.weight")
+    for change, says in ((lambda d: d.pop("mesh"), "field 'mesh' is missing"),
+                         (lambda d: d["nodes"][0].pop("name"), "field 'name' is missing"),
+                         (lambda d: d["nodes"][node].update(strategy="() -> S(0)RRR"), r"S\(0\)RRR places 4 mesh axes; mesh dp=2 x tp=2 .* has 2"),
+                         (lambda d: d["nodes"][node].update(strategy="() -> S(5)R"), r"of shape \[32\] has output S\(5\)R, which splits a dim it does not have"),
+                         (lambda d: d["mesh"]["hardware"].update(memory=-5), "memory must each be a positive number"),
+                         (lambda d: d["mesh"]["hardware"].update(peak_flops={}), "peak_flops needs a 'float32' entry"),
+                         (lambda d: d["mesh"].update(hardware="h100-80gb"), "takes the dict Hardware.to_json writes")):
+        with pytest.raises(autopar.AutoparError, match=says):
+            autopar.Plan.from_json(edited(change))
+
 
 def test_cost_fields(plans):
     auto, _ = plans

@@ -95,9 +95,22 @@ def _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces: dict, 
         else:
             p = make_plan(traced, priced_mesh(mesh, mp), memory_budget)
         return "auto", stamped(p, mesh, mp)
+    if not (isinstance(entry, str) or (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
+                                       and isinstance(entry[1], dict))):
+        raise AutoparError(f"plan entry {entry!r}: give \"auto\", a strategy name (\"fsdp\"), (name, {{knob: value}}), "
+                           "a Plan, or \"torch:<strategy>\"")
     name, knobs = (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
-    p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, traces=traces,
-                    mixed_precision=mp, **knobs)
+    try:
+        p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, traces=traces,
+                        mixed_precision=mp, **knobs)
+    except TypeError as e:  # a knob handwritten does not take
+        if "unexpected keyword argument" not in str(e):
+            raise
+        import inspect
+
+        known = [k for k in inspect.signature(handwritten).parameters if k not in ("model", "mesh", "example_inputs", "strategy",
+                                                                                    "memory_budget", "traced", "traces", "mixed_precision")]
+        raise AutoparError(f"{name}: {str(e).split(': ', 1)[-1]}; the knobs are {', '.join(known)}") from None
     return p.label, p
 
 

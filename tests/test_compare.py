@@ -129,6 +129,15 @@ def test_strategies_that_do_not_fit_the_mesh_say_why():
         autopar.handwritten(torch.nn.Sequential(torch.nn.Linear(8, 8)), autopar.Mesh({"tp": 2}), (torch.randn(4, 8),), "megatron")
 
 
+def test_a_bad_entry_is_one_error_row_not_the_end_of_the_comparison():
+    """An unknown knob or an entry of no known form is that row's error; the other rows are planned (both raised a
+    raw TypeError out of compare and lost every row)."""
+    c = autopar.compare(_gpt(), autopar.Mesh({"dp": 2}), _batch(), plans=[("fsdp", {"bogus": 1}), 42, "ddp"])
+    assert "unexpected keyword argument 'bogus'; the knobs are" in c.rows[0].error and "zero" in c.rows[0].error
+    assert "plan entry 42: give \"auto\"" in c.rows[1].error
+    assert c.rows[2].error is None and c.rows[2].plan is not None
+
+
 def test_compare_tables_auto_next_to_hand_written_plans():
     c = autopar.compare(_gpt(), autopar.Mesh({"tp": 2}, hardware="h100-80gb"), _batch(),
                         plans=["auto", "megatron", ("megatron", {"sequence_parallel": True}), "fsdp"])

@@ -671,6 +671,11 @@ def _explain_unplaceable(tg: TracedGraph, name: str, spec: Spec, meta: TensorMet
                 f"{where}: pinned spec {spec} splits dim {d} (size {meta.shape[d]}) over {axes}, which does not divide it "
                 f"({meta.shape[d]} % {f} = {meta.shape[d] % f}). Fix: choose axis sizes that divide {meta.shape[d]}, or drop the pin"
             )
+    data = [mesh.names[a] for a, pl in enumerate(spec.placements) if isinstance(pl, Shard) and a in mesh.batch_axes()]
+    if data and tg.kinds.get(name) in ("param", "buffer"):
+        return (f"{where}: pinned spec {spec} splits a {tg.kinds[name]} over {', '.join(data)}, a data axis: data axes split "
+                "the batch and nothing else. To shard parameters over the data axes use ZeroPin (FSDP's ZeRO-3: "
+                "ZeroPin('*', 3)); to split this one as tensor parallelism does, give that mesh axis another name (tp)")
     return f"{where}: no strategy of this op produces {spec} on mesh {mesh}; drop the pin, or pin a Spec its inputs can produce"
 
 

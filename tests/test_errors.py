@@ -191,6 +191,13 @@ def test_a_data_dependent_shape_and_keyword_inputs_are_explained():
             autopar.plan(_KeywordOnly(), autopar.Mesh({"dp": 2}), inputs)
 
 
+def test_a_weight_pinned_split_over_a_data_axis_points_to_zero():
+    """Data axes split the batch and nothing else: a pin splitting a parameter over one says so, and what does what
+    the user meant (ZeroPin, or a tensor-parallel axis)."""
+    with pytest.raises(autopar.ShardingError, match=r"h.0.attn.c_attn.weight: pinned spec RS\(0\) splits a param over dp, a data axis.*ZeroPin"):
+        autopar.plan(_gpt(), autopar.Mesh({"tp": 2, "dp": 2}), _ids(), constraints=[autopar.Pin("h.0.attn.c_attn.weight", "RS(0)")])
+
+
 def test_wrong_input_shapes_are_explained():
     with fake_world(2), _compat.local_tensor_mode(2):
         pm = autopar.parallelize(_gpt(), autopar.Mesh({"dp": 2}), _ids())

@@ -81,10 +81,19 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
 
     _check_budget(memory_budget)
     check(model, mixed_precision)
+    for knob, value in (("global_batch", global_batch), ("seq", seq)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise AutoparError(f"{knob}={value!r}: give a whole number >= 1 ({'sequences in the global batch' if knob == 'global_batch' else 'tokens per sequence'})")
     if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
         if global_batch is None:
             raise AutoparError("example_inputs is a function: give global_batch= (and seq=) to build the batch")
         example_inputs = example_inputs(global_batch, seq)
+    elif global_batch is not None or seq is not None:  # the inputs are the batch: numbers that disagree would be ignored
+        rows = {t.shape[0] for t in (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
+                if isinstance(t, torch.Tensor) and t.ndim}
+        if global_batch is not None and rows != {global_batch}:
+            raise AutoparError(f"global_batch={global_batch} but the example inputs hold {sorted(rows)} rows: give one or "
+                               "the other (global_batch= with a function (global_batch, seq) -> inputs)")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     mp = mixed_precision
     model, args = compute_twin(model, mp), cast_inputs(args, mp)

@@ -282,6 +282,11 @@ def test_autopar_plan_takes_a_cluster_and_an_inputs_function():
     assert math.prod(plan.mesh.sizes) == 4 and plan.search
     with pytest.raises(autopar.AutoparError, match="global_batch"):
         autopar.plan(model, Cluster(1, 4), make)
+    for bad in (0, -4, 4.0):  # refused as given, not deep in the model's inputs function
+        with pytest.raises(autopar.AutoparError, match=rf"global_batch={bad!r}: give a whole number >= 1"):
+            autopar.plan(model, Cluster(1, 4), make, global_batch=bad, seq=16)
+    with pytest.raises(autopar.AutoparError, match=r"global_batch=8 but the example inputs hold \[4\] rows"):
+        autopar.plan(model, Cluster(1, 4), make(4, 16), global_batch=8)
     with pytest.raises(autopar.AutoparError, match="cp_in_stages widens the search over an autopar.Cluster"):
         autopar.plan(model, autopar.Mesh({"pp": 2, "cp": 2}), make, global_batch=8, seq=16, cp_in_stages=True)
 

@@ -19,6 +19,9 @@ strategies are simple, with the same values as the original:
 
 Nothing here touches the user's model: export reads it, the parameters stay where they are.
 
+``mode_difference(model, inputs)`` says how the forward differs between training and eval mode (one fake-tensor run
+in each), for a ParallelModule to refuse a mode its traced program cannot act.
+
 Repeated layers are traced once. Exporting costs time in proportion to the ops run (a 96-layer GPT-3 175B: ~3 s on
 2 cores), and most of a deep model is one layer repeated. So when the model holds a container of ``N >= 4``
 identical layers (an ``nn.ModuleList`` / ``nn.Sequential`` whose children have one class, the same parameter and

@@ -47,8 +47,8 @@ many layers were copied, 0 when none were). Before the copy is used it must be p
 
 - every layer past the second calls the second's torch functions, argument for argument (each tensor's shape and
   dtype, every other argument's value), in one run of the whole model on the meta device (fake tensors where the
-  forward makes CPU tensors of its own; ``_layer_ops``): a layer that branches on ``self.layer_idx % 4 == 3``, or
-  scales by a number made from its index, differs there at any depth (a 96-layer GPT-3: ~0.7 s).
+  forward makes CPU tensors of its own; ``_layers_alike``): a layer that branches on ``self.layer_idx % 4 == 3``, or
+  scales by a number made from its index, differs there at any depth (a 96-layer GPT-3: ~0.2 s).
 
 The assumption left: the model's forward iterates its layer container, and the rest of the forward does not behave
 differently past layer 3 in a way the layers' calls do not show (a tensor a layer reads, made from the layer's index
@@ -931,28 +931,35 @@ def _digest(v) -> tuple:
     return tuple(v.shape), str(v.dtype), data
 
 
-def _layer_ops(model: torch.nn.Module, path: str, args: tuple) -> list[list[tuple]] | None:
-    """Per layer of the container at ``path``, the torch functions its forward calls (each with its arguments'
-    shapes and dtypes, or values), from one run of the whole model on the meta device (no data, no compute: a
-    96-layer GPT-3 in ~0.2 s); None where it cannot run there (a tensor it holds outside its parameters and
-    buffers, on another device).
+class _Differs(Exception):
+    """A layer past the second called what the second did not (``_layers_alike``)."""
 
-    Runs on copies (``shallow_copy``) holding meta parameters and buffers; the forward hooks that mark which layer
-    runs go on layer copies with hook dicts of their own. The user's model is not touched."""
+
+def _layers_alike(model: torch.nn.Module, path: str, args: tuple) -> bool:
+    """Whether every layer past the second of the container at ``path`` calls the torch functions the second does,
+    argument for argument (each tensor's shape and dtype, every other argument's value), in one run of the whole
+    model on the meta device (fake tensors where the forward makes CPU tensors of its own, which meta ones cannot
+    meet); False where neither can run it (the full export then says what fails, in the model's terms).
+
+    A later layer's call that matches the second's is not run again: it returns what the second's returned (tensors
+    without data, alike by the match), so the layers past the second cost the recording alone (a 96-layer GPT-3:
+    ~0.2 s). Runs on copies (``shallow_copy``) holding meta parameters and buffers; the forward hooks that mark which
+    layer runs go on layer copies with hook dicts of their own. The user's model is not touched."""
     root = parent = shallow_copy(model)
     *outer, last = path.split(".")
     for name in outer:
         parent._modules[name] = parent = shallow_copy(parent._modules[name])
     container = parent._modules[last] = shallow_copy(parent._modules[last])
-    ops: list[list[tuple]] = [[] for _ in container._modules]
     current: list[int | None] = [None]
     for k, (key, layer) in enumerate(list(container._modules.items())):
         layer = container._modules[key] = shallow_copy(layer)
-        for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        for hooks in _HOOK_DICTS:
             if hooks in layer.__dict__:
                 layer.__dict__[hooks] = type(layer.__dict__[hooks])(layer.__dict__[hooks])
         layer.register_forward_pre_hook(lambda _m, _a, k=k: current.__setitem__(0, k))
         layer.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, None))
+    second: list[tuple] = []  # layer 1's calls: (signature, what it returned)
+    at = [0]  # the next of them a later layer must call
 
     def sig(a):
         if isinstance(a, torch.Tensor):
@@ -961,28 +968,44 @@ def _layer_ops(model: torch.nn.Module, path: str, args: tuple) -> list[list[tupl
 
     class Record(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if current[0] is not None:
-                ops[current[0]].append((getattr(func, "__qualname__", str(func)), str(pytree.tree_map(sig, list(args))),
-                                        str(sorted((k, pytree.tree_map(sig, v)) for k, v in (kwargs or {}).items()))))
-            return func(*args, **(kwargs or {}))
+            k = current[0]
+            if k is None or k == 0:
+                return func(*args, **(kwargs or {}))
+            call = (getattr(func, "__qualname__", str(func)), str(pytree.tree_map(sig, list(args))),
+                    str(sorted((key, pytree.tree_map(sig, v)) for key, v in (kwargs or {}).items())))
+            if k == 1:
+                out = func(*args, **(kwargs or {}))
+                second.append((call, out))
+                return out
+            if at[0] >= len(second) or second[at[0]][0] != call:
+                raise _Differs(k)
+            at[0] += 1
+            return second[at[0] - 1][1]
+
+    # a layer past the second must also make every call the second made: counted where it returns
+    ends: list[int] = []  # per layer past the second, how many of the second's calls it made
+    for k, (key, layer) in enumerate(container._modules.items()):
+        if k >= 2:
+            layer.register_forward_pre_hook(lambda _m, _a: at.__setitem__(0, 0))
+            layer.register_forward_hook(lambda _m, _a, _o: ends.append(at[0]))
 
     tensors = {**dict(root.named_parameters()), **dict(root.named_buffers())}
     for fake in (None, _compat.fake_mode(allow_non_fake_inputs=True)):
-        # the meta device first (fastest); fake tensors where the forward makes tensors of its own on the CPU
-        # (``torch.tensor(...)``), which meta ones cannot meet
         convert = ((lambda t: torch.empty_like(t, device="meta")) if fake is None else (lambda t: _compat.from_real(fake, t)))
         to = lambda t: convert(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        for o in ops:
-            o.clear()
+        second.clear()
+        ends.clear()
         try:
             with contextlib.nullcontext() if fake is None else fake:
-                state, fargs = {k: to(v) for k, v in tensors.items()}, pytree.tree_map(to, args)
+                state, fargs = {key: to(v) for key, v in tensors.items()}, pytree.tree_map(to, args)
                 with torch.no_grad(), Record():
                     torch.func.functional_call(root, state, fargs)
-            return ops
+            return len(ends) == len(container._modules) - 2 and all(e == len(second) for e in ends)
+        except _Differs:
+            return False
         except Exception:  # noqa: BLE001  (the full export reports what fails in the model's terms)
             current[0] = None
-    return None
+    return False
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -1087,8 +1110,7 @@ def _repeated(model: torch.nn.Module, args: tuple) -> _Exported | None:
     path, n = found
     # every layer past the second must run the second's ops, argument for argument (a layer branching on its
     # index past the third, a scale made from it, would be copied wrong)
-    ops = _layer_ops(model, path, args)
-    if ops is None or any(o != ops[1] for o in ops[2:]):
+    if not _layers_alike(model, path, args):
         return None
     try:
         two = _exported(torch.export.export(_truncated(model, path, 2), args, strict=False))

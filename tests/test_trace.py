@@ -179,7 +179,7 @@ def test_tracing_leaves_the_model_as_it_was():
     assert all(torch.equal(p, v) for _, p, v in params)
     assert buffers == list(model.named_buffers(remove_duplicate=False))
     assert model.lm_head.weight is model.wte.weight
-    # the hooks marking which layer runs (``_layer_ops``) went on copies
+    # the hooks marking which layer runs (``_layers_alike``) went on copies
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 

@@ -931,6 +931,24 @@ def _digest(v) -> tuple:
     return tuple(v.shape), str(v.dtype), data
 
 
+def _with_own_hooks(m: torch.nn.Module) -> torch.nn.Module:
+    """``m`` (a ``shallow_copy``) with forward-hook dicts of its own: hooks registered on it never reach the original."""
+    for hooks in _HOOK_DICTS:
+        if hooks in m.__dict__:
+            m.__dict__[hooks] = type(m.__dict__[hooks])(m.__dict__[hooks])
+    return m
+
+
+def _call_signature(name: str, args: tuple, kwargs: dict | None) -> tuple[str, str, str]:
+    """A torch function call as the layer and mode checks compare them: its name, and each argument's shape and
+    dtype (a tensor) or value (a number, string, dtype, device; other objects by type)."""
+    def sig(a):
+        if isinstance(a, torch.Tensor):
+            return ("T", tuple(a.shape), str(a.dtype))
+        return a if isinstance(a, (bool, int, float, str, type(None), torch.dtype, torch.device)) else type(a).__name__
+    return name, str(pytree.tree_map(sig, list(args))), str(sorted((k, pytree.tree_map(sig, v)) for k, v in (kwargs or {}).items()))
+
+
 class _Differs(Exception):
     """A layer past the second called what the second did not (``_layers_alike``)."""
 
@@ -952,27 +970,18 @@ def _layers_alike(model: torch.nn.Module, path: str, args: tuple) -> bool:
     container = parent._modules[last] = shallow_copy(parent._modules[last])
     current: list[int | None] = [None]
     for k, (key, layer) in enumerate(list(container._modules.items())):
-        layer = container._modules[key] = shallow_copy(layer)
-        for hooks in _HOOK_DICTS:
-            if hooks in layer.__dict__:
-                layer.__dict__[hooks] = type(layer.__dict__[hooks])(layer.__dict__[hooks])
+        layer = container._modules[key] = _with_own_hooks(shallow_copy(layer))
         layer.register_forward_pre_hook(lambda _m, _a, k=k: current.__setitem__(0, k))
         layer.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, None))
     second: list[tuple] = []  # layer 1's calls: (signature, what it returned)
     at = [0]  # the next of them a later layer must call
-
-    def sig(a):
-        if isinstance(a, torch.Tensor):
-            return ("T", tuple(a.shape), str(a.dtype))
-        return a if isinstance(a, (bool, int, float, str, type(None), torch.dtype, torch.device)) else type(a).__name__
 
     class Record(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             k = current[0]
             if k is None or k == 0:
                 return func(*args, **(kwargs or {}))
-            call = (getattr(func, "__qualname__", str(func)), str(pytree.tree_map(sig, list(args))),
-                    str(sorted((key, pytree.tree_map(sig, v)) for key, v in (kwargs or {}).items())))
+            call = _call_signature(getattr(func, "__qualname__", str(func)), args, kwargs)
             if k == 1:
                 out = func(*args, **(kwargs or {}))
                 second.append((call, out))
@@ -1027,10 +1036,7 @@ def _mode_calls(model: torch.nn.Module, args: tuple, training: bool) -> list[tup
 
     def tree(m: torch.nn.Module) -> torch.nn.Module:
         if id(m) not in copies:
-            c = copies[id(m)] = shallow_copy(m)
-            for hooks in _HOOK_DICTS:
-                if hooks in c.__dict__:
-                    c.__dict__[hooks] = type(c.__dict__[hooks])(c.__dict__[hooks])
+            c = copies[id(m)] = _with_own_hooks(shallow_copy(m))
             c.__dict__["training"] = training
             for k, child in list(c._modules.items()):
                 if child is not None:
@@ -1046,19 +1052,13 @@ def _mode_calls(model: torch.nn.Module, args: tuple, training: bool) -> list[tup
             c.register_forward_hook(lambda _m, _a, _o: stack.pop() and None)  # (a hook's value would replace the output)
     calls: list[tuple] = []
 
-    def sig(a):
-        if isinstance(a, torch.Tensor):
-            return ("T", tuple(a.shape), str(a.dtype))
-        return a if isinstance(a, (bool, int, float, str, type(None), torch.dtype, torch.device)) else type(a).__name__
-
     class Record(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", str(func))
             p = args[1] if len(args) > 1 else (kwargs or {}).get("p", 0.5)
             if name in _DROPPED and isinstance(p, (int, float)) and p == 0:  # the same in either mode: nothing dropped
                 return func(*args, **(kwargs or {}))
-            calls.append((stack[-1][0], stack[-1][1], name, str(pytree.tree_map(sig, list(args))),
-                          str(sorted((k, pytree.tree_map(sig, v)) for k, v in (kwargs or {}).items()))))
+            calls.append((stack[-1][0], stack[-1][1]) + _call_signature(name, args, kwargs))
             return func(*args, **(kwargs or {}))
 
     fake = _compat.fake_mode(allow_non_fake_inputs=True)

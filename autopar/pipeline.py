@@ -940,6 +940,9 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             break
     if best is None:
         why = "; ".join(tried[:6])
+        if tried and all(": no schedule runs (" in t for t in tried):  # nothing to do with memory: say so
+            raise InfeasibleError(f"no pipeline schedule runs on {mesh} as pinned ({why}); change the PipelinePin "
+                                  "(schedule, virtual, cuts) or the microbatches", None)
         raise InfeasibleError(
             f"no pipeline plan on {mesh} fits {fmt_bytes(budget)} per device ({why})"
             + (f"; the smallest found needs {fmt_bytes(smallest)}" if smallest < math.inf else "")

@@ -423,7 +423,7 @@ class ParallelModule(nn.Module):
         """Raise where the traced program cannot act as the model does in ``mode`` (the other mode than traced's)."""
         diff = self._modes
         if diff is None:
-            warnings.warn("autopar could not run the model's forward on fake tensors to compare its training and eval modes; "
+            warnings.warn("autopar could not run the model's forward without data to compare its training and eval modes; "
                           f"{'eval' if not mode else 'train'}() switches only dropout, BatchNorm, InstanceNorm and RReLU in the "
                           "traced program", stacklevel=3)
             return

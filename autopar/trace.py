@@ -19,8 +19,8 @@ strategies are simple, with the same values as the original:
 
 Nothing here touches the user's model: export reads it, the parameters stay where they are.
 
-``mode_difference(model, inputs)`` says how the forward differs between training and eval mode (one fake-tensor run
-in each), for a ParallelModule to refuse a mode its traced program cannot act.
+``mode_difference(model, inputs)`` says how the forward differs between training and eval mode (one run without
+data in each), for a ParallelModule to refuse a mode its traced program cannot act.
 
 Repeated layers are traced once. Exporting costs time in proportion to the ops run (a 96-layer GPT-3 175B: ~3 s on
 2 cores), and most of a deep model is one layer repeated. So when the model holds a container of ``N >= 4``
@@ -48,7 +48,7 @@ many layers were copied, 0 when none were). Before the copy is used it must be p
 - every layer past the second calls the second's torch functions, argument for argument (each tensor's shape and
   dtype, every other argument's value), in one run of the whole model on the meta device (fake tensors where the
   forward makes CPU tensors of its own; ``_layers_alike``): a layer that branches on ``self.layer_idx % 4 == 3``, or
-  scales by a number made from its index, differs there at any depth (a 96-layer GPT-3: ~0.2 s).
+  scales by a number made from its index, differs there at any depth (a 96-layer GPT-3: ~0.1 s).
 
 The assumption left: the model's forward iterates its layer container, and the rest of the forward does not behave
 differently past layer 3 in a way the layers' calls do not show (a tensor a layer reads, made from the layer's index
@@ -953,28 +953,60 @@ class _Differs(Exception):
     """A layer past the second called what the second did not (``_layers_alike``)."""
 
 
-def _layers_alike(model: torch.nn.Module, path: str, args: tuple) -> bool:
-    """Whether every layer past the second of the container at ``path`` calls the torch functions the second does,
-    argument for argument (each tensor's shape and dtype, every other argument's value), in one run of the whole
-    model on the meta device (fake tensors where the forward makes CPU tensors of its own, which meta ones cannot
-    meet); False where neither can run it (the full export then says what fails, in the model's terms).
+def _forward_without_data(root: torch.nn.Module, tensors: dict, args: tuple, recording) -> None:
+    """Run ``root``'s forward once with ``tensors`` (FQN -> its parameters and buffers) and ``args`` as tensors
+    without data, under ``recording()`` (a fresh TorchFunctionMode, its records emptied, for each way tried): on
+    the meta device (fastest), else as fake tensors (a forward that makes CPU tensors of its own, which meta ones
+    cannot meet). Raises what the fake run raised; ``_Differs`` at once."""
+    for fake in (None, _compat.fake_mode(allow_non_fake_inputs=True)):
+        convert = (lambda t: torch.empty_like(t, device="meta")) if fake is None else (lambda t: _compat.from_real(fake, t))
+        to = lambda t: convert(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        try:
+            with contextlib.nullcontext() if fake is None else fake:
+                state, fargs = {k: to(v) for k, v in tensors.items()}, pytree.tree_map(to, args)
+                with torch.no_grad(), recording():
+                    torch.func.functional_call(root, state, fargs)
+            return
+        except _Differs:
+            raise
+        except Exception:  # noqa: BLE001  (the meta device failed: fake tensors next)
+            if fake is not None:
+                raise
+
+
+def _layers_alike(model: torch.nn.Module, path: str, n: int, args: tuple) -> bool:
+    """Whether every layer past the second of the ``n`` in the container at ``path`` calls the torch functions the
+    second does, argument for argument (``_call_signature``), in one run of the whole model without data
+    (``_forward_without_data``); False where it cannot run so (the full export then says what fails, in the
+    model's terms).
 
     A later layer's call that matches the second's is not run again: it returns what the second's returned (tensors
     without data, alike by the match), so the layers past the second cost the recording alone (a 96-layer GPT-3:
-    ~0.2 s). Runs on copies (``shallow_copy``) holding meta parameters and buffers; the forward hooks that mark which
-    layer runs go on layer copies with hook dicts of their own. The user's model is not touched."""
-    root = parent = shallow_copy(model)
-    *outer, last = path.split(".")
-    for name in outer:
-        parent._modules[name] = parent = shallow_copy(parent._modules[name])
-    container = parent._modules[last] = shallow_copy(parent._modules[last])
+    ~0.1 s). Runs on ``_truncated``'s copies (all ``n`` layers kept), each layer a copy with hook dicts of its own
+    for the hooks that mark which layer runs. The user's model is not touched."""
+    root = _truncated(model, path, n)
+    container = root.get_submodule(path)
     current: list[int | None] = [None]
-    for k, (key, layer) in enumerate(list(container._modules.items())):
-        layer = container._modules[key] = _with_own_hooks(shallow_copy(layer))
-        layer.register_forward_pre_hook(lambda _m, _a, k=k: current.__setitem__(0, k))
-        layer.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, None))
     second: list[tuple] = []  # layer 1's calls: (signature, what it returned)
-    at = [0]  # the next of them a later layer must call
+    at = [0]  # the next of them the running layer must call
+    ends: list[int] = []  # per layer past the second, how many of the second's calls it made (all: alike)
+
+    def enter(k: int):
+        def hook(_m, _a):
+            current[0], at[0] = k, 0
+        return hook
+
+    def leave(k: int):
+        def hook(_m, _a, _o):
+            current[0] = None
+            if k >= 2:
+                ends.append(at[0])
+        return hook
+
+    for k, key in enumerate(list(container._modules)):
+        layer = container._modules[key] = _with_own_hooks(shallow_copy(container._modules[key]))
+        layer.register_forward_pre_hook(enter(k))
+        layer.register_forward_hook(leave(k))
 
     class Record(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -991,30 +1023,17 @@ def _layers_alike(model: torch.nn.Module, path: str, args: tuple) -> bool:
             at[0] += 1
             return second[at[0] - 1][1]
 
-    # a layer past the second must also make every call the second made: counted where it returns
-    ends: list[int] = []  # per layer past the second, how many of the second's calls it made
-    for k, (key, layer) in enumerate(container._modules.items()):
-        if k >= 2:
-            layer.register_forward_pre_hook(lambda _m, _a: at.__setitem__(0, 0))
-            layer.register_forward_hook(lambda _m, _a, _o: ends.append(at[0]))
-
-    tensors = {**dict(root.named_parameters()), **dict(root.named_buffers())}
-    for fake in (None, _compat.fake_mode(allow_non_fake_inputs=True)):
-        convert = ((lambda t: torch.empty_like(t, device="meta")) if fake is None else (lambda t: _compat.from_real(fake, t)))
-        to = lambda t: convert(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    def recording() -> Record:
+        current[0] = None
         second.clear()
         ends.clear()
-        try:
-            with contextlib.nullcontext() if fake is None else fake:
-                state, fargs = {key: to(v) for key, v in tensors.items()}, pytree.tree_map(to, args)
-                with torch.no_grad(), Record():
-                    torch.func.functional_call(root, state, fargs)
-            return len(ends) == len(container._modules) - 2 and all(e == len(second) for e in ends)
-        except _Differs:
-            return False
-        except Exception:  # noqa: BLE001  (the full export reports what fails in the model's terms)
-            current[0] = None
-    return False
+        return Record()
+
+    try:
+        _forward_without_data(root, {**dict(root.named_parameters()), **dict(root.named_buffers())}, args, recording)
+    except Exception:  # noqa: BLE001  (_Differs, or a forward that cannot run without data)
+        return False
+    return len(ends) == n - 2 and all(e == len(second) for e in ends)
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -1029,7 +1048,7 @@ _FLAGGED = {"batch_norm", "instance_norm", "rrelu", "scaled_dot_product_attentio
 def _mode_calls(model: torch.nn.Module, args: tuple, training: bool) -> list[tuple] | None:
     """The torch functions ``model``'s forward calls in ``training`` mode, in order, each as (the innermost
     module's FQN, whether a module the runtime switches itself is running, the function, its arguments' shapes
-    and dtypes or values), from one run on fake tensors (no data, no compute); None where they cannot run it.
+    and dtypes or values), from one run without data (``_forward_without_data``); None where it cannot run so.
     Runs on a copy of the module tree (``shallow_copy`` of every module, hook dicts of their own): the user's
     modules keep their mode and hooks."""
     copies: dict[int, torch.nn.Module] = {}
@@ -1051,6 +1070,7 @@ def _mode_calls(model: torch.nn.Module, args: tuple, training: bool) -> list[tup
             c.register_forward_pre_hook(lambda _m, _a, name=name, sw=isinstance(m, _SWITCHED_MODULES): stack.append((name, sw or stack[-1][1])))
             c.register_forward_hook(lambda _m, _a, _o: stack.pop() and None)  # (a hook's value would replace the output)
     calls: list[tuple] = []
+    stack_base = list(stack)
 
     class Record(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -1061,14 +1081,13 @@ def _mode_calls(model: torch.nn.Module, args: tuple, training: bool) -> list[tup
             calls.append((stack[-1][0], stack[-1][1]) + _call_signature(name, args, kwargs))
             return func(*args, **(kwargs or {}))
 
-    fake = _compat.fake_mode(allow_non_fake_inputs=True)
-    to = lambda t: _compat.from_real(fake, t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    def recording() -> Record:
+        calls.clear()
+        stack[:] = stack_base
+        return Record()
+
     try:
-        with fake:
-            state = {k: to(v) for k, v in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()}
-            fargs = pytree.tree_map(to, args)
-            with torch.no_grad(), Record():
-                torch.func.functional_call(root, state, fargs)
+        _forward_without_data(root, {**dict(model.named_parameters()), **dict(model.named_buffers())}, args, recording)
     except Exception:  # noqa: BLE001
         return None
     return calls
@@ -1110,7 +1129,7 @@ def _repeated(model: torch.nn.Module, args: tuple) -> _Exported | None:
     path, n = found
     # every layer past the second must run the second's ops, argument for argument (a layer branching on its
     # index past the third, a scale made from it, would be copied wrong)
-    if not _layers_alike(model, path, args):
+    if not _layers_alike(model, path, n, args):
         return None
     try:
         two = _exported(torch.export.export(_truncated(model, path, 2), args, strict=False))
@@ -1131,9 +1150,6 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
     (for a forward that behaves differently past its third layer; see the module docstring)."""
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"autopar parallelizes an nn.Module; got {type(model).__name__}")
-    if isinstance(example_inputs, dict):
-        raise TraceError("example_inputs is a dict; autopar takes a tuple of the forward's positional arguments (keyword "
-                         "arguments are not supported): pass (x, labels), or wrap the model in a module whose forward takes them positionally")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     try:

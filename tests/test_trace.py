@@ -293,6 +293,28 @@ class _DampedPastTwo(torch.nn.Module):
         return x + self.lin(x) / (1 + max(self.layer_idx - 2, 0))
 
 
+class _ShortPastThree(torch.nn.Module):
+    """A layer that, from layer 3 on, stops after the second layer's first calls (it skips its residual add)."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.layer_idx = layer_idx
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y if self.layer_idx >= 3 else x + y
+
+
+def test_a_layer_past_the_third_making_fewer_calls_is_not_copied():
+    """Every call it makes matches the second layer's, in order, but it ends early: alike only if it made all."""
+    torch.manual_seed(0)
+    net = _Net([_ShortPastThree(i) for i in range(5)])
+    x = torch.randn(3, 8)
+    fast, full = _both(net, (x,), 0)
+    assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
+
+
 def test_a_number_a_layer_makes_from_its_index_past_the_third_is_not_copied():
     torch.manual_seed(0)
     net = _Net([_DampedPastTwo(i) for i in range(6)])

@@ -306,18 +306,12 @@ class _ShortPastThree(torch.nn.Module):
         return y if self.layer_idx >= 3 else x + y
 
 
-def test_a_layer_past_the_third_making_fewer_calls_is_not_copied():
-    """Every call it makes matches the second layer's, in order, but it ends early: alike only if it made all."""
+@pytest.mark.parametrize("layer", [_DampedPastTwo, _ShortPastThree], ids=["number-from-index", "ends-early"])
+def test_a_layer_past_the_third_that_acts_otherwise_is_not_copied(layer):
+    """A number made from the index past layer 2; calls that all match the second layer's, in order, but end
+    early (alike only if it made them all)."""
     torch.manual_seed(0)
-    net = _Net([_ShortPastThree(i) for i in range(5)])
-    x = torch.randn(3, 8)
-    fast, full = _both(net, (x,), 0)
-    assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)
-
-
-def test_a_number_a_layer_makes_from_its_index_past_the_third_is_not_copied():
-    torch.manual_seed(0)
-    net = _Net([_DampedPastTwo(i) for i in range(6)])
+    net = _Net([layer(i) for i in range(6)])
     x = torch.randn(3, 8)
     fast, full = _both(net, (x,), 0)
     assert torch.allclose(_run(fast, net, (x,)), net(x), atol=1e-6)

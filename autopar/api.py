@@ -88,10 +88,10 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
         if global_batch is None:
             raise AutoparError("example_inputs is a function: give global_batch= (and seq=) to build the batch")
         example_inputs = example_inputs(global_batch, seq)
-    elif global_batch is not None or seq is not None:  # the inputs are the batch: numbers that disagree would be ignored
+    elif global_batch is not None:  # the inputs are the batch: a number that disagrees would be ignored
         rows = {t.shape[0] for t in (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
                 if isinstance(t, torch.Tensor) and t.ndim}
-        if global_batch is not None and rows != {global_batch}:
+        if rows != {global_batch}:
             raise AutoparError(f"global_batch={global_batch} but the example inputs hold {sorted(rows)} rows: give one or "
                                "the other (global_batch= with a function (global_batch, seq) -> inputs)")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)

@@ -498,8 +498,6 @@ class Plan:
             raise PlanMismatchError(f"plan format version {d.get('version')} is not supported (this autopar reads version {VERSION}); re-plan")
         try:
             plan = Plan._from_json(d)
-        except AutoparError:
-            raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             what = f"field {e.args[0]!r} is missing" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
             raise AutoparError(f"the plan JSON is malformed ({what}): read a file Plan.to_json wrote, or re-plan") from None

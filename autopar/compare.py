@@ -13,6 +13,7 @@ difference from single-device training of the same batches. Nothing is modified:
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -100,17 +101,13 @@ def _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces: dict, 
         raise AutoparError(f"plan entry {entry!r}: give \"auto\", a strategy name (\"fsdp\"), (name, {{knob: value}}), "
                            "a Plan, or \"torch:<strategy>\"")
     name, knobs = (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
-    try:
-        p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, traces=traces,
-                        mixed_precision=mp, **knobs)
-    except TypeError as e:  # a knob handwritten does not take
-        if "unexpected keyword argument" not in str(e):
-            raise
-        import inspect
-
-        known = [k for k in inspect.signature(handwritten).parameters if k not in ("model", "mesh", "example_inputs", "strategy",
-                                                                                    "memory_budget", "traced", "traces", "mixed_precision")]
-        raise AutoparError(f"{name}: {str(e).split(': ', 1)[-1]}; the knobs are {', '.join(known)}") from None
+    given = set(inspect.signature(handwritten).parameters) - {"model", "mesh", "example_inputs", "strategy", "memory_budget",
+                                                            "traced", "traces", "mixed_precision"}
+    unknown = sorted(set(knobs) - given)
+    if unknown:
+        raise AutoparError(f"{name}: unknown knob(s) {', '.join(unknown)}; the knobs are {', '.join(sorted(given))}")
+    p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, traces=traces,
+                    mixed_precision=mp, **knobs)
     return p.label, p
 
 

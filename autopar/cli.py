@@ -127,7 +127,7 @@ def cmd_plan_cluster(args) -> int:
     model, inputs = _load_model(args.model, DTYPES[args.dtype], getattr(args, "context", None))
     nodes, gpus = _parse_cluster(args.cluster)
     cluster = autopar.Cluster(nodes, gpus, args.hardware)
-    print(f"planning {args.model} on {cluster} ({cluster.devices} devices; global batch {args.batch} x seq {args.seq}, {_dtypes(args)}): "
+    print(f"planning {args.model} on {cluster} ({cluster.devices} device{'s' if cluster.devices != 1 else ''}; global batch {args.batch} x seq {args.seq}, {_dtypes(args)}): "
           "searching dp x pp x tp and dp x cp x tp (a mixture of experts: dp x ep too), microbatches, schedule, recomputation ...", flush=True)
     budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
     plan = autopar.plan(model, cluster, inputs(args.batch, args.seq), memory_budget=budget, mixed_precision=_policy(args))

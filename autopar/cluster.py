@@ -869,7 +869,7 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
         why = "; ".join(errors[:3]) or "no candidate fits the memory budget in the screen" + (
             f" (the smallest, {least.candidate}, needs about {fmt_bytes(least.memory / SCREEN_MARGIN)} per device)" if least else "")
         raise InfeasibleError(
-            f"no plan for {model.__class__.__name__} on {cluster} ({cluster.devices} devices) fits {fmt_bytes(real_budget)} per device: "
+            f"no plan for {model.__class__.__name__} on {cluster} ({cluster.devices} device{'s' if cluster.devices != 1 else ''}) fits {fmt_bytes(real_budget)} per device: "
             f"{why}. Use more devices, a smaller global batch, or a larger budget"
         )
     best.search = screened
@@ -1010,5 +1010,5 @@ def search_table(plan: Plan, rows: int = 12) -> str:
 
     out = []
     for s in (plan.search or [])[:rows]:
-        out.append([str(s.candidate), "-" if s.step == math.inf else f"{s.step * 1e3:.1f}", f"{s.memory / 2**30:.1f}", s.note])
+        out.append([str(s.candidate), "-" if s.step == math.inf else f"{s.step * 1e3:.1f}", "-" if math.isnan(s.memory) else f"{s.memory / 2**30:.1f}", s.note])
     return tabulate.tabulate(out, headers=["candidate", "screened step ms", "memory GiB", "note"], tablefmt="simple")

@@ -184,7 +184,7 @@ class Mesh:
         world = dist.get_world_size()
         if world != self.size:
             raise MeshError(
-                f"mesh {self} has {self.size} devices but the process group has world size {world} "
+                f"mesh {self} has {self.size} device{'s' if self.size != 1 else ''} but the process group has world size {world} "
                 f"(rank {dist.get_rank()}); launch {self.size} processes or change the axis sizes so they multiply to {world}"
             )
         self._device_mesh = init_device_mesh(device_type, self.sizes, mesh_dim_names=self.names)

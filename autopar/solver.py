@@ -111,6 +111,7 @@ from autopar.cost import ATTENTION_OPS, CostModel, NodeCost, Saved, VIEW_OPS, gr
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.milp import INF, Model, Solution
+from autopar.plan import fmt_bytes
 from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
@@ -1303,8 +1304,8 @@ def solve(
             floor = floor_choice or solve(tg, mesh, cost, P_, None, pins, objective="memory", backend=backend)
             need = math.ceil(floor.objective * US / MB)
             raise InfeasibleError(
-                f"no plan fits the memory budget of {memory_budget / 2**30:.3f} GiB per device on mesh {mesh}: "
-                f"the smallest plan needs {need / 2**30:.3f} GiB ({need:.0f} bytes) per device. Raise memory_budget to at "
+                f"no plan fits the memory budget of {fmt_bytes(memory_budget)} per device on mesh {mesh}: "
+                f"the smallest plan needs {fmt_bytes(need)} ({need:.0f} bytes) per device. Raise memory_budget to at "
                 "least that, add devices, or shrink the batch" + (
                     f" (priced with a {kernel} AdamW step's temporaries; a fused one, torch.optim.AdamW(fused=True), allocates "
                     "none: Hardware.optimizer_kernel='fused', or --optimizer fused)" if step_rows else ""),

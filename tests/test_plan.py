@@ -61,7 +61,10 @@ def test_json_errors_are_clear(plans):
                          (lambda d: d["nodes"][node].update(strategy="() -> S(5)R"), r"of shape \[32\] has output S\(5\)R, which splits a dim it does not have"),
                          (lambda d: d["mesh"]["hardware"].update(memory=-5), "memory must each be a positive number"),
                          (lambda d: d["mesh"]["hardware"].update(peak_flops={}), "peak_flops needs a 'float32' entry"),
-                         (lambda d: d["mesh"].update(hardware="h100-80gb"), "takes the dict Hardware.to_json writes")):
+                         (lambda d: d["mesh"].update(hardware="h100-80gb"), "takes the dict Hardware.to_json writes"),
+                         # the output adapter scales the loss by input_spec and local_inputs splits by the nodes: an
+                         # edit of one alone would train on a wrongly scaled loss
+                         (lambda d: d.update(input_spec="RS(0)"), r"input_spec RS\(0\) is not the Spec of its first input idx, S\(0\)R")):
         with pytest.raises(autopar.AutoparError, match=says):
             autopar.Plan.from_json(edited(change))
 

@@ -11,14 +11,16 @@ same cost model, so the comparison with ``autopar.plan`` measures the choices th
 Strategies:
 - ``ddp``: every weight whole, gradients all-reduced over the data axes (``zero`` 0 by default).
 - ``fsdp``: ZeRO-3 over the data axes (``zero`` may lower the stage).
-  On a mesh with a ``tp`` axis both compose with Megatron on ``tp`` (torchtitan's 2-D: "ddp+tp", "fsdp+tp"); on a
+  On a mesh with a ``tp`` axis both compose with Megatron on ``tp`` (torchtitan's 2-D: "ddp+tp", "fsdp+tp"; sequence
+  parallel unless ``sequence_parallel=False``, as torchtitan's TP splits the norms' sequence); on a
   mesh with a ``cp`` axis with context parallelism (torchtitan's FSDP + CP, "fsdp+cp", and with tp "fsdp+tp+cp"):
   every attention's queries split by sequence on cp, and ZeRO sharding over the data and cp axes both.
 - ``megatron``: column-parallel then row-parallel projections on ``tp`` (GPT: c_attn/c_fc then c_proj; Llama,
   Mixtral: wq/wk/wv, w1/w3 then wo, w2; Mixtral's experts split along their hidden dim; Hugging Face's GPT-2,
   whose Conv1D weights are stored (in, out), and its Llama-style models: q/k/v_proj, gate/up_proj then o_proj,
   down_proj), with
-  ``sequence_parallel`` the residual stream split by sequence; data parallel (``zero``) on the data axes.
+  ``sequence_parallel`` the residual stream split by sequence (without, whole on tp, as Megatron-LM runs it: the
+  solver's choice would be sequence parallelism where it pays); data parallel (``zero``) on the data axes.
 - ``megatron-3d`` (and ``explicit`` on a mesh with pp): Megatron on tp, data parallel on dp, and a pipeline on pp
   with Megatron's cut (blocks split evenly, the embedding with the first stage, the head with the last; or
   ``blocks_per_stage``, one count per stage, as Megatron-LM's first/last-stage layer counts and torchtitan's split
@@ -121,10 +123,10 @@ def _with_experts(spec: str, ep, dim: int | None) -> str:
 def _megatron_pins(tg, family: str, t: int, data, ndim: int, sequence_parallel: bool, cp=(), ep=(), experts=None) -> list:
     """Megatron's layout on tp axis ``t``: the family's projections column- then row-parallel (whole on the other
     axes); attention on its tp rank's heads (dim 1 of (B, H, T, D)), pinned so that the solver does not swap it for
-    a split of the queries on tp -- where attention is one fused op; with ``sequence_parallel`` each block's residual
-    adds split by sequence (dim 1 of (B, T, C)) on tp. Activations keep the batch split on the data axes and, with
-    context parallelism on the axes ``cp``, the sequence split there (attention's queries: dim 2); the stacks of
-    ``experts`` (FQN -> expert dim) split on the ``ep`` axes too."""
+    a split of the queries on tp -- where attention is one fused op; each block's residual adds split by
+    sequence (dim 1 of (B, T, C)) on tp with ``sequence_parallel``, else whole there. Activations keep the batch
+    split on the data axes and, with context parallelism on the axes ``cp``, the sequence split there (attention's
+    queries: dim 2); the stacks of ``experts`` (FQN -> expert dim) split on the ``ep`` axes too."""
     on_tp = lambda p: "".join(p if a == t else "R" for a in range(ndim))  # noqa: E731
     experts = experts or {}
     pins = []
@@ -134,8 +136,10 @@ def _megatron_pins(tg, family: str, t: int, data, ndim: int, sequence_parallel: 
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     if any(n.op == "call_function" and n.target is sdpa for n in tg.gm.graph.nodes):
         pins.append(Pin("*:scaled_dot_product_attention*", _activations(ndim, data, cp, t, "S(2)")))
-    if sequence_parallel:
-        pins += [Pin(f"{b.fqn}:add*", _activations(ndim, data, cp, t, "S(1)")) for b in tg.blocks]
+    # each block's residual adds: split by sequence on tp with sequence parallelism, else whole there, as Megatron
+    # all-reduces a row-parallel output before its add (left free, the solver finds sequence parallelism by itself)
+    on = "S(1)" if sequence_parallel else "R"
+    pins += [Pin(f"{b.fqn}:add*", _activations(ndim, data, cp, t, "S(1)", on_tp=on)) for b in tg.blocks]
     return pins
 
 
@@ -221,7 +225,7 @@ def handwritten(
     microbatch_size: int | None = None,
     schedule: str | None = None,
     virtual_stages: int | None = None,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | None = None,
     recompute: str = "none",
     zero: int | None = None,
     tp: int | None = None,
@@ -286,6 +290,9 @@ def handwritten(
             raise ShardingError(f"explicit tp={want['tp']} dp={want['dp']} pp={want['pp']} needs a mesh with those degrees; mesh {mesh} has "
                                 f"tp={have['tp']} dp={have['dp']} pp={have['pp']}")
         strategy = "megatron-3d" if pipe is not None else "megatron" if want["tp"] > 1 else ("fsdp" if zero == 3 else "ddp")
+    if sequence_parallel is None:  # as each runs by default: torchtitan's TP always splits the norms' sequence (its
+        # SequenceParallel), Megatron-LM's only under --sequence-parallel
+        sequence_parallel = strategy in ("ddp", "fsdp") and bool(tp_axes)
     batch = next((t.shape[0] for t in (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)) if hasattr(t, "shape")), None)
     if strategy in ("ddp", "fsdp") and pipe is not None:
         raise NotRealised(f"{strategy} on a mesh with pp: use megatron-3d (pipeline + tp + dp), or a mesh without pp")

@@ -12,6 +12,7 @@ kept beside the plan (``plan.timings``), not in its JSON.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -25,7 +26,13 @@ from autopar.spec import Partial, Shard, Spec, Strategy
 
 # 2: ``whole_grads`` (parameters read only as P keep whole gradients there; their buckets leave those axes out):
 # a version-1 runtime would mask and not sum them
-VERSION = 2
+# 3: ``digest``, of everything else: a plan's parts are made together, so a file edited by hand is refused
+VERSION = 3
+
+
+def _digest(d: dict) -> str:
+    """The SHA-256 of a plan's JSON fields but ``digest``, in one canonical text (keys sorted)."""
+    return hashlib.sha256(json.dumps({k: v for k, v in d.items() if k != "digest"}, sort_keys=True).encode()).hexdigest()
 
 
 def _whole(axes) -> str:
@@ -484,6 +491,8 @@ class Plan:
             "group_memory": self.group_memory,
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
         }
+        d = json.loads(json.dumps(d))  # as a reader loads it (tuples as lists, keys as strings), for the digest
+        d["digest"] = _digest(d)
         return json.dumps(d, indent=1)
 
     @staticmethod
@@ -516,7 +525,13 @@ class Plan:
         first = next((n for n in plan.nodes.values() if n.op == "input"), None)
         if first is not None and first.strategy.output != plan.input_spec:  # output_adapter reads it, local_inputs the nodes
             raise AutoparError(f"the plan JSON is malformed: its input_spec {plan.input_spec} is not the Spec of its first input "
-                               f"{first.name}, {first.strategy.output}; edit both alike, or re-plan with a pin on the inputs")
+                               f"{first.name}, {first.strategy.output}; re-plan with a pin on the inputs")
+        if d.get("digest") != _digest(d):
+            raise AutoparError(
+                "the plan JSON was changed after autopar wrote it (its digest does not match its content). A plan's parts "
+                "are made together -- its collectives, gradient buckets and costs follow from its Specs -- so an edited "
+                "file would run collectives it did not price, or train wrong. To choose a Spec, pin it and re-plan: "
+                "autopar.plan(..., constraints=[autopar.Pin(fqn_or_node, spec)]); then save that plan")
         return plan
 
     @staticmethod

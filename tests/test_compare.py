@@ -93,8 +93,13 @@ def test_pipeline_knobs_without_a_pp_axis_are_refused(bad, match):
 
 def test_fsdp_with_a_tp_axis_is_torchtitans_2d():
     plan = autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "tp": 2}), _batch(), "fsdp")
-    assert plan.label == "fsdp+tp" and {s for s, _ in plan.zero_stages.values()} == {3}
+    assert plan.label == "fsdp+tp(sp)" and {s for s, _ in plan.zero_stages.values()} == {3}
     assert str(plan.spec_of("h.0.attn.c_attn.weight")) == "RS(0)"
+    # torchtitan's TP splits the residual stream by sequence; Megatron-LM's only under --sequence-parallel: without
+    # it the residual adds stay whole on tp (left free, the solver would pick sequence parallelism where it pays)
+    assert str(plan.spec_of("h.0:add_1")) == "S(0)S(1)"
+    megatron = autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "tp": 2}), _batch(), "megatron")
+    assert megatron.label == "megatron" and str(megatron.spec_of("h.0:add_1")) == "S(0)R"
 
 
 def test_an_ep_axis_splits_the_experts_in_every_hand_written_strategy():

@@ -29,7 +29,7 @@ def test_json_round_trip_is_exact(plans):
     assert again.to_json() == text
     assert again.nodes == auto.nodes and again.cost == auto.cost and again.mesh == auto.mesh
     d = json.loads(text)
-    assert d["format"] == "autopar.plan" and d["version"] == 2
+    assert d["format"] == "autopar.plan" and d["version"] == 3
 
 
 def test_json_errors_are_clear(plans):
@@ -64,7 +64,12 @@ def test_json_errors_are_clear(plans):
                          (lambda d: d["mesh"].update(hardware="h100-80gb"), "takes the dict Hardware.to_json writes"),
                          # the output adapter scales the loss by input_spec and local_inputs splits by the nodes: an
                          # edit of one alone would train on a wrongly scaled loss
-                         (lambda d: d.update(input_spec="RS(0)"), r"input_spec RS\(0\) is not the Spec of its first input idx, S\(0\)R")):
+                         (lambda d: d.update(input_spec="RS(0)"), r"input_spec RS\(0\) is not the Spec of its first input idx, S\(0\)R"),
+                         # well-formed edits: a whole weight split (its users read it whole; its gradient bucket
+                         # reduces it on tp: trained wrong), a mesh twice as large (priced as the other), a cost
+                         (lambda d: d["nodes"][node].update(strategy="() -> RS(0)"), "changed after autopar wrote it"),
+                         (lambda d: d["mesh"]["axes"].update(dp=4), "changed after autopar wrote it"),
+                         (lambda d: d["cost"].update(step_time=-1.0), "changed after autopar wrote it")):
         with pytest.raises(autopar.AutoparError, match=says):
             autopar.Plan.from_json(edited(change))
 

@@ -72,6 +72,7 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_gm", gm)
         object.__setattr__(self, "_mesh", mesh)
         self._order: list[tuple[str, str]] = []  # (kind, FQN or constant name), in graph placeholder order
+        self._frozen: list[tuple[str, nn.Parameter]] = []  # parameters planned without a gradient
         self._zero_axes = {p: tuple(mesh.names.index(a) for a in b.shard_axes) for b in plan.zero_buckets for p in b.params}
         self._constants: dict[str, torch.Tensor] = {}
         self._dtype: dict[str, torch.dtype] = {}  # FQN -> the dtype the model holds it in
@@ -92,7 +93,10 @@ class ParallelModule(nn.Module):
                 shard_axes = self._zero_axes.get(name)
                 local = distribute(src.detach(), spec, mesh, shard_axes)
                 # a parameter no gradient reaches (read only under torch.no_grad()) is held as frozen, as planned
-                self._place(fqn, nn.Parameter(local, requires_grad=src.requires_grad and name in tg.trainable), "param")
+                param = nn.Parameter(local, requires_grad=src.requires_grad and name in tg.trainable)
+                self._place(fqn, param, "param")
+                if not param.requires_grad:
+                    self._frozen.append((fqn, param))
             elif kind == BUFFER:
                 self._place(fqn, distribute(model.get_buffer(fqn).detach(), spec, mesh), "buffer", fqn in persistent)
             elif kind == CONSTANT:
@@ -226,7 +230,17 @@ class ParallelModule(nn.Module):
             raise AutoparError("local_inputs takes positional inputs, in the order of example_inputs")
         return tuple(a)
 
+    # torch.compile(pmodel) runs it as it is, uncompiled: the program's collectives are autograd Functions whose
+    # backward launches a reduction that another's backward waits for, in the order eager autograd runs them, which a
+    # compiled backward does not keep (its gradients came out wrong). Compile blocks before parallelize instead.
+    @torch.compiler.disable
     def forward(self, *args, **kwargs):
+        for fqn, param in self._frozen:
+            if param.requires_grad:
+                raise AutoparError(
+                    f"parameter {fqn} was frozen (requires_grad=False) when the model was parallelized, so the plan gives "
+                    "it no gradient reduction and no optimizer state; it now requires grad. Unfreeze it on the model "
+                    "before autopar.parallelize (freezing after it is fine)")
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._tg.in_spec:
             raise AutoparError(
@@ -625,6 +639,14 @@ class _PipelineLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        seeds = [float(v) for v in _compat.local_values(grad).values()]
+        if any(g != 1.0 for g in seeds):
+            raise AutoparError(
+                f"a pipeline plan runs every microbatch's backward inside pmodel(...), seeded with 1, but this loss was "
+                f"scaled before backward() (its gradient is {seeds[0]:g}), "
+                "which the finished schedule cannot apply. Call backward() on the loss as returned: scale it inside the "
+                "model's forward, or scale the learning rate. To accumulate over several calls use pmodel.no_sync(), "
+                "or plan more microbatches")
         ctx.finish()
         return None, None, None
 
@@ -839,10 +861,12 @@ class _PipelineRun:
 
     def step(self, flat: list):
         owner = self.owner
-        if not torch.is_grad_enabled():  # evaluation (a validation loss under torch.no_grad()): forward alone
+        if not torch.is_grad_enabled() or not owner.training:  # evaluation (a validation loss): forward alone, in
+            # eval mode too without torch.no_grad() (the schedule would run backward and leave gradients in .grad)
             self._gather_zero()
             self._cast_params()
-            total = self._run(flat, backward=False)
+            with torch.no_grad():
+                total = self._run(flat, backward=False)
             self.whole = {}  # the step's gathered ZeRO-1 parameters: nothing to scatter
             return pytree.tree_unflatten([total], owner._tg.out_spec)
         sync = owner._accumulation.sync  # (no_sync is read when the step runs, as in DDP)

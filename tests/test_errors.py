@@ -258,3 +258,33 @@ def test_an_autocast_region_in_forward_is_named_with_a_fix():
 
     with pytest.raises(autopar.TraceError, match=r"autocast.*mixed_precision=autopar.MixedPrecision\(torch.bfloat16"):
         autopar.plan(Mixed(), autopar.Mesh({"dp": 2}), (torch.randn(4, 8),))
+
+
+def test_a_parameter_unfrozen_after_parallelize_is_refused():
+    """The plan gives a parameter frozen when parallelized no gradient reduction (its gradients went unreduced and
+    the replicas drifted apart); freezing after parallelize is fine."""
+    model = _gpt()
+    model.h[0].ln_1.weight.requires_grad_(False)
+    x = _ids()
+    with fake_world(2), _compat.local_tensor_mode(2):
+        pm = autopar.parallelize(model, autopar.Mesh({"dp": 2}), x)
+        pm.get_parameter("h.1.ln_1.weight").requires_grad_(False)
+        pm(*pm.local_inputs(*x)).backward()
+        pm.get_parameter("h.0.ln_1.weight").requires_grad_(True)
+        with pytest.raises(autopar.AutoparError, match="h.0.ln_1.weight was frozen .* Unfreeze it on the model before autopar.parallelize"):
+            pm(*pm.local_inputs(*x))
+
+
+def test_torch_compile_of_a_parallel_module_runs_it_as_it_is():
+    """torch.compile(pmodel): its forward runs uncompiled (compiled, the collectives' backwards ran out of the order
+    they wait in: gradients up to 3e38), so training equals the module called directly."""
+    x = _ids()
+    with fake_world(2), _compat.local_tensor_mode(2):
+        pm = autopar.parallelize(_gpt(), autopar.Mesh({"dp": 2}), x)
+        compiled = torch.compile(pm, backend="eager")
+        compiled(*pm.local_inputs(*x)).backward()
+        got = {n: p.grad.clone() for n, p in pm.named_parameters()}
+        pm.zero_grad()
+        pm(*pm.local_inputs(*x)).backward()
+        for n, p in pm.named_parameters():
+            assert torch.equal(p.grad, got[n]), n

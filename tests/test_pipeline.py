@@ -384,11 +384,14 @@ def test_pipeline_steps_accumulate_gradients_as_on_one_device(zero, no_sync):
     assert reduced[2] > 0 and reduced[:2] == ([0, 0] if no_sync else [reduced[2]] * 2), reduced
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_a_pipeline_evaluates_under_no_grad(zero):
+@pytest.mark.parametrize("zero,how", [(0, "no_grad"), (1, "no_grad"), (0, "eval")])
+def test_a_pipeline_evaluates_under_no_grad(zero, how):
     """A validation loss under ``torch.no_grad()`` on a pipeline plan: the microbatches' forward alone (the
     schedule's ``eval`` in processes), the single-device loss, no gradient and nothing reduced. It ran the
-    schedule's backward before, and failed ("element 0 of tensors does not require grad")."""
+    schedule's backward before, and failed ("element 0 of tensors does not require grad"). In eval mode without
+    ``no_grad`` the same (the schedule's backward left the validation batch's gradients in ``.grad``)."""
+    import contextlib
+
     from autopar import _compat, collectives
 
     torch.manual_seed(0)
@@ -396,7 +399,9 @@ def test_a_pipeline_evaluates_under_no_grad(zero):
     with fake_world(4), _compat.local_tensor_mode(4) as ltm:
         pm = autopar.parallelize(model, autopar.Mesh({"dp": 2, "pp": 2}), batch,
                                  constraints=[PipelinePin("1f1b", 2), autopar.ZeroPin("*", zero)])
-        with torch.no_grad(), collectives.record() as log:
+        if how == "eval":
+            pm.eval()
+        with torch.no_grad() if how == "no_grad" else contextlib.nullcontext(), collectives.record() as log:
             loss = pm(*pm.local_inputs(*batch))
         assert not loss.requires_grad and all(p.grad is None for p in pm.parameters())
         assert not [c for c in log if c.phase == "backward" or c.kind in ("all_reduce", "reduce_scatter")], log
@@ -638,3 +643,18 @@ def test_a_rank_under_mixed_precision_holds_the_compute_copy_of_its_parameters_t
     for r in range(2):
         extra = pp.rank_memory[r] - sum(s.state for s in pp.stages if s.rank == r)
         assert 2 * block + up <= extra < 2 * block + up + block / 8, (r, extra, block)
+
+
+def test_a_pipeline_refuses_a_loss_scaled_before_backward():
+    """The schedule runs every microbatch's backward inside the call, seeded with 1: a loss scaled before
+    ``backward()`` (nanoGPT's ``loss / accumulation_steps``) is refused; its scale was dropped (gradients 4x)."""
+    from autopar import _compat
+
+    torch.manual_seed(0)
+    batch = _batch(8)
+    with fake_world(2), _compat.local_tensor_mode(2):
+        pm = autopar.parallelize(_gpt(4), autopar.Mesh({"pp": 2}), batch, constraints=[PipelinePin("1f1b", 2)])
+        with pytest.raises(autopar.AutoparError, match=r"scaled before backward\(\) \(its gradient is 0.25\)"):
+            (pm(*pm.local_inputs(*batch)) / 4).backward()
+        pm.zero_grad()
+        pm(*pm.local_inputs(*batch)).backward()  # as returned: runs

@@ -306,13 +306,51 @@ class ParallelModule(nn.Module):
             out = self._pipe.gather("state")
         else:
             state = dict(self.named_parameters())
-            keys = self.state_dict().keys()
-            state.update({k: v for k, v in self.named_buffers() if k in keys})
+            state.update({k: v for k, v in self.named_buffers() if k in self._persistent})
             out = {fqn: self._gather_full(fqn, t) for fqn, t in state.items()}
         for alias, fqn in self._tg.aliases.items():
             if fqn in out:
                 out[alias] = out[fqn]
         return out
+
+    def _pieces(self) -> str | None:
+        """Why this rank's parameters and buffers are pieces of the model's (None: each is whole here)."""
+        if self._pipe is not None:
+            return f"the pipeline on {self._plan.pipeline.axis} keeps each stage's parameters on its own ranks"
+        for kind, fqn in self._order:
+            node = self._node_of.get(fqn)
+            if kind not in (PARAM, BUFFER) or node is None:
+                continue
+            if node in self._zero_axes:
+                return f"ZeRO keeps a flat shard of {fqn} here"
+            spec = self._plan.nodes[node].strategy.output
+            if any(isinstance(p, Shard) for p in spec.placements):
+                return f"the plan splits {fqn} as {spec}"
+        return None
+
+    def state_dict(self, *args, **kwargs):
+        """The module's own state dict where every parameter and buffer is whole on this rank (a data-parallel
+        plan); refused where they are pieces, which ``torch.save`` and torch.distributed.checkpoint would take for
+        whole tensors: ``full_state_dict()`` gathers them."""
+        why = self._pieces()
+        if why is not None:
+            raise AutoparError(
+                f"pmodel.state_dict() would hold this rank's pieces under the model's names ({why}), which torch.save and "
+                "torch.distributed.checkpoint take for whole tensors: a checkpoint of one rank's pieces. Save "
+                "pmodel.full_state_dict() (every rank calls it; save it on one) and load it with "
+                "pmodel.load_full_state_dict(state); the optimizer's with pmodel.full_optimizer_state_dict(opt) and "
+                "pmodel.load_full_optimizer_state_dict(opt, saved)")
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As ``state_dict``: refused where this rank holds pieces (``load_full_state_dict`` puts a single-device
+        state dict into them)."""
+        why = self._pieces()
+        if why is not None:
+            raise AutoparError(f"pmodel.load_state_dict() would copy whole tensors into this rank's pieces ({why}): use "
+                               "pmodel.load_full_state_dict(state), which takes the model's own state_dict() or "
+                               "full_state_dict()'s, saved under any plan")
+        return super().load_state_dict(state_dict, strict, assign)
 
     def _state_names(self, kinds: tuple[str, ...]) -> tuple[dict[str, str], dict[str, str]]:
         """(FQN -> placeholder name, for the state of ``kinds``; every name a state dict may use -- a tied

@@ -288,3 +288,22 @@ def test_torch_compile_of_a_parallel_module_runs_it_as_it_is():
         pm(*pm.local_inputs(*x)).backward()
         for n, p in pm.named_parameters():
             assert torch.equal(p.grad, got[n]), n
+
+
+def test_state_dict_is_refused_where_a_rank_holds_pieces():
+    """torch.distributed.checkpoint of ``pmodel.state_dict()`` (torchtitan's idiom) took each rank's shards for whole
+    tensors and kept one rank's (parameters 0.127 off after a load); a data-parallel plan's state dict is whole."""
+    x = _ids()
+    with fake_world(2), _compat.local_tensor_mode(2):
+        for constraints, says in (([autopar.ZeroPin("*", 1)], "ZeRO keeps a flat shard of"),
+                                  ([("h.*.mlp.c_fc.weight", "S(0)")], r"the plan splits h.0.mlp.c_fc.weight as S\(0\)")):
+            model = _gpt()
+            pm = autopar.parallelize(model, autopar.Mesh({"dp" if "ZeRO" in says else "tp": 2}), x, constraints=constraints)
+            with pytest.raises(autopar.AutoparError, match=says + ".*Save pmodel.full_state_dict()"):
+                pm.state_dict()
+            with pytest.raises(autopar.AutoparError, match="use pmodel.load_full_state_dict"):
+                pm.load_state_dict(model.state_dict())
+            assert _same(pm.full_state_dict(), _state(model))
+        pm = autopar.parallelize(model, autopar.Mesh({"dp": 2}), x, constraints=[autopar.ZeroPin("*", 0)])
+        pm.load_state_dict(pm.state_dict())
+        assert set(pm.state_dict()) <= set(model.state_dict())

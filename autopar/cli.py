@@ -62,10 +62,12 @@ def _load_model(spec: str, dtype, context: int | None = None):
         except (ImportError, AttributeError) as e:
             raise SystemExit(f"autopar: cannot load the model {spec!r} ({type(e).__name__}: {e}); give module:callable, the "
                              "module importable from here (PYTHONPATH) and the callable returning (model, inputs(batch, seq))") from None
+        if not callable(make):
+            raise SystemExit(f"autopar: {spec} is a {type(make).__name__}, not a callable returning (model, inputs(batch, seq))")
         out = make()
-        if isinstance(out, tuple):
+        if isinstance(out, tuple) and len(out) == 2 and callable(out[1]):
             return out
-        raise SystemExit(f"autopar: {spec} must return (model, inputs(batch, seq))")
+        raise SystemExit(f"autopar: {spec} must return (model, inputs(batch, seq)); it returned {type(out).__name__}")
     raise SystemExit(f"autopar: unknown model {spec!r}; known: {', '.join(models.REGISTRY)} (or module:callable)")
 
 
@@ -127,10 +129,11 @@ def cmd_plan_cluster(args) -> int:
     model, inputs = _load_model(args.model, DTYPES[args.dtype], getattr(args, "context", None))
     nodes, gpus = _parse_cluster(args.cluster)
     cluster = autopar.Cluster(nodes, gpus, args.hardware)
-    print(f"planning {args.model} on {cluster} ({cluster.devices} device{'s' if cluster.devices != 1 else ''}; global batch {args.batch} x seq {args.seq}, {_dtypes(args)}): "
+    batch = inputs(args.batch, args.seq)
+    print(f"planning {args.model} on {cluster} ({cluster.devices} device{'s' if cluster.devices != 1 else ''}; {_shape(args, batch)}, {_dtypes(args)}): "
           "searching dp x pp x tp and dp x cp x tp (a mixture of experts: dp x ep too), microbatches, schedule, recomputation ...", flush=True)
     budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
-    plan = autopar.plan(model, cluster, inputs(args.batch, args.seq), memory_budget=budget, mixed_precision=_policy(args))
+    plan = autopar.plan(model, cluster, batch, memory_budget=budget, mixed_precision=_policy(args))
     print(plan.table())
     print("\nscreened (best first):")
     print(search_table(plan))
@@ -140,6 +143,15 @@ def cmd_plan_cluster(args) -> int:
         print(f"plan written to {args.json}")
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _shape(args, batch) -> str:
+    """The global batch as traced: a registry model's inputs stop at its context, so --seq may ask for more."""
+    first = next((t for t in (batch if isinstance(batch, tuple) else (batch,)) if isinstance(t, torch.Tensor)), None)
+    if first is None or first.ndim < 2:
+        return f"global batch {args.batch}"
+    capped = f" (--seq {args.seq}: the model's context)" if args.seq and first.shape[1] != args.seq else ""
+    return f"global batch {first.shape[0]} x seq {first.shape[1]}{capped}"
 
 
 def cmd_plan(args) -> int:
@@ -153,9 +165,9 @@ def cmd_plan(args) -> int:
     t0 = time.perf_counter()
     model, inputs = _load_model(args.model, dtype, getattr(args, "context", None))
     mesh = autopar.Mesh(_parse_mesh(args.mesh), hardware=args.hardware)
-    print(f"planning {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {_dtypes(args)})", flush=True)
-    budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
     batch = inputs(args.batch, args.seq)
+    print(f"planning {args.model} on {mesh} ({_shape(args, batch)}, {_dtypes(args)})", flush=True)
+    budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
     traces: dict = {}
     check(model, mp)
     twin, cast, priced = as_computed(model, batch, mesh, mp)  # the model as it computes under the policy
@@ -192,8 +204,9 @@ def cmd_compare(args) -> int:
     plans = [p.strip() for p in args.plans.split(",")] if args.plans else ["auto"] + [p for p in _handwritten_for(mesh)]
     budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
     t0 = time.perf_counter()
-    print(f"comparing plans for {args.model} on {mesh} (global batch {args.batch} x seq {args.seq or 'default'}, {_dtypes(args)}) ...", flush=True)
-    print(autopar.compare(model, mesh, inputs(args.batch, args.seq), plans=plans, memory_budget=budget,
+    batch = inputs(args.batch, args.seq)
+    print(f"comparing plans for {args.model} on {mesh} ({_shape(args, batch)}, {_dtypes(args)}) ...", flush=True)
+    print(autopar.compare(model, mesh, batch, plans=plans, memory_budget=budget,
                           mixed_precision=_policy(args)).table())
     print(f"compared in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -901,7 +901,9 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
                 needs.append(e.smallest_budget)
             screened.append(Screened(c, math.inf, math.nan, str(e).splitlines()[0][:80]))
             continue
-        screened.append(Screened(c, plan.cost.step_time, plan.cost.memory_per_device, "planned (no repeated blocks to screen)"))
+        zero = max((stage for stage, _ in plan.zero_stages.values()), default=0)  # the stage the solver chose
+        screened.append(Screened(dataclasses.replace(c, zero=zero), plan.cost.step_time, plan.cost.memory_per_device,
+                                 "planned whole (under 4 repeated blocks: no proxy to screen by)"))
         if best is None or plan.cost.step_time < best.cost.step_time:
             best = plan
     if best is None:
@@ -943,7 +945,7 @@ def _screen(bounded: list, profile, order: list[tuple[int, int]], cluster: Clust
             dropped.append((lb, name, c))
             continue
         if prof is None:
-            out.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen"))
+            out.append(Screened(c, math.inf, math.nan, "the proxy has no plan at this tp" if L else "no repeated blocks to screen by"))
             continue
         if c.pp == 1:
             got = _screen_flat(prof, c, cluster, B / (c.dp * c.cp), L, budget)
@@ -1011,4 +1013,5 @@ def search_table(plan: Plan, rows: int = 12) -> str:
     out = []
     for s in (plan.search or [])[:rows]:
         out.append([str(s.candidate), "-" if s.step == math.inf else f"{s.step * 1e3:.1f}", "-" if math.isnan(s.memory) else f"{s.memory / 2**30:.1f}", s.note])
-    return tabulate.tabulate(out, headers=["candidate", "screened step ms", "memory GiB", "note"], tablefmt="simple")
+    return tabulate.tabulate(out, headers=["candidate", "screened step ms", "memory GiB", "note"], tablefmt="simple",
+                             disable_numparse=True, colalign=["left", "right", "right", "left"])

@@ -73,7 +73,8 @@ class Comparison:
             rows.append(line)
         policy = "" if self.mixed_precision is None else f"  |  mixed precision {self.mixed_precision}"
         step = f"  |  AdamW {self.mesh.hardware.optimizer_kernel} (its step's memory priced, and run when measured)"
-        text = f"mesh {self.mesh}{policy}{step}\n" + _tabulate.tabulate(rows, headers=head, tablefmt="simple")
+        text = f"mesh {self.mesh}{policy}{step}\n" + _tabulate.tabulate(rows, headers=head, tablefmt="simple", disable_numparse=True,
+                                                                             colalign=["left"] + ["right"] * (len(head) - 1))
         return text + ("\nnot applicable:\n" + "\n".join(notes) if notes else "")
 
 

@@ -305,7 +305,9 @@ class Hardware:
         )
 
 
-_GB = 1e9
+_GB = 1e9  # decimal, as vendors state sizes and rates. A preset's memory is the vendor's figure in these units
+# (an "80 GB" part: 80e9 bytes, 74.5 GiB, of the 79.2-79.6 GiB a process can allocate there): the ~5 GiB left over
+# stand for what plans do not price -- the CUDA context, NCCL's buffers, the caching allocator's fragmentation
 # runtime fields autopar's own runtime does not realise (its gathers wait, and the hiding of its reductions is
 # not measured; it reduces gradients in their dtype,
 # runs linears in the model's dtype, one kernel per op): set, they price another runtime, and parallelize refuses

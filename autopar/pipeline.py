@@ -1016,8 +1016,9 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
             cols.append(Collective("send", mesh.names[axis], st.send_bytes, "forward", f"stage {st.index} -> {st.index + 1}", send_time(st.send_bytes, link)))
             cols.append(Collective("send", mesh.names[axis], st.send_bytes, "backward", f"stage {st.index + 1} -> {st.index}", send_time(st.send_bytes, link)))
     per_rank = [0.0] * p
-    for st in ev.stages[:-1]:
-        per_rank[st.rank] += st.send_bytes * m  # forward activations out; the next stage sends gradients back alike
+    for st in ev.stages[:-1]:  # forward: the activations out; backward: the next stage sends their gradients back
+        per_rank[st.rank] += st.send_bytes * m
+        per_rank[ev.stages[st.index + 1].rank] += st.send_bytes * m
     c = inner_plan.cost
     step = ev.total
     # bytes each device sends: a collective runs on the ranks of the stage holding the op it serves (per

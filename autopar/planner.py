@@ -186,6 +186,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     by_zero: dict[tuple, list[str]] = {}
     buckets: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}  # -> [(param, bytes to all-reduce)]
     zero_of: dict[str, ZeroOption] = {}
+    param_rows: dict[str, tuple[float, float]] = {}  # a parameter's (time, memory) under its ZeRO stage, for its row
     whole_grads: dict[str, tuple[str, ...]] = {}
     stepped: list[float] = []  # what the optimizer steps of each parameter, in the order it steps them
     for name in problem.order:
@@ -202,6 +203,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         opt = effective(opt, spec, mesh, cold)
         zero_of[name] = opt
         zc = param_cost(opt, spec, meta, mesh, uses=uses)
+        param_rows[name] = (zc.memory_bound + zc.comm, zc.state + zc.grad + zc.act)
         if zc.stepped:
             stepped.append(zc.stepped)
         busy_time += zc.memory_bound
@@ -350,7 +352,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
                 keep.append(next(r for r in scored if r[2] == idx))
             alts = tuple((str(problem.cands[name][si]), t, mem) for t, mem, si in keep)
         n = nodes_fx[name]
-        nodes[name] = NodePlan(name, tg.path(name), _op_name(tg, n), problem.meta[name].shape, strategy[name], nc.time, nc.memory, rep, alts)
+        t, mem = param_rows.get(name, (nc.time, nc.memory))  # (the solver's options price a parameter at ZeRO-0)
+        nodes[name] = NodePlan(name, tg.path(name), _op_name(tg, n), problem.meta[name].shape, strategy[name], t, mem, rep, alts)
     # totals
     compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order) - owned + busy_time
     comm = sum(c.seconds for c in collectives)

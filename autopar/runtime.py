@@ -243,15 +243,19 @@ class ParallelModule(nn.Module):
                     "before autopar.parallelize (freezing after it is fine)")
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._tg.in_spec:
+            got = f"{len(args)} positional argument{'s' if len(args) != 1 else ''}" + (f" and keywords {', '.join(kwargs)}" if kwargs else "")
+            kinds = ", ".join(type(a).__name__ for a in args)
             raise AutoparError(
-                f"ParallelModule was planned for inputs structured as {self._tg.in_spec}, got {spec}; "
-                "call it with the same arguments as example_inputs (this rank's share: pmodel.local_inputs(...))"
+                f"ParallelModule was planned for the inputs ({', '.join(self._tg.user_inputs)}) as example_inputs gave them; "
+                f"got {got} ({kinds}). Call it with the same arguments, as this rank's share: pmodel(*pmodel.local_inputs(...))"
             )
         for k, (t, (name, s, planned, want)) in enumerate(zip(flat, self._input_shapes)):
             if tuple(t.shape) != want:
                 raise AutoparError(
                     f"input {k} ({name}) has shape {list(t.shape)}, but this rank's share of the planned global batch "
-                    f"{list(planned)} under {s} is {list(want)}; pass pmodel.local_inputs(*global_batch), or re-plan for this batch size"
+                    f"{list(planned)} under {s} is {list(want)}. The plan is for that batch: pass pmodel.local_inputs(*global_batch) of "
+                    f"a batch that size (pad a short last batch, with the loss's ignore_index on the padding), or parallelize "
+                    f"again for this size (pmodel.full_state_dict() carries the weights over)"
                 )
         flat = cast_inputs(flat, self._plan.mixed_precision)  # the program computes in its param dtype (FSDP2 casts too)
         if self._pipe is not None:

@@ -1221,8 +1221,14 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
     _canonicalize(gm)
     for n in gm.graph.nodes:  # a shape only the data decides (boolean-mask indexing, nonzero): nothing to plan by
         val = n.meta.get("val")
+        frame = (n.meta.get("stack_trace") or "").strip().splitlines()
+        if n.op == "call_function" and isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise TraceError(  # .item() on a tensor: export keeps it as a number the data decides
+                f"the model's forward turns a tensor's value into a Python number: node {n.name} ({n.target}) in module "
+                f"'{_module_of(n) or '<root>'}'" + (f", at {frame[-2].strip()}: {frame[-1].strip()}" if len(frame) >= 2 else "")
+                + ". autopar plans tensor programs: keep it a tensor (e.g. loss / (labels != -100).sum() instead of "
+                "loss / (labels != -100).sum().item())")
         if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
-            frame = (n.meta.get("stack_trace") or "").strip().splitlines()
             raise TraceError(
                 f"the model's forward makes a tensor whose shape depends on the values of its inputs: node {n.name} "
                 f"({n.target}) in module '{_module_of(n) or '<root>'}', shape {tuple(val.shape)}"

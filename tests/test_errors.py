@@ -168,6 +168,15 @@ class _Masked(torch.nn.Module):
         return self.lin(x)[y > 0].sum()  # a shape only the data decides
 
 
+class _Item(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return self.lin(x).sum() / (y > 0).sum().item()  # a number only the data decides
+
+
 class _KeywordOnly(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -185,6 +194,8 @@ def test_a_data_dependent_shape_and_keyword_inputs_are_explained():
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     with pytest.raises(autopar.TraceError, match=r"shape depends on the values.*node index.*return self.lin\(x\)\[y > 0\].*masked sum"):
         autopar.plan(_Masked(), autopar.Mesh({"dp": 2}), (x, y))
+    with pytest.raises(autopar.TraceError, match=r"into a Python number: node item .*\(y > 0\).sum\(\).item\(\).*keep it a tensor"):
+        autopar.plan(_Item(), autopar.Mesh({"dp": 2}), (x, y))  # (it named neither module nor line)
     labels = torch.zeros(8, dtype=torch.long)
     for inputs in ((x, labels), ((x,), {"labels": labels})):
         with pytest.raises(autopar.TraceError, match=r"do not fit _KeywordOnly.forward\(x, \*, labels\).*positional arguments"):
@@ -307,3 +318,16 @@ def test_state_dict_is_refused_where_a_rank_holds_pieces():
         pm = autopar.parallelize(model, autopar.Mesh({"dp": 2}), x, constraints=[autopar.ZeroPin("*", 0)])
         pm.load_state_dict(pm.state_dict())
         assert set(pm.state_dict()) <= set(model.state_dict())
+
+
+def test_a_call_off_the_planned_inputs_says_what_was_planned():
+    """A batch of another size (a loader's short last batch) and arguments structured otherwise: each error says
+    what the plan is for and how to go on (the second printed two raw pytree specs)."""
+    x = _ids()
+    with fake_world(2), _compat.local_tensor_mode(2):
+        pm = autopar.parallelize(_gpt(), autopar.Mesh({"dp": 2}), x)
+        short = tuple(t[:2] for t in x)
+        with pytest.raises(autopar.AutoparError, match=r"input 0 \(idx\) has shape \[1, 16\].*is \[2, 16\].*pad a short last batch"):
+            pm(*pm.local_inputs(*short))
+        with pytest.raises(autopar.AutoparError, match=r"planned for the inputs \(idx, targets\).*got 1 positional argument \(tuple\)"):
+            pm(pm.local_inputs(*x))

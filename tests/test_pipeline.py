@@ -199,6 +199,10 @@ def test_plan_prints_stages_and_timeline_and_round_trips(tmp_path):
     assert again.to_json() == plan.to_json() and again.pipeline == pp
     other = autopar.plan(model, autopar.Mesh({"dp": 2, "pp": 4}), _batch(16), constraints=[PipelinePin("1f1b", 4)])
     assert "pipeline: interleaved(m=4, v=2) [embed .. " in plan.diff(other) and "-> 1f1b(m=4) [embed .. " in plan.diff(other)
+    # a middle rank sends its activations forward and the gradients of the ones it received back (it counted the
+    # first alone: half)
+    sends = {s.send_bytes for s in other.pipeline.stages[:-1]}
+    assert len(sends) == 1 and other.cost.comm_bytes["pp"] == 2 * sends.pop() * 4
     png = os.path.join(tmp_path, "timeline.png")
     try:
         import matplotlib  # noqa: F401

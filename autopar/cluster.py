@@ -891,7 +891,7 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
         dp = cluster.devices // tp
         c = Candidate(dp, 1, tp, "none")
         if B % dp:
-            screened.append(Screened(c, math.inf, math.nan, f"dp={dp} does not divide the batch of {B}"))
+            screened.append(Screened(c, math.inf, math.inf, f"dp={dp} does not divide the batch of {B}"))
             continue
         splits = True
         try:
@@ -899,7 +899,7 @@ def _plan_each(model, args: tuple, cluster: Cluster, budget: float, t_start: flo
         except (InfeasibleError, AutoparError) as e:
             if getattr(e, "smallest_budget", None):
                 needs.append(e.smallest_budget)
-            screened.append(Screened(c, math.inf, math.nan, str(e).splitlines()[0][:80]))
+            screened.append(Screened(c, math.inf, math.inf, str(e).splitlines()[0][:80]))
             continue
         zero = max((stage for stage, _ in plan.zero_stages.values()), default=0)  # the stage the solver chose
         screened.append(Screened(dataclasses.replace(c, zero=zero), plan.cost.step_time, plan.cost.memory_per_device,
@@ -941,11 +941,11 @@ def _screen(bounded: list, profile, order: list[tuple[int, int]], cluster: Clust
             if _batch_over_tp(c, B) and one is not None:
                 lb = min(lb, _bound(one, dataclasses.replace(c, dp=c.dp * c.tp, tp=1), B, L, cluster))
         if lb * pen > best_step:
-            out.append(Screened(c, math.inf, math.nan, f"bound {lb * 1e3:.1f} ms > best"))
+            out.append(Screened(c, math.inf, math.inf, f"bound {lb * 1e3:.1f} ms > best"))
             dropped.append((lb, name, c))
             continue
         if prof is None:
-            out.append(Screened(c, math.inf, math.nan, "the proxy has no plan at this tp" if L else "no repeated blocks to screen by"))
+            out.append(Screened(c, math.inf, math.inf, "the proxy has no plan at this tp" if L else "no repeated blocks to screen by"))
             continue
         if c.pp == 1:
             got = _screen_flat(prof, c, cluster, B / (c.dp * c.cp), L, budget)
@@ -1012,6 +1012,6 @@ def search_table(plan: Plan, rows: int = 12) -> str:
 
     out = []
     for s in (plan.search or [])[:rows]:
-        out.append([str(s.candidate), "-" if s.step == math.inf else f"{s.step * 1e3:.1f}", "-" if math.isnan(s.memory) else f"{s.memory / 2**30:.1f}", s.note])
+        out.append([str(s.candidate), "-" if s.step == math.inf else f"{s.step * 1e3:.1f}", "-" if not math.isfinite(s.memory) else f"{s.memory / 2**30:.1f}", s.note])
     return tabulate.tabulate(out, headers=["candidate", "screened step ms", "memory GiB", "note"], tablefmt="simple",
                              disable_numparse=True, colalign=["left", "right", "right", "left"])

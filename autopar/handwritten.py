@@ -13,7 +13,7 @@ Strategies:
 - ``fsdp``: ZeRO-3 over the data axes (``zero`` may lower the stage).
   On a mesh with a ``tp`` axis both compose with Megatron on ``tp`` (torchtitan's 2-D: "ddp+tp", "fsdp+tp"; sequence
   parallel unless ``sequence_parallel=False``, as torchtitan's TP splits the norms' sequence); on a
-  mesh with a ``cp`` axis with context parallelism (torchtitan's FSDP + CP, "fsdp+cp", and with tp "fsdp+tp+cp"):
+  mesh with a ``cp`` axis with context parallelism (torchtitan's FSDP + CP, "fsdp+cp", and with tp "fsdp+tp+cp(sp)"):
   every attention's queries split by sequence on cp, and ZeRO sharding over the data and cp axes both.
 - ``megatron``: column-parallel then row-parallel projections on ``tp`` (GPT: c_attn/c_fc then c_proj; Llama,
   Mixtral: wq/wk/wv, w1/w3 then wo, w2; Mixtral's experts split along their hidden dim; Hugging Face's GPT-2,

@@ -72,7 +72,7 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_gm", gm)
         object.__setattr__(self, "_mesh", mesh)
         self._order: list[tuple[str, str]] = []  # (kind, FQN or constant name), in graph placeholder order
-        self._frozen: list[tuple[str, nn.Parameter]] = []  # parameters planned without a gradient
+        self._frozen: list[tuple[str, nn.Parameter, str]] = []  # parameters planned without a gradient, and why
         self._zero_axes = {p: tuple(mesh.names.index(a) for a in b.shard_axes) for b in plan.zero_buckets for p in b.params}
         self._constants: dict[str, torch.Tensor] = {}
         self._dtype: dict[str, torch.dtype] = {}  # FQN -> the dtype the model holds it in
@@ -96,7 +96,9 @@ class ParallelModule(nn.Module):
                 param = nn.Parameter(local, requires_grad=src.requires_grad and name in tg.trainable)
                 self._place(fqn, param, "param")
                 if not param.requires_grad:
-                    self._frozen.append((fqn, param))
+                    self._frozen.append((fqn, param, "was frozen (requires_grad=False) when the model was parallelized"
+                                         if not src.requires_grad else "takes no gradient in the traced forward (read only "
+                                         "under torch.no_grad())"))
             elif kind == BUFFER:
                 self._place(fqn, distribute(model.get_buffer(fqn).detach(), spec, mesh), "buffer", fqn in persistent)
             elif kind == CONSTANT:
@@ -235,12 +237,12 @@ class ParallelModule(nn.Module):
     # compiled backward does not keep (its gradients came out wrong). Compile blocks before parallelize instead.
     @torch.compiler.disable
     def forward(self, *args, **kwargs):
-        for fqn, param in self._frozen:
+        for fqn, param, why in self._frozen:
             if param.requires_grad:
                 raise AutoparError(
-                    f"parameter {fqn} was frozen (requires_grad=False) when the model was parallelized, so the plan gives "
-                    "it no gradient reduction and no optimizer state; it now requires grad. Unfreeze it on the model "
-                    "before autopar.parallelize (freezing after it is fine)")
+                    f"parameter {fqn} {why}, so the plan gives it no gradient reduction and no optimizer state; it now "
+                    "requires grad. Train it in the model's forward and unfreeze it on the model before "
+                    "autopar.parallelize (freezing after it is fine)")
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._tg.in_spec:
             got = f"{len(args)} positional argument{'s' if len(args) != 1 else ''}" + (f" and keywords {', '.join(kwargs)}" if kwargs else "")
@@ -323,8 +325,8 @@ class ParallelModule(nn.Module):
             return f"the pipeline on {self._plan.pipeline.axis} keeps each stage's parameters on its own ranks"
         for kind, fqn in self._order:
             node = self._node_of.get(fqn)
-            if kind not in (PARAM, BUFFER) or node is None:
-                continue
+            if kind not in (PARAM, BUFFER) or node is None or (kind == BUFFER and fqn not in self._persistent):
+                continue  # (a non-persistent buffer is in no state dict)
             if node in self._zero_axes:
                 return f"ZeRO keeps a flat shard of {fqn} here"
             spec = self._plan.nodes[node].strategy.output
@@ -675,22 +677,23 @@ class _PipelineLoss(torch.autograd.Function):
     already run every microbatch's backward; what is left is the gradient all-reduce after the last one)."""
 
     @staticmethod
-    def forward(ctx, loss, anchor, finish):
-        ctx.finish = finish
+    def forward(ctx, loss, anchor, finish, abandon):
+        ctx.finish, ctx.abandon = finish, abandon
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, grad):
-        seeds = [float(v) for v in _compat.local_values(grad).values()]
-        if any(g != 1.0 for g in seeds):
+        off = [g for g in (float(v) for v in _compat.local_values(grad).values()) if g != 1.0]
+        if off:
+            ctx.abandon()
             raise AutoparError(
                 f"a pipeline plan runs every microbatch's backward inside pmodel(...), seeded with 1, but this loss was "
-                f"scaled before backward() (its gradient is {seeds[0]:g}), "
-                "which the finished schedule cannot apply. Call backward() on the loss as returned: scale it inside the "
-                "model's forward, or scale the learning rate. To accumulate over several calls use pmodel.no_sync(), "
-                "or plan more microbatches")
+                f"scaled before backward() (its gradient is {off[0]:g}), which the finished schedule cannot apply; this "
+                "call's gradients are dropped (those of earlier calls kept). Call backward() on the loss as returned: "
+                "scale it inside the model's forward, or scale the learning rate. To accumulate over several calls use "
+                "pmodel.no_sync(), or plan more microbatches")
         ctx.finish()
-        return None, None, None
+        return None, None, None, None
 
 
 class _StageModule(nn.Module):
@@ -903,8 +906,9 @@ class _PipelineRun:
 
     def step(self, flat: list):
         owner = self.owner
-        if not torch.is_grad_enabled() or not owner.training:  # evaluation (a validation loss): forward alone, in
-            # eval mode too without torch.no_grad() (the schedule would run backward and leave gradients in .grad)
+        if not torch.is_grad_enabled() or (not owner.training and owner._traced_training):  # evaluation (a validation
+            # loss): forward alone, in eval mode too without torch.no_grad() (the schedule's backward would leave its
+            # gradients in .grad); a model traced in eval mode trains in it (a parity check without dropout)
             self._gather_zero()
             self._cast_params()
             with torch.no_grad():
@@ -924,7 +928,7 @@ class _PipelineRun:
         self._cast_params()
         total = self._run(flat, backward=True)
         anchor = torch.zeros((), requires_grad=True)
-        loss = _PipelineLoss.apply(total, anchor, lambda: self.finish(sync, earlier))
+        loss = _PipelineLoss.apply(total, anchor, lambda: self.finish(sync, earlier), lambda: self.abandon(earlier))
         return pytree.tree_unflatten([loss], owner._tg.out_spec)
 
     def _run(self, flat: list, backward: bool) -> torch.Tensor:
@@ -949,6 +953,15 @@ class _PipelineRun:
         total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
         dist.broadcast(total, src=self.last_rank, group=self.pp_group)
         return total
+
+    def abandon(self, earlier: dict[str, torch.Tensor]) -> None:
+        """A step whose backward is refused: its gradients dropped, and what earlier steps left in ``.grad`` put back."""
+        owner, tg = self.owner, self.owner._tg
+        for n in self.held:
+            if tg.kinds[n] == PARAM and n not in self.zero_members:
+                fqn = tg.fqns[n]
+                owner._local(PARAM, fqn).grad = earlier.get(fqn)
+        self.whole, self.main = {}, {}
 
     def finish(self, sync: bool, earlier: dict[str, torch.Tensor]) -> None:
         """The gradient communication after the schedule: ZeRO-1's reduce-scatters, the plan's all-reduce buckets

@@ -102,7 +102,7 @@ def test_fsdp_with_context_parallelism_matches_single_device(axes):
     runs other tokens of the same sequences, so a weight's gradient sums over cp as over dp)."""
     model, inputs = _model("llama"), _inputs()
     plan = autopar.handwritten(model, autopar.Mesh(axes, hardware="cpu-gloo"), inputs, "fsdp")
-    assert plan.label == ("fsdp+tp+cp" if "tp" in axes else "fsdp+cp")
+    assert plan.label == ("fsdp+tp+cp(sp)" if "tp" in axes else "fsdp+cp")
     shard = tuple(a for a in axes if a != "tp")
     assert {(stage, tuple(on)) for stage, on in plan.zero_stages.values()} == {(3, shard)}
     if "tp" in axes:

@@ -651,14 +651,21 @@ def test_a_rank_under_mixed_precision_holds_the_compute_copy_of_its_parameters_t
 
 def test_a_pipeline_refuses_a_loss_scaled_before_backward():
     """The schedule runs every microbatch's backward inside the call, seeded with 1: a loss scaled before
-    ``backward()`` (nanoGPT's ``loss / accumulation_steps``) is refused; its scale was dropped (gradients 4x)."""
+    ``backward()`` (nanoGPT's ``loss / accumulation_steps``) is refused, and the call's gradients dropped (its scale
+    was dropped: gradients 4x). A model traced in eval mode still trains (forward alone is for validation)."""
     from autopar import _compat
 
     torch.manual_seed(0)
     batch = _batch(8)
     with fake_world(2), _compat.local_tensor_mode(2):
         pm = autopar.parallelize(_gpt(4), autopar.Mesh({"pp": 2}), batch, constraints=[PipelinePin("1f1b", 2)])
-        with pytest.raises(autopar.AutoparError, match=r"scaled before backward\(\) \(its gradient is 0.25\)"):
-            (pm(*pm.local_inputs(*batch)) / 4).backward()
-        pm.zero_grad()
         pm(*pm.local_inputs(*batch)).backward()  # as returned: runs
+        before = {n: p.grad.clone() for n, p in pm.named_parameters()}
+        with pytest.raises(autopar.AutoparError, match=r"scaled before backward\(\) \(its gradient is 0.25\).*gradients are dropped"):
+            (pm(*pm.local_inputs(*batch)) / 4).backward()
+        assert all(torch.equal(p.grad, before[n]) for n, p in pm.named_parameters())  # the earlier call's kept
+    model = _gpt(4).eval()  # traced in eval mode (a parity check without dropout): trains in it
+    with fake_world(2), _compat.local_tensor_mode(2):
+        pm = autopar.parallelize(model, autopar.Mesh({"pp": 2}), batch, constraints=[PipelinePin("1f1b", 2)])
+        pm(*pm.local_inputs(*batch)).backward()
+        assert all(p.grad is not None for p in pm.parameters())

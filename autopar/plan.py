@@ -290,7 +290,15 @@ class Plan:
         mem = ""
         if c.memory_breakdown:
             b = c.memory_breakdown
-            mem = " (" + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.items() if v) + ")"
+            # parts of a peak, not a sum (``cost.peak_memory``): the state, then the larger of what backward's start
+            # holds (activations) and what its end holds (gradients), each with its one-at-a-time buffers
+            if self.pipeline is None and "state" in b:
+                rest = [f"{k} {fmt_bytes(v)}" for k, v in b.items() if v and k not in ("state", "activations", "gradients", "transient")]
+                mem = (f" (state {fmt_bytes(b['state'])} + the larger of activations {fmt_bytes(b.get('activations', 0))} and "
+                       f"gradients {fmt_bytes(b.get('gradients', 0))}, with transient buffers up to {fmt_bytes(b.get('transient', 0))}"
+                       + "".join(f"; {r}" for r in rest) + ")")
+            else:
+                mem = " (" + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.items() if v) + (", each the most of any pp rank)" if self.pipeline else ")")
         if self.pipeline is not None:
             pp = self.pipeline
             return (

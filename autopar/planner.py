@@ -343,8 +343,12 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
                 t = problem.costs[name][si].time
                 for u, i, m in ins_of.get(name, []):
                     t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False), name, u)
+                shared: dict[str, float] = {}  # consumers wanting one Spec share its redistribution, as the solver prices it
                 for v, i, m in outs_of.get(name, []):
-                    t += cost.edge_time(m, st.output, strategy[v].inputs[i], problem.requires_grad.get(name, False), v, name)
+                    d = strategy[v].inputs[i]
+                    e = cost.edge_time(m, st.output, d, problem.requires_grad.get(name, False), v, name)
+                    shared[str(d)] = max(shared.get(str(d), 0.0), e)
+                t += sum(shared.values())
                 scored.append((t, problem.costs[name][si].memory, si))
             scored.sort(key=lambda r: (r[0], r[1], r[2]))
             keep = scored[:N_ALTERNATIVES]

@@ -39,6 +39,7 @@ Deterministic: candidates are enumerated in a fixed order and compared with stri
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -230,6 +231,18 @@ class UnitCosts:
     # per unit, the loss's gradient its backward makes first beside the kept activations (``solver.loss_gradients``:
     # the head's, per microbatch)
     start: list[float] = dataclasses.field(default_factory=list)
+    # values sent whole on an axis where the activation is replicated, scattered instead: name -> (axis, dim, n);
+    # each rank sends 1/n, the stage reading it gathers it over the axis (SC'21's scatter/gather of Megatron's sends)
+    scatter: dict = dataclasses.field(default_factory=dict)
+    # per boundary i, the scattered values crossing it: (name, units reading it, all-gather s, its backward
+    # reduce-scatter s, bytes gathered, axis, dim); a stage [i, j) gathers those it reads (``evaluate``)
+    gathers: list = dataclasses.field(default_factory=list)
+    plain_cross: list = dataclasses.field(default_factory=list)  # ``cross`` with nothing scattered
+
+    def unscattered(self) -> "UnitCosts":
+        """These costs with every value sent whole: the scatter saves send time where it is exposed, and the schedule
+        hides some of it, so a cut is evaluated both ways (``plan_pipeline``)."""
+        return dataclasses.replace(self, cross=self.plain_cross, scatter={}, gathers=[], plain_cross=[])
     # what the cut searches derive from these costs (``unit_state``, ``_sums``, ``back``), once: the cluster screen
     # prices thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
     memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -244,7 +257,27 @@ class UnitCosts:
         return self.memo["back"]
 
 
-def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units, inner: Mesh) -> UnitCosts:
+def scatter_axis(spec: Spec, shape: tuple[int, ...], nbytes: float, inner: Mesh, pp_link, grad: bool) -> tuple[str, int, int] | None:
+    """(axis, dim, n) over which a value replicated there is best sent as 1/n per rank and gathered by the next
+    stage, or None: where the gather (and its backward reduce-scatter) costs less than the send time it saves."""
+    best, gain = None, 0.0
+    trips = 2 if grad else 1  # the gradient comes back the same way
+    for ax, pl in enumerate(spec.placements):
+        n = inner.sizes[ax]
+        dims = [d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n]
+        if not isinstance(pl, Replicate) or n == 1 or not dims:
+            continue
+        link = inner.link(ax)
+        saved = trips * (send_time(nbytes, pp_link) - send_time(nbytes / n, pp_link))
+        spent = collective_time("all_gather", nbytes, n, link) + (collective_time("reduce_scatter", nbytes, n, link) if grad else 0.0)
+        if saved - spent > gain:
+            best, gain = (inner.names[ax], max(dims, key=lambda d: (shape[d], -d)), n), saved - spent
+    return best
+
+
+def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units, inner: Mesh, pp_link=None) -> UnitCosts:
+    """``pp_link``: the pp axis's link; given, values replicated on a faster axis are scattered for their sends
+    (``scatter_axis``)."""
     U = len(units.labels)
     fwd, bwd, act, regen = [0.0] * U, [0.0] * U, [0.0] * U, [0.0] * U
     strategy = choice.strategy
@@ -313,8 +346,10 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             buckets[min(uu), tuple(axes)] = buckets.get((min(uu), tuple(axes)), 0.0) + grad_wire[n]  # (in the reduce dtype)
     # bytes crossing each boundary: a value produced in unit a and read in unit b crosses boundaries a+1 .. b
     diff = [0] * (U + 1)
+    whole = [0] * (U + 1)  # (nothing scattered)
     grad = [False] * (U + 1)
     last_use: dict[str, int] = {}
+    readers: dict[str, set[int]] = {}
     for n in tg.gm.graph.nodes:
         if n.name in units.static:
             continue
@@ -322,7 +357,10 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             if a.name in units.unit_of:
                 b = units.unit_of.get(n.name, U - 1) if n.op != "output" else U - 1
                 last_use[a.name] = max(last_use.get(a.name, 0), b)
+                readers.setdefault(a.name, set()).add(b)
     nodes = tg.nodes
+    scatter: dict[str, tuple[str, int, int]] = {}
+    gathers: list[list] = [[] for _ in range(U + 1)]
     for name, b in last_use.items():
         a = units.unit_of[name]
         if b <= a:
@@ -334,15 +372,29 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         spec = strategy[src].output if src in strategy else None
         shape = spec.local_shape(tuple(val.shape), inner.sizes) if spec is not None else tuple(val.shape)
         nbytes = math.prod(shape) * itemsize(val.dtype)
+        rg = problem.requires_grad.get(src, False)
+        whole[a + 1] += nbytes
+        whole[b + 1] -= nbytes
+        cut = scatter_axis(spec, shape, nbytes, inner, pp_link, rg) if pp_link is not None and spec is not None else None
+        if cut is not None:
+            scatter[name] = cut
+            ax, n = inner.names.index(cut[0]), cut[2]
+            tf = collective_time("all_gather", nbytes, n, inner.link(ax))
+            tb = collective_time("reduce_scatter", nbytes, n, inner.link(ax)) if rg else 0.0
+            entry = (name, tuple(sorted(r for r in readers[name] if r > a)), tf, tb, nbytes, cut[0], cut[1])
+            for c in range(a + 1, b + 1):
+                gathers[c].append(entry)
+            nbytes = nbytes // n
         diff[a + 1] += nbytes
         diff[b + 1] -= nbytes
-        if problem.requires_grad.get(src, False):
+        if rg:
             for c in range(a + 1, b + 1):
                 grad[c] = True
     cross, run = [], 0
     for i in range(U + 1):
         run += diff[i]
         cross.append(run)
+    plain_cross = list(itertools.accumulate(whole)) if scatter else []
     flat = [0.0] * U
     for (u, _axes), nbytes in buckets.items():
         flat[u] = max(flat[u], nbytes)
@@ -356,7 +408,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     kernel = inner.hardware.optimizer_kernel
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum,
                      frozenset(n for n in params if n not in tg.trainable), cast,
-                     [step_temporaries(x, kernel) for x in stepped], kernel == "foreach", start)
+                     [step_temporaries(x, kernel) for x in stepped], kernel == "foreach", start, scatter,
+                     gathers if scatter else [], plain_cross)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -371,6 +424,7 @@ class Evaluated:
     in_flight: tuple[int, ...]
     zero_share: tuple[float, ...] = ()  # each rank's share of the ZeRO-1 bytes (the plan's one bucket spans them)
     optimizer: float = 0.0  # the busiest rank's optimizer step, seconds (in ``sync``)
+    gathered: tuple = ()  # per stage, the scattered values it gathers (``UnitCosts.gathers``' entries)
 
     @property
     def total(self) -> float:
@@ -399,9 +453,14 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     # the rank's ZeRO-0 gradients through its flat sync buffer (``_sync_buckets``), priced as a bucket's flat copy
     # is without a pipeline (``zero.param_cost``)
     copied = [0.0] * p
+    gathered = []
     for s, (i, j) in enumerate(zip(starts, ends)):
         r = s % p
         f, b = sum(uc.fwd[i:j]), sum(uc.bwd[i:j])
+        mine = [e for e in uc.gathers[i] if any(i <= u < j for u in e[1])] if uc.gathers and i > 0 else []
+        f += sum(e[2] for e in mine)  # the scattered values it reads, gathered (and reduce-scattered in backward)
+        b += sum(e[3] for e in mine)
+        gathered.append(tuple(mine))
         a = sum(uc.act[i:j])
         state = 0.0
         for name, (uu, sg, local, axes, _n) in uc.params.items():
@@ -443,7 +502,8 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     zero_share = tuple(sum(b for b, _w in z.values()) / zero_total if zero_total else 0.0 for z in zero_bytes)
     tl = sched.simulate(schedule, p, m, v, [st.forward for st in stages], [st.backward for st in stages], p2p,
                         mesh.hardware.group_speedups(mesh.size, p))
-    return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights), zero_share, max(stepped))
+    return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights), zero_share, max(stepped),
+                     tuple(gathered))
 
 
 def rank_sync(plain: dict[int, float], zeroed: dict[tuple, "list[float]"], inner: Mesh) -> float:
@@ -897,7 +957,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             problem.costs = raw
             timings["solve"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            uc = unit_costs(tg, problem, choice, cost, units, inner)
+            uc = unit_costs(tg, problem, choice, cost, units, inner, mesh.link(axis))
             any_fit = False
             for order, (name, v) in enumerate(options):
                 S = p * v
@@ -914,8 +974,9 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                 else:
                     cands = [equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))]
                 fits = False
-                for starts in dict.fromkeys(cands):
-                    ev = evaluate(uc, units, starts, name, p, m, v, mesh, axis, inner)
+                ways = [uc, uc.unscattered()] if uc.scatter else [uc]  # (each cut with its sends scattered, and whole)
+                for starts, way in ((st, w) for st in dict.fromkeys(cands) for w in ways):
+                    ev = evaluate(way, units, starts, name, p, m, v, mesh, axis, inner)
                     if max(ev.rank_memory) > budget * (1 + 1e-9):
                         smallest = min(smallest, max(ev.rank_memory))
                         worst = min(worst, max(ev.rank_memory))
@@ -1001,8 +1062,9 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
 
     stage_of = {n: stage_of_unit(u) for n, u in units.unit_of.items()}
     p = mesh.sizes[axis]
+    scatter = {e[0]: (e[5], e[6]) for mine in ev.gathered for e in mine}
     pplan = PipelinePlan(mesh.names[axis], name, m, v, ev.stages, stage_of, ev.timeline.step, ev.timeline.bubble, ev.sync,
-                         ev.rank_memory, ev.in_flight, B, ev.p2p)
+                         ev.rank_memory, ev.in_flight, B, ev.p2p, scatter)
     nodes = {k: dataclasses.replace(n, strategy=lift_strategy(n.strategy, inner, axis),
                                     alternatives=tuple((str(lift_strategy(Strategy.parse(s), inner, axis)) if "->" in s else str(lift_spec(Spec.parse(s), inner, axis)), t, mm)
                                                        for s, t, mm in n.alternatives))
@@ -1015,6 +1077,11 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
         if st.send_bytes:
             cols.append(Collective("send", mesh.names[axis], st.send_bytes, "forward", f"stage {st.index} -> {st.index + 1}", send_time(st.send_bytes, link)))
             cols.append(Collective("send", mesh.names[axis], st.send_bytes, "backward", f"stage {st.index + 1} -> {st.index}", send_time(st.send_bytes, link)))
+    for st, mine in zip(ev.stages, ev.gathered):  # scattered sends, gathered by the stages that read them
+        for value, _readers, tf, tb, nbytes, ax, _dim in mine:
+            cols.append(Collective("all_gather", ax, nbytes, "forward", f"stage {st.index} gathers {value}", tf))
+            if tb:
+                cols.append(Collective("reduce_scatter", ax, nbytes, "backward", f"stage {st.index} gathers {value}", tb))
     per_rank = [0.0] * p
     for st in ev.stages[:-1]:  # forward: the activations out; backward: the next stage sends their gradients back
         per_rank[st.rank] += st.send_bytes * m
@@ -1046,6 +1113,10 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
             ranks, nbytes = {rank_of_unit[unit]}, nbytes * m
         for r in ranks:
             sent[r][col.axis] += nbytes
+    for st, mine in zip(ev.stages, ev.gathered):
+        for _value, _readers, _tf, tb, nbytes, ax, _dim in mine:
+            n = inner.sizes[inner.names.index(ax)]
+            sent[st.rank][ax] += (wire_bytes("all_gather", nbytes, n) + (wire_bytes("reduce_scatter", nbytes, n) if tb else 0.0)) * m
     comm_bytes = {n: max(sent[r][n] for r in range(p)) for n in mesh.names}
     comm_bytes[mesh.names[axis]] = max(per_rank)
     flops = c.model_flops * m

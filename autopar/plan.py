@@ -181,6 +181,8 @@ class PipelinePlan:
     in_flight: tuple[int, ...]  # per pp rank, stage-microbatches whose activations are kept at once
     batch: int  # rows of the global batch; each microbatch has batch // microbatches
     p2p: tuple[float, ...] = ()  # per stage, seconds to send its output to the next stage (and the gradient back)
+    # values replicated on an axis, sent as 1/n per rank and gathered by the stages reading them: name -> (axis, dim)
+    scatter: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -203,7 +205,7 @@ class PipelinePlan:
             "stages": [[s.index, s.rank, list(s.units), s.forward, s.backward, s.send_bytes, s.state, s.activations] for s in self.stages],
             "stage_of": self.stage_of, "step_time": self.step_time, "bubble": self.bubble, "sync_time": self.sync_time,
             "rank_memory": list(self.rank_memory), "in_flight": list(self.in_flight), "batch": self.batch,
-            "p2p": list(self.p2p),
+            "p2p": list(self.p2p), "scatter": {k: list(v) for k, v in self.scatter.items()},
         }
 
     @staticmethod
@@ -212,7 +214,7 @@ class PipelinePlan:
             d["axis"], d["schedule"], d["microbatches"], d["virtual"],
             tuple(StagePlan(s[0], s[1], tuple(s[2]), s[3], s[4], s[5], s[6], s[7]) for s in d["stages"]),
             dict(d["stage_of"]), d["step_time"], d["bubble"], d["sync_time"], tuple(d["rank_memory"]), tuple(d["in_flight"]),
-            d["batch"], tuple(d.get("p2p", ())),
+            d["batch"], tuple(d.get("p2p", ())), {k: (v[0], v[1]) for k, v in d.get("scatter", {}).items()},
         )
 
 

@@ -10,10 +10,10 @@ For each published run it prints:
 - **fidelity**: the cost model's prediction for that same configuration, planned as the hand-written strategy it is
   (``autopar.handwritten``: Megatron on tp, even pipeline cuts, 1F1B with microbatches of one row, full
   recomputation; FSDP with activation checkpointing), and its relative MFU error. SC'21's runs predate sequence
-  parallelism: their residual stream is whole on tp (LayerNorms and residual adds computed on every tp rank) and
-  their pipelines send whole activations -- SC'21's scatter/gather of those sends (each tp rank sends 1/tp, the
-  next stage gathers in the node) is not in autopar's runtime, so it is not priced (the pp=35 run sends 8x the
-  bytes it did). torchtitan's and NVIDIA's tensor-parallel runs are sequence parallel;
+  parallelism: their residual stream is whole on tp (LayerNorms and residual adds computed on every tp rank). Their
+  pipelines scattered each send over tp (each tp rank sends 1/tp, the next stage gathers it in the node); autopar
+  runs that too where it pays, each cut evaluated both ways -- here the schedule hides the whole sends, so they
+  are priced whole. torchtitan's and NVIDIA's tensor-parallel runs are sequence parallel;
 - **quality**: ``autopar.plan`` on ``autopar.Cluster(nodes, 8, hardware)`` with the same global batch -- mesh,
   pipeline, recomputation and per-op plan all searched -- its predicted step and the ratio to the published
   configuration's predicted step under the same cost model (<= 1.0 is as good or better), and what differs;

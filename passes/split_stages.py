@@ -9,8 +9,10 @@ computed before (so it still runs in one process, e.g. to check the cut). Each s
 values later stages read, each passed on by every stage in between; the last stage: the loss). A value that
 depends on no input (a parameter's view, a constant table) is recomputed in each stage that reads it, never sent.
 A node the passes added goes to the first stage that reads it, so the planned producer's value is what crosses
-(as the planner priced the transfer). ``io.metas`` holds each input and output's local shape, dtype and whether
-it carries a gradient (the static shapes torch.distributed.pipelining's stages are built with).
+(as the planner priced the transfer). A value in ``plan.pipeline.scatter`` (replicated on an axis) crosses as this
+rank's piece along its dim there: cut where it is made, gathered in each stage that reads it (SC'21's
+scatter/gather). ``io.metas`` holds each input and output's local shape, dtype and whether it carries a gradient
+(the static shapes torch.distributed.pipelining's stages are built with).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar import collectives
 from autopar._compat import pytree
 from autopar.errors import AutoparError
+from passes._util import runtime_axes
 from passes.check_local import local_values
 
 
@@ -101,9 +105,22 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         crossing.append(sorted((v for v, r in last_read.items() if stage[v] < s <= r), key=order.__getitem__))
     by_name = {n.name: n for n in nodes}
 
-    def meta(name: str):
+    # values the plan sends scattered (``plan.pipeline.scatter``): the producing stage sends this rank's 1/n along
+    # ``dim`` over the axis, every stage that reads one gathers it there, the stages between pass the piece on
+    names_, sizes_, strides_, groups_ = runtime_axes(mesh)
+    scatter = {}
+    for v, (axis, dim) in (pp.scatter or {}).items():
+        a = names_.index(axis)
+        if v in last_read and env[v].shape[dim] % sizes_[a] == 0:
+            scatter[v] = (a, dim)
+
+    def meta(name: str, sent: bool = True):
         v = env[name]
-        return (tuple(v.shape), v.dtype, bool(grad.get(name, False)))
+        shape = list(v.shape)
+        if name in scatter and sent:
+            a, dim = scatter[name]
+            shape[dim] //= sizes_[a]
+        return (tuple(shape), v.dtype, bool(grad.get(name, False)))
 
     stage_mods, ios = [], []
     for s in range(S):
@@ -121,9 +138,15 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
         for name in params:
             m[name] = sub.placeholder(name)
             m[name].meta = dict(by_name[name].meta)
+        piece: dict[str, fx.Node] = {}  # a scattered value's piece, as this stage received or cut it
         for name in crossing[s]:
             m[name] = sub.placeholder(name)
             m[name].meta = dict(by_name[name].meta)
+            if name in scatter and s > 0:
+                a, dim = scatter[name]
+                piece[name] = m[name]
+                if any(u.op == "call_function" and stage.get(u.name) == s for u in by_name[name].users):
+                    m[name] = sub.call_function(collectives.all_gather, (piece[name], dim, names_[a], sizes_[a], groups_[a]))
         for n in nodes:
             if n.op != "call_function":
                 continue
@@ -134,11 +157,15 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             outputs: tuple[str, ...] = (loss.name,)
         else:
             outputs = tuple(crossing[s + 1])
-            result = tuple(m[o] for o in outputs)
+            for o in outputs:
+                if o in scatter and o not in piece:  # made here (or a user's input): cut this rank's piece to send
+                    a, dim = scatter[o]
+                    piece[o] = sub.call_function(collectives.chunk, (m[o], dim, names_[a], sizes_[a], strides_[a]))
+            result = tuple(piece[o] if o in scatter else m[o] for o in outputs)
         sub.output(result)
         sub.lint()
         mod = fx.GraphModule(gm, sub, class_name=f"Stage{s}")
-        io = StageIO(s, params, tuple(crossing[s]), outputs, tuple(meta(n) for n in crossing[s]), tuple(meta(n) for n in outputs))
+        io = StageIO(s, params, tuple(crossing[s]), outputs, tuple(meta(n, s > 0) for n in crossing[s]), tuple(meta(n) for n in outputs))
         mod.io = io
         stage_mods.append(mod)
         ios.append(io)

@@ -242,7 +242,7 @@ class UnitCosts:
     def unscattered(self) -> "UnitCosts":
         """These costs with every value sent whole: the scatter saves send time where it is exposed, and the schedule
         hides some of it, so a cut is evaluated both ways (``plan_pipeline``)."""
-        return dataclasses.replace(self, cross=self.plain_cross, scatter={}, gathers=[], plain_cross=[])
+        return dataclasses.replace(self, cross=self.plain_cross or self.cross, scatter={}, gathers=[], plain_cross=[])
     # what the cut searches derive from these costs (``unit_state``, ``_sums``, ``back``), once: the cluster screen
     # prices thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
     memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -271,7 +271,7 @@ def scatter_axis(spec: Spec, shape: tuple[int, ...], nbytes: float, inner: Mesh,
         saved = trips * (send_time(nbytes, pp_link) - send_time(nbytes / n, pp_link))
         spent = collective_time("all_gather", nbytes, n, link) + (collective_time("reduce_scatter", nbytes, n, link) if grad else 0.0)
         if saved - spent > gain:
-            best, gain = (inner.names[ax], max(dims, key=lambda d: (shape[d], -d)), n), saved - spent
+            best, gain = (inner.names[ax], dims[0], n), saved - spent  # the outermost: past leading 1s, a contiguous cut
     return best
 
 
@@ -958,6 +958,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             timings["solve"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             uc = unit_costs(tg, problem, choice, cost, units, inner, mesh.link(axis))
+            ways = [uc, uc.unscattered()] if uc.scatter else [uc]  # each cut with its sends scattered, and whole
             any_fit = False
             for order, (name, v) in enumerate(options):
                 S = p * v
@@ -974,7 +975,6 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                 else:
                     cands = [equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))]
                 fits = False
-                ways = [uc, uc.unscattered()] if uc.scatter else [uc]  # (each cut with its sends scattered, and whole)
                 for starts, way in ((st, w) for st in dict.fromkeys(cands) for w in ways):
                     ev = evaluate(way, units, starts, name, p, m, v, mesh, axis, inner)
                     if max(ev.rank_memory) > budget * (1 + 1e-9):

@@ -59,7 +59,7 @@ def _wrap_blocks(gm: fx.GraphModule, plan, members: dict[str, str], every: int) 
         # belong to it: full recomputation runs them again, and what the block keeps is the
         # planned producer's value
         i = position[ops[0]] - 1
-        while i >= 0 and nodes[i].op == "call_function" and nodes[i].name not in plan.nodes:
+        while i >= 0 and nodes[i].op == "call_function" and nodes[i].name not in plan.nodes and not nodes[i].meta.get("stage_gather"):
             n = nodes[i]
             if n.users and all(u in inside_set for u in n.users) and n not in static:
                 inside_set.add(n)

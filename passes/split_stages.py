@@ -111,8 +111,10 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
     scatter = {}
     for v, (axis, dim) in (pp.scatter or {}).items():
         a = names_.index(axis)
-        if v in last_read and env[v].shape[dim] % sizes_[a] == 0:
-            scatter[v] = (a, dim)
+        if v not in last_read or env[v].shape[dim] % sizes_[a]:
+            raise AutoparError(f"internal: the plan scatters {v} over {axis} along dim {dim}, which this program cannot "
+                               f"({'no later stage reads it' if v not in last_read else f'local shape {list(env[v].shape)}'}); please report this plan")
+        scatter[v] = (a, dim)
 
     def meta(name: str, sent: bool = True):
         v = env[name]
@@ -147,6 +149,7 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
                 piece[name] = m[name]
                 if any(u.op == "call_function" and stage.get(u.name) == s for u in by_name[name].users):
                     m[name] = sub.call_function(collectives.all_gather, (piece[name], dim, names_[a], sizes_[a], groups_[a]))
+                    m[name].meta["stage_gather"] = True  # the stage's input, whole: recomputation keeps it (as priced)
         for n in nodes:
             if n.op != "call_function":
                 continue

@@ -671,17 +671,22 @@ def test_a_pipeline_refuses_a_loss_scaled_before_backward():
         assert all(p.grad is not None for p in pm.parameters())
 
 
-def test_megatron_3d_without_sp_scatters_its_sends_and_trains_like_one_device():
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_megatron_3d_without_sp_scatters_its_sends_and_trains_like_one_device(recompute):
     """Megatron-LM without sequence parallelism keeps the residual stream whole on tp, so every tp rank would send
     the same activation to the next stage; with pp across nodes and tp inside one, each sends its half and the
-    next stage gathers it over tp (SC'21's scatter/gather): priced, emitted, and exact against one device."""
+    next stage gathers it over tp (SC'21's scatter/gather): priced, emitted, and exact against one device. Under
+    full recomputation the gather stays the stage's, outside the recomputed block (which took it in and ran it
+    again, unpriced)."""
+    from autopar import collectives
     from autopar.hardware import get_hardware
 
     base = get_hardware("cpu-gloo")
     hw = dataclasses.replace(base, devices_per_node=2, inter_node=dataclasses.replace(base.inter_node, bandwidth=base.inter_node.bandwidth / 1e4))
     torch.manual_seed(0)
     model, batch = _gpt(4), _batch(8)
-    plan = autopar.handwritten(model, autopar.Mesh({"pp": 2, "tp": 2}, hardware=hw), batch, "megatron-3d", microbatch_size=2)
+    plan = autopar.handwritten(model, autopar.Mesh({"pp": 2, "tp": 2}, hardware=hw), batch, "megatron-3d", microbatch_size=2,
+                               recompute=recompute)
     assert plan.pipeline.scatter and all(axis == "tp" for axis, _dim in plan.pipeline.scatter.values()), plan.pipeline.scatter
     gathers = [c for c in plan.collectives() if c.kind == "all_gather" and " gathers " in c.where]
     # stage 0 sends half the residual stream (and the whole targets, too small to pay for a gather)
@@ -689,3 +694,5 @@ def test_megatron_3d_without_sp_scatters_its_sends_and_trains_like_one_device():
     assert autopar.Plan.from_json(plan.to_json()).pipeline == plan.pipeline
     r = parity(model, batch, {"pp": 2, "tp": 2}, hardware=hw, plan=plan)
     assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
+    gather = [n for n in r["graph_module"].stage_1.graph.nodes if n.target is collectives.all_gather]
+    assert len(gather) == 1 and gather[0].meta.get("stage_gather"), list(r["graph_module"].stage_1.graph.nodes)

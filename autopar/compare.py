@@ -102,11 +102,11 @@ def _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces: dict, 
         raise AutoparError(f"plan entry {entry!r}: give \"auto\", a strategy name (\"fsdp\"), (name, {{knob: value}}), "
                            "a Plan, or \"torch:<strategy>\"")
     name, knobs = (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
-    given = set(inspect.signature(handwritten).parameters) - {"model", "mesh", "example_inputs", "strategy", "memory_budget",
+    taken = set(inspect.signature(handwritten).parameters) - {"model", "mesh", "example_inputs", "strategy", "memory_budget",
                                                             "traced", "traces", "mixed_precision"}
-    unknown = sorted(set(knobs) - given)
+    unknown = sorted(set(knobs) - taken)
     if unknown:
-        raise AutoparError(f"{name}: unknown knob(s) {', '.join(unknown)}; the knobs are {', '.join(sorted(given))}")
+        raise AutoparError(f"{name}: unknown knob(s) {', '.join(unknown)}; the knobs are {', '.join(sorted(taken))}")
     p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, traces=traces,
                     mixed_precision=mp, **knobs)
     return p.label, p

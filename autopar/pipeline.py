@@ -231,18 +231,17 @@ class UnitCosts:
     # per unit, the loss's gradient its backward makes first beside the kept activations (``solver.loss_gradients``:
     # the head's, per microbatch)
     start: list[float] = dataclasses.field(default_factory=list)
-    # values sent whole on an axis where the activation is replicated, scattered instead: name -> (axis, dim, n);
-    # each rank sends 1/n, the stage reading it gathers it over the axis (SC'21's scatter/gather of Megatron's sends)
-    scatter: dict = dataclasses.field(default_factory=dict)
-    # per boundary i, the scattered values crossing it: (name, units reading it, all-gather s, its backward
-    # reduce-scatter s, bytes gathered, axis, dim); a stage [i, j) gathers those it reads (``evaluate``)
+    # values replicated on an axis faster than pp's, sent scattered (SC'21's scatter/gather of Megatron's sends: each
+    # rank sends its 1/n, the stage reading it gathers it over the axis; ``scatter_axis``). Per boundary i, those
+    # crossing it: (name, units reading it, all-gather s, its backward reduce-scatter s, bytes gathered, axis, dim);
+    # a stage [i, j) gathers those it reads (``evaluate``). Empty when nothing is scattered
     gathers: list = dataclasses.field(default_factory=list)
-    plain_cross: list = dataclasses.field(default_factory=list)  # ``cross`` with nothing scattered
+    plain_cross: list = dataclasses.field(default_factory=list)  # ``cross`` with nothing scattered (with ``gathers``)
 
     def unscattered(self) -> "UnitCosts":
         """These costs with every value sent whole: the scatter saves send time where it is exposed, and the schedule
         hides some of it, so a cut is evaluated both ways (``plan_pipeline``)."""
-        return dataclasses.replace(self, cross=self.plain_cross or self.cross, scatter={}, gathers=[], plain_cross=[])
+        return dataclasses.replace(self, cross=self.plain_cross or self.cross, gathers=[], plain_cross=[])
     # what the cut searches derive from these costs (``unit_state``, ``_sums``, ``back``), once: the cluster screen
     # prices thousands of candidates on a few UnitCosts. Not an init field, so ``dataclasses.replace`` starts it afresh
     memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -257,8 +256,8 @@ class UnitCosts:
         return self.memo["back"]
 
 
-def scatter_axis(spec: Spec, shape: tuple[int, ...], nbytes: float, inner: Mesh, pp_link, grad: bool) -> tuple[str, int, int] | None:
-    """(axis, dim, n) over which a value replicated there is best sent as 1/n per rank and gathered by the next
+def scatter_axis(spec: Spec, shape: tuple[int, ...], nbytes: float, inner: Mesh, pp_link, grad: bool) -> tuple[int, int] | None:
+    """(axis, dim) over which a value replicated there is best sent as 1/n per rank and gathered by the next
     stage, or None: where the gather (and its backward reduce-scatter) costs less than the send time it saves."""
     best, gain = None, 0.0
     trips = 2 if grad else 1  # the gradient comes back the same way
@@ -271,7 +270,7 @@ def scatter_axis(spec: Spec, shape: tuple[int, ...], nbytes: float, inner: Mesh,
         saved = trips * (send_time(nbytes, pp_link) - send_time(nbytes / n, pp_link))
         spent = collective_time("all_gather", nbytes, n, link) + (collective_time("reduce_scatter", nbytes, n, link) if grad else 0.0)
         if saved - spent > gain:
-            best, gain = (inner.names[ax], dims[0], n), saved - spent  # the outermost: past leading 1s, a contiguous cut
+            best, gain = (ax, dims[0]), saved - spent  # the outermost dim: past leading 1s, a contiguous cut
     return best
 
 
@@ -359,8 +358,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
                 last_use[a.name] = max(last_use.get(a.name, 0), b)
                 readers.setdefault(a.name, set()).add(b)
     nodes = tg.nodes
-    scatter: dict[str, tuple[str, int, int]] = {}
     gathers: list[list] = [[] for _ in range(U + 1)]
+    scattered = False
     for name, b in last_use.items():
         a = units.unit_of[name]
         if b <= a:
@@ -377,11 +376,10 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         whole[b + 1] -= nbytes
         cut = scatter_axis(spec, shape, nbytes, inner, pp_link, rg) if pp_link is not None and spec is not None else None
         if cut is not None:
-            scatter[name] = cut
-            ax, n = inner.names.index(cut[0]), cut[2]
+            scattered, (ax, dim), n = True, cut, inner.sizes[cut[0]]
             tf = collective_time("all_gather", nbytes, n, inner.link(ax))
             tb = collective_time("reduce_scatter", nbytes, n, inner.link(ax)) if rg else 0.0
-            entry = (name, tuple(sorted(r for r in readers[name] if r > a)), tf, tb, nbytes, cut[0], cut[1])
+            entry = (name, tuple(sorted(r for r in readers[name] if r > a)), tf, tb, nbytes, inner.names[ax], dim)
             for c in range(a + 1, b + 1):
                 gathers[c].append(entry)
             nbytes = nbytes // n
@@ -394,7 +392,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for i in range(U + 1):
         run += diff[i]
         cross.append(run)
-    plain_cross = list(itertools.accumulate(whole)) if scatter else []
+    plain_cross = list(itertools.accumulate(whole)) if scattered else []
     flat = [0.0] * U
     for (u, _axes), nbytes in buckets.items():
         flat[u] = max(flat[u], nbytes)
@@ -408,8 +406,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     kernel = inner.hardware.optimizer_kernel
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum,
                      frozenset(n for n in params if n not in tg.trainable), cast,
-                     [step_temporaries(x, kernel) for x in stepped], kernel == "foreach", start, scatter,
-                     gathers if scatter else [], plain_cross)
+                     [step_temporaries(x, kernel) for x in stepped], kernel == "foreach", start,
+                     gathers if scattered else [], plain_cross)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -958,7 +956,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             timings["solve"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             uc = unit_costs(tg, problem, choice, cost, units, inner, mesh.link(axis))
-            ways = [uc, uc.unscattered()] if uc.scatter else [uc]  # each cut with its sends scattered, and whole
+            ways = [uc, uc.unscattered()] if uc.gathers else [uc]  # each cut with its sends scattered, and whole
             any_fit = False
             for order, (name, v) in enumerate(options):
                 S = p * v
@@ -1077,11 +1075,6 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
         if st.send_bytes:
             cols.append(Collective("send", mesh.names[axis], st.send_bytes, "forward", f"stage {st.index} -> {st.index + 1}", send_time(st.send_bytes, link)))
             cols.append(Collective("send", mesh.names[axis], st.send_bytes, "backward", f"stage {st.index + 1} -> {st.index}", send_time(st.send_bytes, link)))
-    for st, mine in zip(ev.stages, ev.gathered):  # scattered sends, gathered by the stages that read them
-        for value, _readers, tf, tb, nbytes, ax, _dim in mine:
-            cols.append(Collective("all_gather", ax, nbytes, "forward", f"stage {st.index} gathers {value}", tf))
-            if tb:
-                cols.append(Collective("reduce_scatter", ax, nbytes, "backward", f"stage {st.index} gathers {value}", tb))
     per_rank = [0.0] * p
     for st in ev.stages[:-1]:  # forward: the activations out; backward: the next stage sends their gradients back
         per_rank[st.rank] += st.send_bytes * m
@@ -1113,10 +1106,14 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
             ranks, nbytes = {rank_of_unit[unit]}, nbytes * m
         for r in ranks:
             sent[r][col.axis] += nbytes
-    for st, mine in zip(ev.stages, ev.gathered):
-        for _value, _readers, _tf, tb, nbytes, ax, _dim in mine:
+    for st, mine in zip(ev.stages, ev.gathered):  # scattered sends, gathered by the stages that read them
+        for value, _readers, tf, tb, nbytes, ax, _dim in mine:
             n = inner.sizes[inner.names.index(ax)]
-            sent[st.rank][ax] += (wire_bytes("all_gather", nbytes, n) + (wire_bytes("reduce_scatter", nbytes, n) if tb else 0.0)) * m
+            cols.append(Collective("all_gather", ax, nbytes, "forward", f"stage {st.index} gathers {value}", tf))
+            sent[st.rank][ax] += wire_bytes("all_gather", nbytes, n) * m
+            if tb:
+                cols.append(Collective("reduce_scatter", ax, nbytes, "backward", f"stage {st.index} gathers {value}", tb))
+                sent[st.rank][ax] += wire_bytes("reduce_scatter", nbytes, n) * m
     comm_bytes = {n: max(sent[r][n] for r in range(p)) for n in mesh.names}
     comm_bytes[mesh.names[axis]] = max(per_rank)
     flops = c.model_flops * m

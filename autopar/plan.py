@@ -532,10 +532,6 @@ class Plan:
             if any(not 0 <= dim < len(n.shape) for dim in dims):
                 raise AutoparError(f"the plan JSON is malformed: node {n.name} ({n.path}) of shape {list(n.shape)} has "
                                    f"output {st.output}, which splits a dim it does not have")
-        first = next((n for n in plan.nodes.values() if n.op == "input"), None)
-        if first is not None and first.strategy.output != plan.input_spec:  # output_adapter reads it, local_inputs the nodes
-            raise AutoparError(f"the plan JSON is malformed: its input_spec {plan.input_spec} is not the Spec of its first input "
-                               f"{first.name}, {first.strategy.output}; re-plan with a pin on the inputs")
         if d.get("digest") != _digest(d):
             raise AutoparError(
                 "the plan JSON was changed after autopar wrote it (its digest does not match its content). A plan's parts "

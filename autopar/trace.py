@@ -1222,17 +1222,16 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
     for n in gm.graph.nodes:  # a shape only the data decides (boolean-mask indexing, nonzero): nothing to plan by
         val = n.meta.get("val")
         frame = (n.meta.get("stack_trace") or "").strip().splitlines()
+        where = f"node {n.name} ({n.target}) in module '{_module_of(n) or '<root>'}'" + (
+            f", at {frame[-2].strip()}: {frame[-1].strip()}" if len(frame) >= 2 else "")
         if n.op == "call_function" and isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise TraceError(  # .item() on a tensor: export keeps it as a number the data decides
-                f"the model's forward turns a tensor's value into a Python number: node {n.name} ({n.target}) in module "
-                f"'{_module_of(n) or '<root>'}'" + (f", at {frame[-2].strip()}: {frame[-1].strip()}" if len(frame) >= 2 else "")
-                + ". autopar plans tensor programs: keep it a tensor (e.g. loss / (labels != -100).sum() instead of "
-                "loss / (labels != -100).sum().item())")
+                f"the model's forward turns a tensor's value into a Python number: {where}. autopar plans tensor "
+                "programs: keep it a tensor (e.g. loss / (labels != -100).sum() instead of loss / (labels != -100).sum().item())")
         if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
             raise TraceError(
-                f"the model's forward makes a tensor whose shape depends on the values of its inputs: node {n.name} "
-                f"({n.target}) in module '{_module_of(n) or '<root>'}', shape {tuple(val.shape)}"
-                + (f", at {frame[-2].strip()}: {frame[-1].strip()}" if len(frame) >= 2 else "") + ". autopar plans on shapes known before "
+                f"the model's forward makes a tensor whose shape depends on the values of its inputs: {where}, shape "
+                f"{tuple(val.shape)}. autopar plans on shapes known before "
                 "the data: write it with fixed shapes, e.g. a masked sum (x * mask).sum() or torch.where(mask, x, 0) "
                 "instead of x[mask], and a loss's ignore_index instead of dropping rows")
     module_of = {n.name: _module_of(n) for n in gm.graph.nodes}

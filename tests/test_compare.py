@@ -99,7 +99,7 @@ def test_fsdp_with_a_tp_axis_is_torchtitans_2d():
     # it the residual adds stay whole on tp (left free, the solver would pick sequence parallelism where it pays)
     assert str(plan.spec_of("h.0:add_1")) == "S(0)S(1)"
     megatron = autopar.handwritten(_gpt(), autopar.Mesh({"dp": 2, "tp": 2}), _batch(), "megatron")
-    assert megatron.label == "megatron" and str(megatron.spec_of("h.0:add_1")) == "S(0)R"
+    assert megatron.label == "megatron" and [str(megatron.spec_of(f"h.0:add_{k}")) for k in (1, 2)] == ["S(0)R"] * 2
 
 
 def test_an_ep_axis_splits_the_experts_in_every_hand_written_strategy():

@@ -693,3 +693,16 @@ def test_a_pipeline_rank_holds_its_optimizer_steps_temporaries_after_the_schedul
         assert held < plans["fused"].pipeline.rank_memory[r] < held + weight * 1.1
         for k, t in temps.items():
             assert plans[k].pipeline.rank_memory[r] == pytest.approx(held + t, rel=1e-6), k
+
+
+def test_table_rows_of_parameters_are_priced_at_their_zero_stage():
+    """A parameter's row in ``table()`` / the plan JSON holds its state and gradient under the ZeRO stage chosen
+    (they were ZeRO-0's whatever the stage: a ZeRO-3 plan's rows summed to its replicated state)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    x = torch.randint(0, 64, (4, 16))
+    rows = {}
+    for stage in (0, 3):
+        plan = autopar.plan(model, autopar.Mesh({"dp": 2}, hardware="h100-80gb"), (x, x), constraints=[autopar.ZeroPin("*", stage)])
+        rows[stage] = sum(n.memory for n in plan.nodes.values() if n.op == "param")
+    assert rows[3] == pytest.approx(rows[0] / 2), rows  # every tensor of GPT tiny halves evenly over dp=2

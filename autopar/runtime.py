@@ -873,18 +873,19 @@ class _PipelineRun:
                     self.whole[tg.fqns[n]] = self._compute_leaf(t.detach().to(self.compute), t, tg.fqns[n])
 
     @torch.no_grad()
-    def _scatter_zero(self, sync: bool) -> dict[str, torch.Tensor]:
+    def _scatter_zero(self, sync: bool, whole: dict, main: dict) -> dict[str, torch.Tensor]:
         """The whole gradients reduce-scattered, with those that steps under ``no_sync`` held added (not ``sync``:
         held themselves): placeholder name -> its shard's gradient from this step, for ``finish`` to add to the
         shard's ``.grad``. The whole parameters go first, and each whole gradient once the bucket's buffer holds
-        it: the step's peak stays the schedule's (``zero.pipeline_held``)."""
+        it: the step's peak stays the schedule's (``zero.pipeline_held``). ``whole`` / ``main``: the step's gathered
+        parameters and main gradients (``_gather_zero``), emptied here."""
         owner, tg = self.owner, self.owner._tg
         acc, out = owner._accumulation, {}
         for bucket, members in self.zero:
             live, fulls = [], []
             for n in members:
-                w = self.whole.pop(tg.fqns[n])
-                g = w.grad if self.compute is None else self.main.pop(tg.fqns[n], None)
+                w = whole.pop(tg.fqns[n])
+                g = w.grad if self.compute is None else main.pop(tg.fqns[n], None)
                 g = g.reshape(-1) if g is not None else None
                 if not sync:
                     acc.hold(f"param:{tg.fqns[n]}", [g])
@@ -901,7 +902,7 @@ class _PipelineRun:
             for n, g in zip(live, grads):
                 shard = owner._local(PARAM, tg.fqns[n])
                 out[n] = g.view_as(shard).to(shard.dtype)
-        self.whole = {}
+        whole.clear()
         return out
 
     def step(self, flat: list):
@@ -916,19 +917,30 @@ class _PipelineRun:
             self.whole = {}  # the step's gathered ZeRO-1 parameters: nothing to scatter
             return pytree.tree_unflatten([total], owner._tg.out_spec)
         sync = owner._accumulation.sync  # (no_sync is read when the step runs, as in DDP)
-        # the gradients earlier steps left in .grad, set aside: the step's reduction sums this step's alone over
-        # the ranks (summing them again would count a replicated gradient once per replica); added back after it
-        earlier = {}
-        for n in self.held:
-            if owner._tg.kinds[n] == PARAM and n not in self.zero_members:
-                t = owner._local(PARAM, owner._tg.fqns[n])
-                if t.grad is not None:
-                    earlier[owner._tg.fqns[n]], t.grad = t.grad, None
+        # The schedule runs the step's backward now, but on one device the gradients land when the loss's backward()
+        # runs, onto whatever .grad holds then: a forward alone leaves .grad as it was, and the canonical loop
+        # ``loss = model(x); opt.zero_grad(); loss.backward()`` keeps them. So the step's gradients are computed
+        # apart (what .grad holds is set aside during the schedule and put back after it) and held by the loss
+        # until its backward(), which reduces them and adds them to .grad as it is then (``finish``)
+        ours = [(n, owner._local(PARAM, owner._tg.fqns[n])) for n in self.held
+                if owner._tg.kinds[n] == PARAM and n not in self.zero_members]
+        aside = [t.grad for _n, t in ours]
+        for _n, t in ours:
+            t.grad = None
         self._gather_zero()
         self._cast_params()
-        total = self._run(flat, backward=True)
+        try:
+            total = self._run(flat, backward=True)
+        finally:
+            pending = {n: t.grad for n, t in ours}
+            for (_n, t), g in zip(ours, aside):
+                t.grad = g
+        # this step's gathered ZeRO-1 parameters and main gradients, its own: a later step gathers anew
+        whole, main = self.whole, self.main
+        self.whole, self.main = {}, {}
         anchor = torch.zeros((), requires_grad=True)
-        loss = _PipelineLoss.apply(total, anchor, lambda: self.finish(sync, earlier), lambda: self.abandon(earlier))
+        loss = _PipelineLoss.apply(total, anchor, lambda: self.finish(sync, pending, whole, main),
+                                   lambda: (pending.clear(), whole.clear(), main.clear()))
         return pytree.tree_unflatten([loss], owner._tg.out_spec)
 
     def _run(self, flat: list, backward: bool) -> torch.Tensor:
@@ -954,24 +966,24 @@ class _PipelineRun:
         dist.broadcast(total, src=self.last_rank, group=self.pp_group)
         return total
 
-    def abandon(self, earlier: dict[str, torch.Tensor]) -> None:
-        """A step whose backward is refused: its gradients dropped, and what earlier steps left in ``.grad`` put back."""
-        owner, tg = self.owner, self.owner._tg
-        for n in self.held:
-            if tg.kinds[n] == PARAM and n not in self.zero_members:
-                fqn = tg.fqns[n]
-                owner._local(PARAM, fqn).grad = earlier.get(fqn)
-        self.whole, self.main = {}, {}
-
-    def finish(self, sync: bool, earlier: dict[str, torch.Tensor]) -> None:
-        """The gradient communication after the schedule: ZeRO-1's reduce-scatters, the plan's all-reduce buckets
-        over their axes, then tied parameters over the pp ranks that hold them; of this step's gradients and those
-        steps under ``no_sync`` held. Not ``sync`` (under ``no_sync``): nothing; this step's gradients are held.
-        Then the gradients ``earlier`` steps left in ``.grad`` are added back."""
+    def finish(self, sync: bool, pending: dict[str, torch.Tensor], whole: dict, main: dict) -> None:
+        """The loss's backward: the gradient communication after the schedule, of the step's gradients (``pending``,
+        per ZeRO-0 placeholder; ``whole`` / ``main``: ZeRO-1's) and those steps under ``no_sync`` held: ZeRO-1's
+        reduce-scatters, the plan's all-reduce buckets over their axes, then tied parameters over the pp ranks that
+        hold them. Not ``sync`` (under ``no_sync``): nothing; this step's gradients are held. The results are added
+        to what ``.grad`` holds now (set aside meanwhile: a reduction sums this step's alone over the ranks; summing
+        .grad again would count a replicated gradient once per replica)."""
         owner, tg = self.owner, self.owner._tg
         acc = owner._accumulation
         dm = self.mesh.to_device_mesh()
-        grads = self._scatter_zero(sync)  # (the shards' gradients from this step)
+        earlier = {}
+        for n in self.held:
+            if tg.kinds[n] == PARAM and n not in self.zero_members:
+                t = owner._local(PARAM, tg.fqns[n])
+                if t.grad is not None:
+                    earlier[tg.fqns[n]] = t.grad
+                t.grad = pending.pop(n, None)
+        grads = self._scatter_zero(sync, whole, main)  # (the shards' gradients from this step)
         zero = set(grads)  # (the plan's grad buckets hold none of them: ZeRO-0 parameters only)
         for n in self.held:
             if tg.kinds[n] != PARAM or n in self.zero_members:

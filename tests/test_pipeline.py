@@ -388,6 +388,36 @@ def test_pipeline_steps_accumulate_gradients_as_on_one_device(zero, no_sync):
     assert reduced[2] > 0 and reduced[:2] == ([0, 0] if no_sync else [reduced[2]] * 2), reduced
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_pipeline_steps_gradients_land_when_its_loss_backward_runs(zero):
+    """The schedule runs a step's backward inside ``pmodel(...)``, but its gradients land on ``.grad`` when the
+    loss's ``backward()`` runs, as on one device: the canonical loop ``loss = model(x); opt.zero_grad();
+    loss.backward()`` keeps them (zero_grad cleared them before, and the step then reduced nothing: the replicas
+    diverged), and a forward alone in training mode leaves ``.grad`` as it was (it overwrote it with its own)."""
+    import copy
+
+    from autopar import _compat
+
+    model = _gpt(4)
+    reference = copy.deepcopy(model)
+    first = _batch(8)
+    other = (torch.roll(first[0], 1, 0), torch.roll(first[1], 1, 0))
+    with fake_world(4), _compat.local_tensor_mode(4) as ltm:
+        pm = autopar.parallelize(model, autopar.Mesh({"dp": 2, "pp": 2}), first,
+                                 constraints=[PipelinePin("1f1b", 2), autopar.ZeroPin("*", zero)])
+        pm(*pm.local_inputs(*other)).backward()  # an earlier step's gradients, which zero_grad drops
+        loss = pm(*pm.local_inputs(*first))
+        pm.zero_grad()
+        loss.backward()
+        grads = pm.full_grads()
+        pm(*pm.local_inputs(*other))  # forward alone, in training mode
+        after = pm.full_grads()
+        with ltm.disable():
+            reference(*first).backward()
+    assert max(float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()) < 1e-6
+    assert all(torch.equal(after[k], grads[k]) for k in grads)
+
+
 @pytest.mark.parametrize("zero,how", [(0, "no_grad"), (1, "no_grad"), (0, "eval")])
 def test_a_pipeline_evaluates_under_no_grad(zero, how):
     """A validation loss under ``torch.no_grad()`` on a pipeline plan: the microbatches' forward alone (the

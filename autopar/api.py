@@ -186,7 +186,8 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
                 planned = [plan.nodes[n].shape for n in tg.user_inputs if n in plan.nodes and plan.nodes[n].op == "input"]
                 given = [tuple(tg.nodes[n].meta["val"].shape) for n in tg.user_inputs]
                 why = (f": its inputs had shapes {planned}, these have {given}" if len(planned) == len(given) and planned != given
-                       else " (the model differs from the one planned)")
+                       else " (the model differs from the one planned: its modules, shapes, dtypes, or which parameters "
+                             "require grad, whose gradients the plan reduces)")
                 raise PlanMismatchError(
                     f"the plan was made for a different graph (hash {plan.graph_hash}, this model and inputs give {tg.hash}){why}; "
                     "re-plan with autopar.plan(model, mesh, example_inputs)"

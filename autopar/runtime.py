@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -366,36 +367,50 @@ class ParallelModule(nn.Module):
         return node_of, {fqn: fqn for fqn in node_of} | {alias: fqn for alias, fqn in tg.aliases.items() if fqn in node_of}
 
     @torch.no_grad()
-    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> "LoadedKeys":
         """Copy a full (single-device) state dict -- ``full_state_dict()``'s, or the model's own ``state_dict()``,
         saved under any plan or none -- into this rank's shards, in place (an optimizer built on ``parameters()``
         keeps them): resuming from a consolidated checkpoint, on this mesh and plan. Every rank passes the same
         values; tied parameters may come under any of their names. ``strict``: every parameter and persistent
-        buffer must be there, and nothing else. Its optimizer state is not loaded (a new optimizer starts
-        afresh)."""
+        buffer must be there, and nothing else. Every entry is checked before any is copied: a refused state dict
+        leaves the shards as they were. Returns the missing and unexpected keys (as ``nn.Module.load_state_dict``).
+        Its optimizer state is not loaded (a new optimizer starts afresh)."""
         tg = self._tg
         node_of, names = self._state_names((PARAM, BUFFER))
         wanted = {fqn for fqn, n in node_of.items() if tg.kinds[n] == PARAM or fqn in self._persistent}
         unknown = sorted(k for k in state if names.get(k) not in wanted)
         given = {names[k] for k in state if k not in unknown}
         missing = sorted(wanted - given)
-        if strict and (unknown or missing):
-            raise AutoparError(f"load_full_state_dict: the state dict does not match the model: missing {missing[:5]}"
-                               f"{' ...' if len(missing) > 5 else ''}, unexpected {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; "
-                               "pass the single-device model's state_dict() (or full_state_dict()), or strict=False")
+        prefix = next((p for p in ("module.", "_orig_mod.") if unknown and all(k.startswith(p) for k in unknown)), None)
+        hint = (f" (every unexpected key starts with {prefix!r}: the state dict of a wrapper, DDP's or torch.compile's; "
+                f"strip it: {{k.removeprefix({prefix!r}): v for k, v in state.items()}})" if prefix else "")
+        if (strict and (unknown or missing)) or (state and not given):
+            raise AutoparError(f"load_full_state_dict: the state dict does not match the model"
+                               f"{': none of its keys names a parameter or buffer' if state and not given else ''}: missing "
+                               f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected {unknown[:5]}"
+                               f"{' ...' if len(unknown) > 5 else ''}{hint}; pass the single-device model's state_dict() (or "
+                               "full_state_dict()), or strict=False")
+        for key, full in state.items():  # (all of them, every rank: a bad entry is refused on every rank alike)
+            fqn = names.get(key)
+            if fqn not in wanted:
+                continue
+            if not isinstance(full, torch.Tensor):
+                raise AutoparError(f"load_full_state_dict: {key} is a {type(full).__name__}, not a tensor; nothing was "
+                                   "loaded. Load a state dict of tensors (torch.load's, full_state_dict()'s)")
+            shape = self._full_shape[node_of[fqn]]
+            if tuple(full.shape) != shape:
+                raise AutoparError(f"load_full_state_dict: {key} has shape {list(full.shape)}, but the model's is "
+                                   f"{list(shape)}; nothing was loaded. Load a checkpoint of this model")
         held = {fqn for kind, fqn in self._order if kind in (PARAM, BUFFER)}
         for key, full in state.items():
             fqn = names.get(key)
             if fqn not in held or fqn not in wanted:
                 continue  # (another pipeline stage's, or unknown and not strict)
             n = node_of[fqn]
-            shape = self._full_shape[n]
-            if tuple(full.shape) != shape:
-                raise AutoparError(f"load_full_state_dict: {key} has shape {list(full.shape)}, but the model's is "
-                                   f"{list(shape)}; load a checkpoint of this model")
             local = self._local(tg.kinds[n], fqn)
             spec = self._plan.nodes[n].strategy.output
             local.copy_(distribute(full.detach().to(local.dtype), spec, self._mesh, self._zero_axes.get(n)))
+        return LoadedKeys(missing, unknown)
 
     @torch.no_grad()
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -670,6 +685,14 @@ def _non_persistent(model: nn.Module) -> set[str]:
         for b in getattr(m, "_non_persistent_buffers_set", ()):
             out.add(f"{mname}.{b}" if mname else b)
     return out
+
+
+class LoadedKeys(NamedTuple):
+    """What ``load_full_state_dict`` did not match, as ``nn.Module.load_state_dict`` reports it: the model's
+    parameters and persistent buffers the state dict lacked, and its keys that name none of them."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 class _PipelineLoss(torch.autograd.Function):

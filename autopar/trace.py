@@ -438,13 +438,17 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
     return blocks, rep
 
 
-def _graph_hash(gm: fx.GraphModule) -> str:
+def _graph_hash(gm: fx.GraphModule, frozen: "tuple[str, ...]" = ()) -> str:
+    """The graph's fingerprint (a plan is for one graph): its nodes, their values' shapes and dtypes, and the FQNs
+    of its ``frozen`` parameters, which a plan gives no gradient reduction (none: all-trainable, the hash it was)."""
     h = hashlib.sha256()
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         shapes = pytree.tree_map(lambda v: (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v), val)
         args = pytree.tree_map(lambda a: a.name if isinstance(a, fx.Node) else repr(a), (list(n.args), dict(n.kwargs)))
         h.update(repr((n.name, n.op, str(n.target), shapes, args)).encode())
+    if frozen:
+        h.update(repr(("frozen", tuple(sorted(frozen)))).encode())
     return h.hexdigest()[:16]
 
 
@@ -1239,6 +1243,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
         if n.op == "placeholder" and n.name in fqns:
             module_of[n.name] = fqns[n.name].rpartition(".")[0]
     blocks, rep = _find_blocks(gm, fqns)
+    trainable = {n for n in _trainable(gm, fqns) if kinds[n] == PARAM}
+    frozen = tuple(fqns[n] for n, k in kinds.items() if k == PARAM and n not in trainable)
     return TracedGraph(
         gm=gm,
         kinds=kinds,
@@ -1249,9 +1255,9 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
         module_of=module_of,
         blocks=blocks,
         rep=rep,
-        trainable={n for n in _trainable(gm, fqns) if kinds[n] == PARAM},
+        trainable=trainable,
         aliases=aliases,
         constants=ex.constants,
-        hash=_graph_hash(gm),
+        hash=_graph_hash(gm, frozen),
         synthesized_blocks=ex.synthesized,
     )

@@ -149,6 +149,13 @@ def test_a_plan_for_another_model_or_mesh_is_refused():
             autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), short, plan=plan)
         with pytest.raises(autopar.PlanMismatchError, match="mesh"):
             autopar.parallelize(_gpt(), autopar.Mesh({"dp": 2}), _ids(), plan=plan)
+        # a plan made with a block frozen gives its weights no gradient reduction: unfrozen since, they would train
+        # apart on each rank (replicas 0.05 apart after 3 steps)
+        frozen = _gpt()
+        frozen.h[0].requires_grad_(False)
+        without = autopar.Plan.from_json(autopar.plan(frozen, autopar.Mesh({"tp": 2}), _ids()).to_json())
+        with pytest.raises(autopar.PlanMismatchError, match=r"different graph .*which parameters require grad"):
+            autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), _ids(), plan=without)
         # the same axes and preset name, other numbers (a recalibrated preset, a changed field): says which
         import dataclasses
 

@@ -257,6 +257,23 @@ def test_a_full_checkpoint_resumes_under_another_plan(tmp_path):
             second.load_full_state_dict(state | {"h.9.mlp.c_fc.weight": state["h.0.mlp.c_fc.weight"]})
         with pytest.raises(autopar.AutoparError, match="h.0.mlp.c_fc.weight has shape"):
             second.load_full_state_dict(state | {"h.0.mlp.c_fc.weight": state["h.0.mlp.c_fc.weight"][:, :8]})
+        # every entry is checked before any is copied: a refused state dict leaves the shards as they were (the
+        # entries before a bad one were loaded)
+        last, kept = list(state)[-1], second.full_state_dict()
+        with ltm.disable():
+            shifted = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+        for bad, why in ((shifted | {last: shifted[last][:1]}, f"{last} has shape .* nothing was loaded"),
+                         (shifted | {last: shifted[last].tolist()}, f"{last} is a list, not a tensor")):
+            with pytest.raises(autopar.AutoparError, match=why):
+                second.load_full_state_dict(bad)
+            now = second.full_state_dict()
+            with ltm.disable():
+                assert all(torch.equal(now[k], kept[k]) for k in kept)
+        # a wrapper's keys (DDP's "module.") say so, strict or not; strict=False reports what it did not match
+        with pytest.raises(autopar.AutoparError, match=r"none of its keys .*starts with 'module\.'"):
+            second.load_full_state_dict({f"module.{k}": v for k, v in state.items()}, strict=False)
+        keys = second.load_full_state_dict({k: v for k, v in state.items() if k != "ln_f.weight"} | {"extra": state[last]}, strict=False)
+        assert keys.missing_keys == ["ln_f.weight"] and keys.unexpected_keys == ["extra"]
 
 
 class NormDrop(torch.nn.Module):

@@ -84,17 +84,24 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
     for knob, value in (("global_batch", global_batch), ("seq", seq)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise AutoparError(f"{knob}={value!r}: give a whole number >= 1 ({'sequences in the global batch' if knob == 'global_batch' else 'tokens per sequence'})")
-    if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
+    built = callable(example_inputs) and not isinstance(example_inputs, torch.Tensor)
+    if built:
         if global_batch is None:
             raise AutoparError("example_inputs is a function: give global_batch= (and seq=) to build the batch")
         example_inputs = example_inputs(global_batch, seq)
-    elif global_batch is not None:  # the inputs are the batch: a number that disagrees would be ignored
-        rows = {t.shape[0] for t in (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
-                if isinstance(t, torch.Tensor) and t.ndim}
-        if rows != {global_batch}:
-            raise AutoparError(f"global_batch={global_batch} but the example inputs hold {sorted(rows)} rows: give one or "
-                               "the other (global_batch= with a function (global_batch, seq) -> inputs)")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    # the inputs are the batch planned: a number that disagrees with them would be ignored, and the plan be for
+    # another batch or sequence than asked (a model's builder caps seq at its context)
+    tensors = [t for t in args if isinstance(t, torch.Tensor) and t.ndim]
+    source = "example_inputs(global_batch, seq) returned" if built else "the example inputs hold"
+    fix = ("a function that builds what it is asked (models.build(..., context=seq) lifts a model's context)" if built
+           else "give one or the other (global_batch= and seq= with a function (global_batch, seq) -> inputs)")
+    rows = sorted({t.shape[0] for t in tensors})
+    if global_batch is not None and rows != [global_batch]:
+        raise AutoparError(f"global_batch={global_batch} but {source} {rows} rows: {fix}")
+    lengths = sorted({t.shape[1] for t in tensors if t.ndim >= 2})
+    if seq is not None and lengths != [seq]:
+        raise AutoparError(f"seq={seq} but {source} {lengths or 'no'} tokens per row (dim 1): {fix}")
     mp = mixed_precision
     model, args = compute_twin(model, mp), cast_inputs(args, mp)
     if isinstance(mesh, Cluster):

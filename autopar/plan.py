@@ -301,20 +301,19 @@ class Plan:
                        + "".join(f"; {r}" for r in rest) + ")")
             else:
                 mem = " (" + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.items() if v) + (", each the most of any pp rank)" if self.pipeline else ")")
+        rest = (f"  |  inputs {self.input_spec}{'' if self.recompute == 'none' else '  |  recompute ' + self.recompute}"
+                f"{self._precision_text()}  |  solver {self.solver_status}")
         if self.pipeline is not None:
             pp = self.pipeline
             return (
                 f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (pipeline {pp.label}: schedule {pp.step_time * 1e3:.3f}, "
                 f"bubble {100 * pp.bubble:.1f}%, gradient sync + optimizer step {pp.sync_time * 1e3:.3f})  |  MFU {100 * c.mfu:.1f}%  |  "
-                f"peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}  |  inputs {self.input_spec}"
-                f"{self._precision_text()}  |  solver {self.solver_status}"
+                f"peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}{rest}"
             )
         return (
             f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (compute {c.compute_time * 1e3:.3f} with the optimizer step "
             f"{c.optimizer_time * 1e3:.3f}, comm {c.comm_time * 1e3:.3f})"
-            f"  |  MFU {100 * c.mfu:.1f}%  |  peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}"
-            f"  |  inputs {self.input_spec}{'' if self.recompute == 'none' else '  |  recompute ' + self.recompute}"
-            f"{self._precision_text()}  |  solver {self.solver_status}"
+            f"  |  MFU {100 * c.mfu:.1f}%  |  peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}{rest}"
         )
 
     def _precision_text(self) -> str:
@@ -456,6 +455,9 @@ class Plan:
             show = lambda p: "no pipeline" if p is None else f"{p.label} [{' | '.join(s.label for s in p.stages)}]"  # noqa: E731
             if show(self.pipeline) != show(other.pipeline):
                 lines.append(f"pipeline: {show(self.pipeline)} -> {show(other.pipeline)}")
+        for what, x, y in (("recompute", self.recompute, other.recompute), ("mixed precision", self.mixed_precision, other.mixed_precision)):
+            if x != y:
+                lines.append(f"{what}: {x} -> {y}")
         a, b = self.cost, other.cost
         lines.append(f"step time {a.step_time * 1e3:.3f} -> {b.step_time * 1e3:.3f} ms; memory {fmt_bytes(a.memory_per_device)} -> {fmt_bytes(b.memory_per_device)}")
         return "\n".join(lines)

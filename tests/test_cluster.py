@@ -287,6 +287,14 @@ def test_autopar_plan_takes_a_cluster_and_an_inputs_function():
             autopar.plan(model, Cluster(1, 4), make, global_batch=bad, seq=16)
     with pytest.raises(autopar.AutoparError, match=r"global_batch=8 but the example inputs hold \[4\] rows"):
         autopar.plan(model, Cluster(1, 4), make(4, 16), global_batch=8)
+    # a batch of another length than seq= asks is refused, not planned: the builder capped it at the model's
+    # context, or the inputs given are of another length
+    context = make(1, 10**6)[0].shape[1]
+    with pytest.raises(autopar.AutoparError, match=rf"seq={2 * context} but example_inputs\(global_batch, seq\) returned "
+                                                   rf"\[{context}\] tokens per row .*context=seq"):
+        autopar.plan(model, Cluster(1, 4), make, global_batch=8, seq=2 * context)
+    with pytest.raises(autopar.AutoparError, match=r"seq=16 but the example inputs hold \[8\] tokens per row"):
+        autopar.plan(model, Cluster(1, 4), make(8, 8), global_batch=8, seq=16)
     with pytest.raises(autopar.AutoparError, match="cp_in_stages widens the search over an autopar.Cluster"):
         autopar.plan(model, autopar.Mesh({"pp": 2, "cp": 2}), make, global_batch=8, seq=16, cp_in_stages=True)
 

@@ -199,6 +199,10 @@ def test_plan_prints_stages_and_timeline_and_round_trips(tmp_path):
     assert again.to_json() == plan.to_json() and again.pipeline == pp
     other = autopar.plan(model, autopar.Mesh({"dp": 2, "pp": 4}), _batch(16), constraints=[PipelinePin("1f1b", 4)])
     assert "pipeline: interleaved(m=4, v=2) [embed .. " in plan.diff(other) and "-> 1f1b(m=4) [embed .. " in plan.diff(other)
+    # a pipeline plan's summary says what it recomputes, as a flat one's does, and diff says when two plans differ there
+    full = autopar.plan(model, autopar.Mesh({"dp": 2, "pp": 4}), _batch(16), constraints=[PipelinePin("1f1b", 4)], recompute="full")
+    assert "recompute full" in full.summary() and "recompute" not in other.summary()
+    assert "recompute: none -> full" in other.diff(full)
     # a middle rank sends its activations forward and the gradients of the ones it received back (it counted the
     # first alone: half)
     sends = {s.send_bytes for s in other.pipeline.stages[:-1]}

@@ -327,6 +327,15 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         add(price_steps(summed, m.dtype, mesh, rg), f"output{k}")
     # node records, with alternatives priced in context for representatives
     ins_of: dict[str, list] = {}
+    def zero_row(name: str, st) -> tuple[float, float]:
+        """A parameter's (time, memory) with Strategy ``st`` under its group's ZeRO stage, as its table row prices the
+        chosen one (the solver's options price parameters at ZeRO-0, and the stage then changes both)."""
+        spec = problem.grad_spec(name, lambda x: st if x == name else strategy[x])
+        uses = zero3_uses(tg, name)
+        opt = effective(choice.zero.get(zgroups[name][0], ZeroOption(0)), spec, mesh, frozen(uses))
+        zc = param_cost(opt, spec, problem.meta[name], mesh, uses=uses)
+        return zc.memory_bound + zc.comm, zc.state + zc.grad + zc.act
+
     outs_of: dict[str, list] = {}
     for u, v, i, m in problem.edges:
         ins_of.setdefault(v, []).append((u, i, m))
@@ -340,7 +349,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if rep == name:
             scored = []
             for si, st in enumerate(problem.cands[name]):
-                t = problem.costs[name][si].time
+                t, mem = zero_row(name, st) if name in param_rows else (problem.costs[name][si].time, problem.costs[name][si].memory)
                 for u, i, m in ins_of.get(name, []):
                     t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False), name, u)
                 shared: dict[str, float] = {}  # consumers wanting one Spec share its redistribution, as the solver prices it
@@ -349,7 +358,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
                     e = cost.edge_time(m, st.output, d, problem.requires_grad.get(name, False), v, name)
                     shared[str(d)] = max(shared.get(str(d), 0.0), e)
                 t += sum(shared.values())
-                scored.append((t, problem.costs[name][si].memory, si))
+                scored.append((t, mem, si))
             scored.sort(key=lambda r: (r[0], r[1], r[2]))
             keep = scored[:N_ALTERNATIVES]
             if idx not in [r[2] for r in keep]:

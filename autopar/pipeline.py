@@ -945,7 +945,10 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                     squeeze, plain = 1.0, attempt + 1
                     continue
                 if attempt == plain:
-                    tried.append(f"m={m}: the stages' own plans do not fit ({e})")
+                    # (the stage ILP's own budget is the pp ranks' together, on the mesh without pp: its error's
+                    # numbers and advice are for that problem, so what it found is said per device here)
+                    need = f" (the smallest needs {fmt_bytes(e.smallest_budget / p)} per device)" if e.smallest_budget else ""
+                    tried.append(f"m={m}: the stages' own plans do not fit{need}")
                     if e.smallest_budget:
                         smallest = min(smallest, e.smallest_budget / p)
                     too_big = True
@@ -1005,7 +1008,8 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         raise InfeasibleError(
             f"no pipeline plan on {mesh} fits {fmt_bytes(budget)} per device ({why})"
             + (f"; the smallest found needs {fmt_bytes(smallest)}" if smallest < math.inf else "")
-            + "; raise the budget, add tp or pp, or use more microbatches",
+            + "; raise the budget, add tp or pp" + (", or use more microbatches" if ms[0] < per_replica else
+                                                     f" (already one row per microbatch: m={ms[0]})"),
             smallest if smallest < math.inf else None,
         )
     _, m, name, v, ev, tg, problem, choice, cost, units = best

@@ -309,6 +309,12 @@ def test_pipeline_errors_are_clear():
         autopar.plan(model, autopar.Mesh({"dp": 2}), _batch(8), constraints=[PipelinePin("1f1b")])
     with pytest.raises(autopar.InfeasibleError, match="1f1b needs at least as many microbatches"):
         autopar.plan(model, autopar.Mesh({"pp": 2}), _batch(8), constraints=[PipelinePin("1f1b", 1)])
+    # a budget nothing fits: what is needed per device, not the stage ILP's own numbers (its budget is the pp ranks'
+    # together, on the mesh without pp), and no advice of more microbatches with one row in each already
+    with pytest.raises(autopar.InfeasibleError, match=r"m=8: the stages' own plans do not fit \(the smallest needs "
+                                                      r"[\d.]+ KiB per device\).*add tp or pp \(already one row per microbatch: m=8\)$") as e:
+        autopar.plan(model, mesh, _batch(8), memory_budget=1024)
+    assert "_=1" not in str(e.value) and "memory_budget" not in str(e.value)
 
     class NoBlocks(torch.nn.Module):
         def __init__(self):

@@ -108,6 +108,7 @@ class ParallelModule(nn.Module):
         self._input_shapes = self._local_input_shapes()  # checked on every step: computed once
         # FQN -> placeholder name, and each state's single-device shape (tg.nodes builds a dict on each access)
         nodes = tg.nodes
+        self._input_dtypes = [nodes[n].meta["val"].dtype for n in tg.user_inputs]
         self._node_of: dict[str, str] = {}
         for n, f in tg.fqns.items():
             self._node_of.setdefault(f, n)
@@ -261,6 +262,12 @@ class ParallelModule(nn.Module):
                     f"again for this size (pmodel.full_state_dict() carries the weights over)"
                 )
         flat = cast_inputs(flat, self._plan.mixed_precision)  # the program computes in its param dtype (FSDP2 casts too)
+        for k, (t, want) in enumerate(zip(flat, self._input_dtypes)):
+            # a floating input of another dtype than planned meets the weights in an op that refuses mixed dtypes
+            # (integer ids of another width run as on one device)
+            if t.dtype != want and (t.dtype.is_floating_point or want.is_floating_point):
+                raise AutoparError(f"input {k} ({self._tg.user_inputs[k]}) has dtype {t.dtype}, but the plan is for "
+                                   f"{want} (the example inputs'): pass inputs of that dtype (x.to({want}))")
         if self._pipe is not None:
             return self._pipe.step(flat)
         params = [self._local(k, f) for k, f in self._order]

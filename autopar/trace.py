@@ -77,6 +77,9 @@ from autopar._compat import pytree
 from autopar.errors import TraceError
 
 aten = torch.ops.aten
+# ops whose kernels refuse operands of different dtypes (``mat1 and mat2 must have the same dtype``)
+_SAME_DTYPE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
+                   aten.matmul.default, aten.convolution.default}
 
 # placeholder kinds, in the order the exported graph lists them
 PARAM, BUFFER, CONSTANT, INPUT = "param", "buffer", "constant", "input"
@@ -1232,6 +1235,13 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
             raise TraceError(  # .item() on a tensor: export keeps it as a number the data decides
                 f"the model's forward turns a tensor's value into a Python number: {where}. autopar plans tensor "
                 "programs: keep it a tensor (e.g. loss / (labels != -100).sum() instead of loss / (labels != -100).sum().item())")
+        if n.op == "call_function" and n.target in _SAME_DTYPE_OPS:
+            dtypes = {a.meta["val"].dtype for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)}
+            if len(dtypes) > 1:  # export's fake kernels let it pass; the real kernel refuses it on the first step
+                names = ", ".join(f"{a.name} {a.meta['val'].dtype}" for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+                raise TraceError(f"the model's forward multiplies tensors of different dtypes ({names}): {where}; the "
+                                 "model would fail there on one device too. Give example inputs of the model's dtype "
+                                 "(x.to(next(model.parameters()).dtype)), or cast the model")
         if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
             raise TraceError(
                 f"the model's forward makes a tensor whose shape depends on the values of its inputs: {where}, shape "

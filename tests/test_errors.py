@@ -223,6 +223,22 @@ def test_wrong_input_shapes_are_explained():
             pm(*_ids())  # the global batch, not this rank's share
 
 
+def test_inputs_of_another_dtype_are_explained():
+    """Floating inputs of another dtype than the weights fail on one device at the first matmul; export's fake
+    kernels let them through, so planning succeeded and the first step raised torch's bare error. Now the trace
+    names the op and its operands' dtypes, and a plan run on a batch of another dtype than planned says so."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(8, 16)
+    with pytest.raises(autopar.TraceError, match=r"multiplies tensors of different dtypes \(input\S* torch.float64, "
+                                                 r".*torch.float32.*in module '0'"):
+        autopar.plan(model, autopar.Mesh({"dp": 2}), x.double())
+    with fake_world(2), _compat.local_tensor_mode(2):
+        pm = autopar.parallelize(model, autopar.Mesh({"dp": 2}), x)
+        with pytest.raises(autopar.AutoparError, match=r"input 0 \(\S+\) has dtype torch.float64, but the plan is for torch.float32"):
+            pm(*pm.local_inputs(x.double()))
+
+
 def test_bad_mesh_and_hardware():
     with pytest.raises(autopar.MeshError, match="positive"):
         autopar.Mesh({"tp": 0})

@@ -370,3 +370,19 @@ def mode_switched_modules() -> tuple:
     from torch.nn.modules.instancenorm import _InstanceNorm
 
     return (_BatchNorm, _InstanceNorm, _DropoutNd, torch.nn.RReLU)
+
+
+def hooks_of(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(FQN, kind) of each module's forward / backward hooks and each parameter's gradient hooks on ``model``: torch
+    keeps them in private dicts (``Module._forward_hooks`` and the like, ``Tensor._backward_hooks``)."""
+    out = []
+    for name, m in model.named_modules():
+        for attr, kind in (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+                           ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook")):
+            if getattr(m, attr, None):
+                out.append((name or "<root>", kind))
+    for name, p in model.named_parameters():
+        for attr, kind in (("_backward_hooks", "gradient hook"), ("_post_accumulate_grad_hooks", "post-accumulate-grad hook")):
+            if getattr(p, attr, None):
+                out.append((name, kind))
+    return out

@@ -215,7 +215,21 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
         modes = mode_difference(model, traced_args)
     _warn_dropout(tg)
     _warn_sixteen_bit(user_model, mp)
+    _warn_hooks(user_model)
     return ParallelModule(tg, the_plan, gm, mesh, user_model, modes)
+
+
+def _warn_hooks(model) -> None:
+    """Say so when the model has hooks: a module's forward hooks ran once, on fake tensors, while it was traced,
+    and none of them (nor a parameter's gradient hooks: pmodel holds its own) run on the program's steps."""
+    hooks = _compat.hooks_of(model)
+    if hooks:
+        listed = ", ".join(f"{kind} on {where}" for where, kind in hooks[:4]) + (" ..." if len(hooks) > 4 else "")
+        warnings.warn(
+            f"autopar: the model has {len(hooks)} hook(s) ({listed}). The program is the traced forward: module hooks ran "
+            "while it was traced, on fake tensors, and neither they nor parameter hooks run on its steps. Compute what "
+            "they did inside forward (returning it beside the loss), or register hooks on pmodel.parameters()'s own "
+            "tensors", stacklevel=3)
 
 
 def _warn_sixteen_bit(model, mp) -> None:

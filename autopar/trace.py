@@ -65,6 +65,7 @@ import hashlib
 import inspect
 import itertools
 import operator
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ from autopar._compat import pytree
 from autopar.errors import TraceError
 
 aten = torch.ops.aten
+_TORCH_DIR = os.path.dirname(torch.__file__)
 # ops whose kernels refuse operands of different dtypes (``mat1 and mat2 must have the same dtype``)
 _SAME_DTYPE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
                    aten.matmul.default, aten.convolution.default}
@@ -165,7 +167,8 @@ def _module_frames(exc: BaseException, model: torch.nn.Module) -> list[tuple[str
     tb = exc.__traceback__
     while tb is not None:
         frame = tb.tb_frame
-        this = frame.f_locals.get("self")
+        code = frame.f_code  # a method's first argument, whatever it is called (``def forward(s, x)``)
+        this = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         if this is not None and id(this) in names:
             out.append((names[id(this)], frame.f_code.co_filename, tb.tb_lineno))
         tb = tb.tb_next
@@ -177,8 +180,11 @@ def _export(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
         return torch.export.export(model, args, strict=False)
     except Exception as e:  # torch raises many kinds; each becomes one clear autopar error
         frames = _module_frames(e, model)
+        # the model's own code where it has some: torch's frames around it (nn.Module's call of a hook) say less
+        own = [f for f in frames if not f[1].startswith(_TORCH_DIR)] or frames
+        hooks = _compat.hooks_of(model) if own and own[-1][1].startswith(_TORCH_DIR) else []
         if frames:
-            fqn, file, line = frames[-1]
+            fqn, file, line = own[-1]
             where = f"in module '{fqn or '<root>'}' ({type(model.get_submodule(fqn)).__name__}) at {file}:{line}"
         else:
             where = f"in {type(model).__name__}"
@@ -191,6 +197,10 @@ def _export(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
             else "autopar traces with torch.export.export(strict=False); make the model exportable "
             "(see the torch.export docs on unsupported constructs) and try again."
         )
+        if hooks:
+            fix += (f" The model has hooks ({', '.join(f'{k} on {w}' for w, k in hooks[:3])}), which run while it is "
+                    "traced, on fake tensors: one that reads tensor values cannot be; remove it before parallelize (it "
+                    "would not run on the program's steps either)")
         raise TraceError(f"cannot trace the model {where}: {first}\n{fix}") from e
 
 

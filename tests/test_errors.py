@@ -193,6 +193,38 @@ class _KeywordOnly(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.lin(x), labels)
 
 
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(s, x):  # noqa: N805  (a method whose first argument is not called self)
+        h = s.lin(x)
+        if h.sum() > 0:  # control flow on a value
+            return h.sum()
+        return -h.sum()
+
+
+def test_an_untraceable_forward_is_located_and_hooks_are_named():
+    """The trace error points at the model's own line, whatever its forward calls its first argument (with
+    ``def forward(s, x)`` it pointed into torch's nn.Module); hooks, which run while the model is traced and never on
+    the program's steps, are named in a warning."""
+    import os
+
+    with fake_world(2), pytest.raises(autopar.TraceError, match=rf"in module '<root>' \(_Branchy\) at {os.path.abspath(__file__)}:\d+"):
+        autopar.parallelize(_Branchy(), autopar.Mesh({"dp": 2}), torch.randn(4, 16))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+    seen = []
+    model[0].register_forward_hook(lambda mod, inp, out: seen.append(out))
+    model[1].weight.register_hook(lambda g: g)
+    with fake_world(2), _compat.local_tensor_mode(2):
+        with pytest.warns(UserWarning, match=r"2 hook\(s\) \(forward hook on 0, gradient hook on 1.weight\).*run on its steps"):
+            pm = autopar.parallelize(model, autopar.Mesh({"dp": 2}), torch.randn(4, 16))
+        traced = len(seen)
+        pm(*pm.local_inputs(torch.randn(4, 16)))
+    assert len(seen) == traced  # (hence the warning)
+
+
 def test_a_data_dependent_shape_and_keyword_inputs_are_explained():
     """Boolean-mask indexing traces (to a shape of unknown size) but cannot be planned: the error names the node,
     the line and the fix (it was torch's GuardOnDataDependentSymNode from the strategy layer); example_inputs that

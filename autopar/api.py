@@ -61,6 +61,12 @@ def _check_budget(memory_budget) -> None:
                            "e.g. 40 * 2**30), or None for the device's memory")
 
 
+def _single_device(model) -> None:
+    if isinstance(model, ParallelModule):  # (its forward takes this rank's share: it traced as a model of local shapes)
+        raise AutoparError("the model is already parallelized (a ParallelModule): pass the single-device model; to re-plan "
+                           "this one, load pmodel.full_state_dict() into a fresh single-device model first")
+
+
 def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, constraints=(), recompute: str = "none",
          global_batch: int | None = None, seq: int | None = None, cp_in_stages: bool = False,
          mixed_precision: MixedPrecision | None = None) -> Plan:
@@ -80,6 +86,7 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
     from autopar.cluster import Cluster, plan_cluster
 
     _check_budget(memory_budget)
+    _single_device(model)
     check(model, mixed_precision)
     for knob, value in (("global_batch", global_batch), ("seq", seq)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -152,6 +159,10 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
     mesh = _as_mesh(mesh)
     _check_budget(memory_budget)
     mp = mixed_precision
+    if plan is not None and not isinstance(plan, Plan):
+        raise AutoparError(f"plan= takes an autopar.Plan; got a {type(plan).__name__}"
+                           + (": read a saved one with autopar.Plan.from_json(open(path).read())" if isinstance(plan, (str, bytes)) else ""))
+    _single_device(model)
     if plan is not None:
         if mp is not None and mp != plan.mixed_precision:
             raise PlanMismatchError(f"mixed_precision={mp} differs from the plan's ({plan.mixed_precision or 'none'}); "

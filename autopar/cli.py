@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
 import math
 import os
 import socket
@@ -64,6 +65,13 @@ def _load_model(spec: str, dtype, context: int | None = None):
                              "module importable from here (PYTHONPATH) and the callable returning (model, inputs(batch, seq))") from None
         if not callable(make):
             raise SystemExit(f"autopar: {spec} is a {type(make).__name__}, not a callable returning (model, inputs(batch, seq))")
+        try:
+            inspect.signature(make).bind()
+        except TypeError as e:
+            raise SystemExit(f"autopar: {spec} must be callable without arguments ({e}); wrap it: a function that builds "
+                             "and returns (model, inputs(batch, seq))") from None
+        except ValueError:  # (a builtin without a signature: called as it is)
+            pass
         out = make()
         if isinstance(out, tuple) and len(out) == 2 and callable(out[1]):
             return out
@@ -150,6 +158,8 @@ def _shape(args, batch) -> str:
     first = next((t for t in (batch if isinstance(batch, tuple) else (batch,)) if isinstance(t, torch.Tensor)), None)
     if first is None or first.ndim < 2:
         return f"global batch {args.batch}"
+    if first.ndim == 2 and first.is_floating_point():  # rows of features (an MLP's), no sequence: --seq is not read
+        return f"global batch {first.shape[0]} x {first.shape[1]} features"
     capped = f" (--seq {args.seq}: the model's context)" if args.seq and first.shape[1] != args.seq else ""
     return f"global batch {first.shape[0]} x seq {first.shape[1]}{capped}"
 

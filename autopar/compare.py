@@ -78,6 +78,28 @@ class Comparison:
         return text + ("\nnot applicable:\n" + "\n".join(notes) if notes else "")
 
 
+def _check_entry(entry) -> None:
+    """Refuse an entry of ``plans`` that names nothing compare knows (a usage error, not a row of the table: a plan
+    that does not fit this mesh is one)."""
+    from autopar.handwritten import STRATEGIES, handwritten
+
+    if isinstance(entry, Plan) or entry == "auto" or (isinstance(entry, str) and entry.startswith("torch:")):
+        return
+    if not (isinstance(entry, str) or (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
+                                       and isinstance(entry[1], dict))):
+        raise AutoparError(f"plan entry {entry!r}: give \"auto\", a strategy name (\"fsdp\"), (name, {{knob: value}}), "
+                           "a Plan, or \"torch:<strategy>\"")
+    name, knobs = (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
+    if name not in STRATEGIES:
+        raise AutoparError(f"plan entry {name!r}: unknown strategy; give \"auto\", one of {', '.join(STRATEGIES)}, a Plan, "
+                           "or \"torch:<strategy>\"")
+    taken = set(inspect.signature(handwritten).parameters) - {"model", "mesh", "example_inputs", "strategy", "memory_budget",
+                                                            "traced", "traces", "mixed_precision"}
+    unknown = sorted(set(knobs) - taken)
+    if unknown:
+        raise AutoparError(f"{name}: unknown knob(s) {', '.join(unknown)}; the knobs are {', '.join(sorted(taken))}")
+
+
 def _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces: dict, mp) -> tuple[str, Plan]:
     """``entry``'s plan under the policy ``mp``; ``traced`` / ``traces``: of the model as it computes under it."""
     from autopar.handwritten import handwritten
@@ -97,16 +119,7 @@ def _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces: dict, 
         else:
             p = make_plan(traced, priced_mesh(mesh, mp), memory_budget)
         return "auto", stamped(p, mesh, mp)
-    if not (isinstance(entry, str) or (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
-                                       and isinstance(entry[1], dict))):
-        raise AutoparError(f"plan entry {entry!r}: give \"auto\", a strategy name (\"fsdp\"), (name, {{knob: value}}), "
-                           "a Plan, or \"torch:<strategy>\"")
     name, knobs = (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
-    taken = set(inspect.signature(handwritten).parameters) - {"model", "mesh", "example_inputs", "strategy", "memory_budget",
-                                                            "traced", "traces", "mixed_precision"}
-    unknown = sorted(set(knobs) - taken)
-    if unknown:
-        raise AutoparError(f"{name}: unknown knob(s) {', '.join(unknown)}; the knobs are {', '.join(sorted(taken))}")
     p = handwritten(model, mesh, inputs, name, memory_budget=memory_budget, traced=traced, traces=traces,
                     mixed_precision=mp, **knobs)
     return p.label, p
@@ -131,6 +144,8 @@ def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, 
     mesh = _as_mesh(mesh)
     mp = mixed_precision
     check(model, mp)
+    for entry in plans:
+        _check_entry(entry)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if traced is None and mesh.pipe_axis() is None:  # a pipeline plans one microbatch: each plan traces its own
         with _compat.no_local_tensor_mode():

@@ -509,10 +509,15 @@ class Plan:
 
     @staticmethod
     def from_json(text: str) -> "Plan":
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise AutoparError(f"Plan.from_json takes the JSON text (plan.to_json()'s); got a {type(text).__name__}: "
+                               "pass open(path).read()")
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise AutoparError(f"not a plan: invalid JSON ({e})") from e
+            path = text.strip() if isinstance(text, str) and "\n" not in text.strip() and text.strip().endswith(".json") else None
+            hint = f"; {path!r} looks like a file name: pass its text, open({path!r}).read()" if path else ""
+            raise AutoparError(f"not a plan: invalid JSON ({e}){hint}") from e
         if not isinstance(d, dict) or d.get("format") != "autopar.plan":
             raise AutoparError("not an autopar plan (missing 'format': 'autopar.plan')")
         if d.get("version") != VERSION:

@@ -46,6 +46,14 @@ def test_bad_command_line_input_is_a_clear_message_not_a_traceback(capsys):
         with pytest.raises(SystemExit) as e:
             main(["plan", spec, "--mesh", "dp=2"])
         assert f"cannot load the model {spec!r} ({says}" in str(e.value) and "module:callable" in str(e.value)
+    with pytest.raises(SystemExit, match=r"os.path:join must be callable without arguments \(missing a required argument"):
+        main(["plan", "os.path:join", "--mesh", "dp=2"])  # (a callable wanting arguments raised its TypeError's traceback)
+    capsys.readouterr()
+    assert main(["compare", "gpt-tiny", "--mesh", "dp=2", "--plans", "auto,fdsp"]) == 2  # (it was a row: exit 0)
+    assert "plan entry 'fdsp': unknown strategy" in capsys.readouterr().err
+    # rows of features (an MLP) have no sequence: the header says so, not "seq 16 (--seq 2048: the model's context)"
+    assert main(["plan", "mlp-tiny", "--mesh", "dp=2", "--hardware", "cpu-gloo"]) == 0
+    assert "(global batch 2 x 16 features, " in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--nproc wants a positive number"):
         main(["demo", "--nproc", "0"])
 

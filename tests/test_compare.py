@@ -134,13 +134,17 @@ def test_strategies_that_do_not_fit_the_mesh_say_why():
         autopar.handwritten(torch.nn.Sequential(torch.nn.Linear(8, 8)), autopar.Mesh({"tp": 2}), (torch.randn(4, 8),), "megatron")
 
 
-def test_a_bad_entry_is_one_error_row_not_the_end_of_the_comparison():
-    """An unknown knob or an entry of no known form is that row's error; the other rows are planned (both raised a
-    raw TypeError out of compare and lost every row)."""
-    c = autopar.compare(_gpt(), autopar.Mesh({"dp": 2}), _batch(), plans=[("fsdp", {"bogus": 1}), 42, "ddp"])
-    assert "unknown knob(s) bogus; the knobs are" in c.rows[0].error and "zero" in c.rows[0].error
-    assert "plan entry 42: give \"auto\"" in c.rows[1].error
-    assert c.rows[2].error is None and c.rows[2].plan is not None
+def test_a_bad_entry_is_refused_before_anything_is_planned():
+    """An unknown knob, strategy name, or an entry of no known form is a usage error, refused before any plan is made
+    (it raised a raw TypeError once, after the rows before it; then it became that row's error, and the CLI exited 0
+    on a typo); a plan that does not fit is a row's error, the others planned."""
+    for plans, why in (([("fsdp", {"bogus": 1}), "ddp"], "unknown knob\\(s\\) bogus; the knobs are .*zero"),
+                       (["ddp", 42], "plan entry 42: give \"auto\""), (["ddp", "fdsp"], "plan entry 'fdsp': unknown strategy; .*fsdp")):
+        with pytest.raises(autopar.AutoparError, match=why):
+            autopar.compare(_gpt(), autopar.Mesh({"dp": 2}), _batch(), plans=plans)
+    c = autopar.compare(_gpt(), autopar.Mesh({"tp": 2}), _batch(), plans=["fsdp", "megatron"])
+    assert "fsdp needs a data axis" in c.rows[0].error, c.rows[0]
+    assert c.rows[1].error is None and c.rows[1].plan is not None
 
 
 def test_compare_tables_auto_next_to_hand_written_plans():

@@ -149,6 +149,16 @@ def test_a_plan_for_another_model_or_mesh_is_refused():
             autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), short, plan=plan)
         with pytest.raises(autopar.PlanMismatchError, match="mesh"):
             autopar.parallelize(_gpt(), autopar.Mesh({"dp": 2}), _ids(), plan=plan)
+        # a plan's JSON text where the Plan goes; a file name where its text goes; a ParallelModule planned again
+        with pytest.raises(autopar.AutoparError, match=r"plan= takes an autopar.Plan; got a str: .*Plan.from_json\(open\(path\).read\(\)\)"):
+            autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), _ids(), plan=plan.to_json())
+        with pytest.raises(autopar.AutoparError, match=r"'plan.json' looks like a file name: pass its text, open\('plan.json'\).read\(\)"):
+            autopar.Plan.from_json("plan.json")
+        with _compat.local_tensor_mode(2):
+            pm = autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), _ids(), plan=plan)
+            for again in (autopar.plan, autopar.parallelize):
+                with pytest.raises(autopar.AutoparError, match="already parallelized .*full_state_dict"):
+                    again(pm, autopar.Mesh({"tp": 2}), _ids())
         # a plan made with a block frozen gives its weights no gradient reduction: unfrozen since, they would train
         # apart on each rank (replicas 0.05 apart after 3 steps)
         frozen = _gpt()

@@ -301,19 +301,26 @@ class Plan:
                        + "".join(f"; {r}" for r in rest) + ")")
             else:
                 mem = " (" + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.items() if v) + (", each the most of any pp rank)" if self.pipeline else ")")
+        hw = self.mesh.hardware
+        # the model FLOPs count a causal attention's whole score matrix (Megatron-LM's, torchtitan's and PaLM's MFU
+        # formulas do, so published MFUs compare), where the kernel runs the half on and below the diagonal: with
+        # long sequences the MFU passes what any kernel reaches, and says why
+        over = c.mfu > max(hw.matmul_efficiency, hw.attention_efficiency) and hw.attention_skips_masked
+        mfu = f"MFU {100 * c.mfu:.1f}%" + (" (counting causal attention's whole score matrix, as Megatron-LM's and "
+                                          "torchtitan's MFU do; its kernel runs about half)" if over else "")
         rest = (f"  |  inputs {self.input_spec}{'' if self.recompute == 'none' else '  |  recompute ' + self.recompute}"
                 f"{self._precision_text()}  |  solver {self.solver_status}")
         if self.pipeline is not None:
             pp = self.pipeline
             return (
                 f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (pipeline {pp.label}: schedule {pp.step_time * 1e3:.3f}, "
-                f"bubble {100 * pp.bubble:.1f}%, gradient sync + optimizer step {pp.sync_time * 1e3:.3f})  |  MFU {100 * c.mfu:.1f}%  |  "
+                f"bubble {100 * pp.bubble:.1f}%, gradient sync + optimizer step {pp.sync_time * 1e3:.3f})  |  {mfu}  |  "
                 f"peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}{rest}"
             )
         return (
             f"mesh {self.mesh}  |  step {c.step_time * 1e3:.3f} ms (compute {c.compute_time * 1e3:.3f} with the optimizer step "
             f"{c.optimizer_time * 1e3:.3f}, comm {c.comm_time * 1e3:.3f})"
-            f"  |  MFU {100 * c.mfu:.1f}%  |  peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}{rest}"
+            f"  |  {mfu}  |  peak memory/device {fmt_bytes(c.memory_per_device)}{mem}  |  comm/device/step {comm}{rest}"
         )
 
     def _precision_text(self) -> str:

@@ -137,3 +137,17 @@ def test_explain_prices_a_redistribution_its_consumers_share_once():
         assert chosen > node.time  # the gather is in it
         priced.append(chosen)
     assert priced[0] == pytest.approx(priced[1]), priced
+
+
+def test_an_mfu_past_what_kernels_reach_says_it_counts_the_whole_causal_matrix():
+    """MFU counts a causal attention's whole score matrix (as Megatron-LM's, torchtitan's and PaLM's formulas do,
+    so published MFUs compare), where the kernel runs about half: at long sequences it passes any kernel's
+    efficiency, even 100%, and the summary says why (it printed 108% bare)."""
+    import models
+
+    model, make = models.build("llama-tiny", device="meta", dtype=torch.bfloat16, context=131072)
+    mesh = autopar.Mesh({"dp": 2}, hardware="h100-80gb")
+    long = autopar.plan(model, mesh, make(2, 131072), memory_budget=1e15)
+    assert long.cost.mfu > 1.0 and "counting causal attention's whole score matrix" in long.summary()
+    short = autopar.plan(model, mesh, make(2, 256))
+    assert short.cost.mfu < mesh.hardware.matmul_efficiency and "score matrix" not in short.summary()

@@ -464,20 +464,25 @@ class ParallelModule(nn.Module):
             raise AutoparError(f"load_full_optimizer_state_dict: the dict does not match this model and optimizer "
                                f"(unknown parameters {unknown[:5]}, {len(full.get('param_groups', []))} groups saved for "
                                f"{len(optimizer.param_groups)}); pass full_optimizer_state_dict()'s dict of this model")
+        for fqn, state in saved.items():  # every entry checked before anything is loaded: a refused dict changes nothing
+            if not isinstance(state, dict):
+                raise AutoparError(f"load_full_optimizer_state_dict: {fqn}'s state is a {type(state).__name__}, not a dict "
+                                   "of its values; nothing was loaded. Pass full_optimizer_state_dict()'s dict")
+            shape = self._full_shape[node_of[fqn]]
+            for key, v in state.items():
+                if isinstance(v, torch.Tensor) and v.ndim > 0 and tuple(v.shape) != shape:
+                    raise AutoparError(f"load_full_optimizer_state_dict: {fqn}'s {key} has shape {list(v.shape)}, "
+                                       f"the parameter {list(shape)}; nothing was loaded. Load a state of this model")
         for group, g in zip(optimizer.param_groups, full["param_groups"]):
             group.update({k: v for k, v in g.items() if k != "params"})
         for fqn, p in self.named_parameters():
             if fqn not in saved:
                 continue
             n = node_of[fqn]
-            shape = self._full_shape[n]
             spec = self._plan.nodes[n].strategy.output
             entry = {}
             for key, v in saved[fqn].items():
                 if isinstance(v, torch.Tensor) and v.ndim > 0:
-                    if tuple(v.shape) != shape:
-                        raise AutoparError(f"load_full_optimizer_state_dict: {fqn}'s {key} has shape {list(v.shape)}, "
-                                           f"the parameter {list(shape)}; load a state of this model")
                     entry[key] = distribute(v.detach(), spec, self._mesh, self._zero_axes.get(n))
                 else:
                     entry[key] = v.clone() if isinstance(v, torch.Tensor) else v

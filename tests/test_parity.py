@@ -272,6 +272,15 @@ def test_a_full_checkpoint_resumes_under_another_plan(tmp_path):
         # a wrapper's keys (DDP's "module.") say so, strict or not; strict=False reports what it did not match
         with pytest.raises(autopar.AutoparError, match=r"none of its keys .*starts with 'module\.'"):
             second.load_full_state_dict({f"module.{k}": v for k, v in state.items()}, strict=False)
+        # the optimizer's state likewise: checked whole before its groups or any entry are loaded
+        bad = {"state": {k: dict(e) for k, e in ostate["state"].items()}, "param_groups": [dict(g, lr=7.0) for g in ostate["param_groups"]]}
+        last_p = list(bad["state"])[-1]
+        bad["state"][last_p]["exp_avg"] = bad["state"][last_p]["exp_avg"][:1]
+        before = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()} for p, st in opt2.state.items()}
+        with pytest.raises(autopar.AutoparError, match=rf"{last_p}'s exp_avg has shape .*nothing was loaded"):
+            second.load_full_optimizer_state_dict(opt2, bad)
+        assert opt2.param_groups[0]["lr"] != 7.0
+        assert all(all(v is before[id(p)][k] or torch.equal(v, before[id(p)][k]) for k, v in st.items()) for p, st in opt2.state.items())
         keys = second.load_full_state_dict({k: v for k, v in state.items() if k != "ln_f.weight"} | {"extra": state[last]}, strict=False)
         assert keys.missing_keys == ["ln_f.weight"] and keys.unexpected_keys == ["extra"]
 

@@ -373,16 +373,20 @@ def mode_switched_modules() -> tuple:
 
 
 def hooks_of(model: torch.nn.Module) -> list[tuple[str, str]]:
-    """(FQN, kind) of each module's forward / backward hooks and each parameter's gradient hooks on ``model``: torch
-    keeps them in private dicts (``Module._forward_hooks`` and the like, ``Tensor._backward_hooks``)."""
+    """(FQN, kind) of each module's forward / backward hooks and each parameter's gradient hooks on ``model`` that
+    the user registered (torch's own, as weight_norm's, are left out): torch keeps them in private dicts
+    (``Module._forward_hooks`` and the like, ``Tensor._backward_hooks``)."""
+    def users(hooks) -> bool:
+        return any(not getattr(h, "__module__", type(h).__module__).startswith(("torch.", "autopar.")) for h in (hooks or {}).values())
+
     out = []
     for name, m in model.named_modules():
         for attr, kind in (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
                            ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook")):
-            if getattr(m, attr, None):
+            if users(getattr(m, attr, None)):
                 out.append((name or "<root>", kind))
     for name, p in model.named_parameters():
         for attr, kind in (("_backward_hooks", "gradient hook"), ("_post_accumulate_grad_hooks", "post-accumulate-grad hook")):
-            if getattr(p, attr, None):
+            if users(getattr(p, attr, None)):
                 out.append((name, kind))
     return out

@@ -101,14 +101,16 @@ def plan(model, mesh, example_inputs, *, memory_budget: float | None = None, con
     # another batch or sequence than asked (a model's builder caps seq at its context)
     tensors = [t for t in args if isinstance(t, torch.Tensor) and t.ndim]
     source = "example_inputs(global_batch, seq) returned" if built else "the example inputs hold"
-    fix = ("a function that builds what it is asked (models.build(..., context=seq) lifts a model's context)" if built
-           else "give one or the other (global_batch= and seq= with a function (global_batch, seq) -> inputs)")
+    given = "give one or the other (global_batch= and seq= with a function (global_batch, seq) -> inputs)"
     rows = sorted({t.shape[0] for t in tensors})
     if global_batch is not None and rows != [global_batch]:
-        raise AutoparError(f"global_batch={global_batch} but {source} {rows} rows: {fix}")
-    lengths = sorted({t.shape[1] for t in tensors if t.ndim >= 2})
-    if seq is not None and lengths != [seq]:
-        raise AutoparError(f"seq={seq} but {source} {lengths or 'no'} tokens per row (dim 1): {fix}")
+        raise AutoparError(f"global_batch={global_batch} but {source} {rows} rows: "
+                           + ("a function that builds the batch it is asked" if built else given))
+    # sequences: token ids (B, S), or (B, S, ...) values; rows of features (B, F) have none (cli._shape's rule)
+    lengths = sorted({t.shape[1] for t in tensors if t.ndim >= 3 or (t.ndim == 2 and not t.is_floating_point())})
+    if seq is not None and lengths and lengths != [seq]:
+        raise AutoparError(f"seq={seq} but {source} {lengths} tokens per row (dim 1): " + (
+            "a function that builds what it is asked (models.build(..., context=seq) lifts a model's context)" if built else given))
     mp = mixed_precision
     model, args = compute_twin(model, mp), cast_inputs(args, mp)
     if isinstance(mesh, Cluster):
@@ -231,16 +233,18 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
 
 
 def _warn_hooks(model) -> None:
-    """Say so when the model has hooks: a module's forward hooks ran once, on fake tensors, while it was traced,
-    and none of them (nor a parameter's gradient hooks: pmodel holds its own) run on the program's steps."""
+    """Say so when the model has hooks: a module's hooks ran while it was traced, on fake tensors; what they did to
+    tensors is in the program, what they did in Python (collecting activations, logging, checks) happens on no step,
+    and a parameter's gradient hooks are on tensors the program does not train (pmodel holds its own)."""
     hooks = _compat.hooks_of(model)
     if hooks:
         listed = ", ".join(f"{kind} on {where}" for where, kind in hooks[:4]) + (" ..." if len(hooks) > 4 else "")
         warnings.warn(
             f"autopar: the model has {len(hooks)} hook(s) ({listed}). The program is the traced forward: module hooks ran "
-            "while it was traced, on fake tensors, and neither they nor parameter hooks run on its steps. Compute what "
-            "they did inside forward (returning it beside the loss), or register hooks on pmodel.parameters()'s own "
-            "tensors", stacklevel=3)
+            "while it was traced, on fake tensors; the tensor ops they ran are part of it, but what they do in Python "
+            "(collecting activations, logging, checks) does not run on its steps, nor do the parameters' gradient hooks "
+            "(pmodel trains its own tensors). Return what they collect from forward beside the loss, or register "
+            "gradient hooks on pmodel.parameters()", stacklevel=3)
 
 
 def _warn_sixteen_bit(model, mp) -> None:

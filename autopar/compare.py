@@ -144,6 +144,7 @@ def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, 
     mesh = _as_mesh(mesh)
     mp = mixed_precision
     check(model, mp)
+    plans = list(plans)  # (read twice: checked, then planned)
     for entry in plans:
         _check_entry(entry)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)

@@ -966,16 +966,24 @@ class _PipelineRun:
         self._cast_params()
         try:
             total = self._run(flat, backward=True)
-        finally:
+        finally:  # (an interrupted step leaves nothing behind for the next one either)
             pending = {n: t.grad for n, t in ours}
             for (_n, t), g in zip(ours, aside):
                 t.grad = g
-        # this step's gathered ZeRO-1 parameters and main gradients, its own: a later step gathers anew
-        whole, main = self.whole, self.main
-        self.whole, self.main = {}, {}
+            # this step's gathered ZeRO-1 parameters and main gradients, its own: a later step gathers anew
+            whole, main = self.whole, self.main
+            self.whole, self.main = {}, {}
+        done = []
+
+        def finish() -> None:
+            if done:  # the schedule ran the step's backward once; a second has nothing to run and would add nothing
+                raise AutoparError("this pipeline step's loss was already backpropagated: the schedule runs each step's "
+                                   "backward once, inside pmodel(...); call pmodel(...) again for another step's gradients")
+            done.append(True)
+            self.finish(sync, pending, whole, main)
+
         anchor = torch.zeros((), requires_grad=True)
-        loss = _PipelineLoss.apply(total, anchor, lambda: self.finish(sync, pending, whole, main),
-                                   lambda: (pending.clear(), whole.clear(), main.clear()))
+        loss = _PipelineLoss.apply(total, anchor, finish, lambda: (pending.clear(), whole.clear(), main.clear()))
         return pytree.tree_unflatten([loss], owner._tg.out_spec)
 
     def _run(self, flat: list, backward: bool) -> torch.Tensor:

@@ -78,7 +78,10 @@ from autopar._compat import pytree
 from autopar.errors import TraceError
 
 aten = torch.ops.aten
-_TORCH_DIR = os.path.dirname(torch.__file__)
+# frames of torch's own code and autopar's (a trace error points past them, at the model's); the separator keeps
+# torchvision's and torchtitan's folders, which start with torch's, out
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_AUTOPAR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # ops whose kernels refuse operands of different dtypes (``mat1 and mat2 must have the same dtype``)
 _SAME_DTYPE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
                    aten.matmul.default, aten.convolution.default}
@@ -180,10 +183,12 @@ def _export(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
         return torch.export.export(model, args, strict=False)
     except Exception as e:  # torch raises many kinds; each becomes one clear autopar error
         frames = _module_frames(e, model)
-        # the model's own code where it has some: torch's frames around it (nn.Module's call of a hook) say less
-        own = [f for f in frames if not f[1].startswith(_TORCH_DIR)] or frames
-        hooks = _compat.hooks_of(model) if own and own[-1][1].startswith(_TORCH_DIR) else []
-        if frames:
+        # the model's own code where it has some: torch's frames around it (nn.Module's call of a hook) say less, and
+        # autopar's (its ``_export(model, args)`` takes the model first too) say nothing
+        frames = [f for f in frames if not f[1].startswith(_AUTOPAR_DIR)]
+        own = [f for f in frames if not f[1].startswith(_TORCH_DIR)]
+        hooks = _compat.hooks_of(model) if frames and not own else []
+        if own:
             fqn, file, line = own[-1]
             where = f"in module '{fqn or '<root>'}' ({type(model.get_submodule(fqn)).__name__}) at {file}:{line}"
         else:
@@ -199,8 +204,8 @@ def _export(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
         )
         if hooks:
             fix += (f" The model has hooks ({', '.join(f'{k} on {w}' for w, k in hooks[:3])}), which run while it is "
-                    "traced, on fake tensors: one that reads tensor values cannot be; remove it before parallelize (it "
-                    "would not run on the program's steps either)")
+                    "traced, on fake tensors: one that reads tensor values cannot be; remove it before parallelize (what it "
+                    "does in Python would not run on the program's steps either)")
         raise TraceError(f"cannot trace the model {where}: {first}\n{fix}") from e
 
 
@@ -1263,8 +1268,10 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
         if n.op == "placeholder" and n.name in fqns:
             module_of[n.name] = fqns[n.name].rpartition(".")[0]
     blocks, rep = _find_blocks(gm, fqns)
-    trainable = {n for n in _trainable(gm, fqns) if kinds[n] == PARAM}
-    frozen = tuple(fqns[n] for n, k in kinds.items() if k == PARAM and n not in trainable)
+    # the parameters the user froze (requires_grad=False), not those planned frozen because nothing differentiates
+    # them (unused, read under no_grad): those are the same whatever the user does, and keep the hash they had
+    frozen = tuple(fqns[n.name] for n in gm.graph.nodes if n.op == "placeholder" and kinds.get(n.name) == PARAM
+                   and not getattr(n.meta.get("val"), "requires_grad", False))
     return TracedGraph(
         gm=gm,
         kinds=kinds,
@@ -1275,7 +1282,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
         module_of=module_of,
         blocks=blocks,
         rep=rep,
-        trainable=trainable,
+        trainable={n for n in _trainable(gm, fqns) if kinds[n] == PARAM},
         aliases=aliases,
         constants=ex.constants,
         hash=_graph_hash(gm, frozen),

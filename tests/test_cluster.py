@@ -295,6 +295,8 @@ def test_autopar_plan_takes_a_cluster_and_an_inputs_function():
         autopar.plan(model, Cluster(1, 4), make, global_batch=8, seq=2 * context)
     with pytest.raises(autopar.AutoparError, match=r"seq=16 but the example inputs hold \[8\] tokens per row"):
         autopar.plan(model, Cluster(1, 4), make(8, 8), global_batch=8, seq=16)
+    mlp, rows = models.build("mlp-tiny")  # rows of features have no sequence: seq= does not apply to them
+    assert autopar.plan(mlp, Cluster(1, 4, "cpu-gloo"), rows, global_batch=8, seq=2048).mesh.size == 4
     with pytest.raises(autopar.AutoparError, match="cp_in_stages widens the search over an autopar.Cluster"):
         autopar.plan(model, autopar.Mesh({"pp": 2, "cp": 2}), make, global_batch=8, seq=16, cp_in_stages=True)
 

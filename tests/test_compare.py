@@ -142,7 +142,7 @@ def test_a_bad_entry_is_refused_before_anything_is_planned():
                        (["ddp", 42], "plan entry 42: give \"auto\""), (["ddp", "fdsp"], "plan entry 'fdsp': unknown strategy; .*fsdp")):
         with pytest.raises(autopar.AutoparError, match=why):
             autopar.compare(_gpt(), autopar.Mesh({"dp": 2}), _batch(), plans=plans)
-    c = autopar.compare(_gpt(), autopar.Mesh({"tp": 2}), _batch(), plans=["fsdp", "megatron"])
+    c = autopar.compare(_gpt(), autopar.Mesh({"tp": 2}), _batch(), plans=(p for p in ["fsdp", "megatron"]))  # (any iterable)
     assert "fsdp needs a data axis" in c.rows[0].error, c.rows[0]
     assert c.rows[1].error is None and c.rows[1].plan is not None
 

@@ -174,6 +174,20 @@ def test_a_plan_for_another_model_or_mesh_is_refused():
         fused = autopar.plan(_gpt(), autopar.Mesh({"tp": 2}, hardware=dataclasses.replace(get_hardware("cpu-gloo"), optimizer_kernel="fused")), _ids())
         with pytest.raises(autopar.PlanMismatchError, match=r"the hardware 'cpu-gloo' differs in optimizer_kernel"):
             autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), _ids(), plan=fused)
+    # the hash names the parameters the user froze only: a model whose parameters all require grad keeps the hash
+    # its plans were saved with, even where one is planned frozen (unused, or read under no_grad)
+    from autopar.trace import _graph_hash, trace
+
+    class Unused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.spare = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x).sum()
+
+    tg = trace(Unused(), (torch.randn(4, 8),))
+    assert tg.trainable != {n for n, k in tg.kinds.items() if k == "param"} and tg.hash == _graph_hash(tg.gm)
 
 
 class _Masked(torch.nn.Module):
@@ -233,6 +247,15 @@ def test_an_untraceable_forward_is_located_and_hooks_are_named():
         traced = len(seen)
         pm(*pm.local_inputs(torch.randn(4, 16)))
     assert len(seen) == traced  # (hence the warning)
+    # torch's own hooks (weight_norm's forward pre-hook recomputes the weight: traced into the program) are not the
+    # user's: no warning
+    import warnings
+
+    normed = torch.nn.Sequential(torch.nn.Linear(16, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.nn.utils.weight_norm(normed[0])
+    assert _compat.hooks_of(normed) == []
 
 
 def test_a_data_dependent_shape_and_keyword_inputs_are_explained():

@@ -418,8 +418,10 @@ def test_a_pipeline_steps_gradients_land_when_its_loss_backward_runs(zero):
         pm(*pm.local_inputs(*other)).backward()  # an earlier step's gradients, which zero_grad drops
         loss = pm(*pm.local_inputs(*first))
         pm.zero_grad()
-        loss.backward()
+        loss.backward(retain_graph=True)
         grads = pm.full_grads()
+        with pytest.raises(autopar.AutoparError, match="already backpropagated"):  # (it added nothing, silently)
+            loss.backward()
         pm(*pm.local_inputs(*other))  # forward alone, in training mode
         after = pm.full_grads()
         with ltm.disable():

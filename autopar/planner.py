@@ -189,21 +189,29 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     param_rows: dict[str, tuple[float, float]] = {}  # a parameter's (time, memory) under its ZeRO stage, for its row
     whole_grads: dict[str, tuple[str, ...]] = {}
     stepped: list[float] = []  # what the optimizer steps of each parameter, in the order it steps them
+
+    def zero_cost(name: str, strategy_of) -> tuple:
+        """A parameter's (gradient Spec, frozen, ZeRO option, ZeroCost) under its group's ZeRO stage, the
+        strategies given by ``strategy_of`` (the solver's options price parameters at ZeRO-0)."""
+        spec = problem.grad_spec(name, strategy_of)  # whole where its gradient is
+        uses = zero3_uses(tg, name)
+        cold = frozen(uses)  # no gradient: ZeRO-3 shards it, nothing else touches it
+        opt = effective(choice.zero.get(zgroups[name][0], ZeroOption(0)), spec, mesh, cold)
+        return spec, cold, opt, param_cost(opt, spec, problem.meta[name], mesh, uses=uses)
+
+    def row(zc) -> tuple[float, float]:
+        return zc.memory_bound + zc.comm, zc.state + zc.grad + zc.act
+
     for name in problem.order:
         if name not in zgroups:
             continue
         g = zgroups[name][0]
-        spec, meta = problem.grad_spec(name, strategy.__getitem__), problem.meta[name]  # whole where its gradient is
-        stored = strategy[name].output
-        uses = zero3_uses(tg, name)
-        cold = frozen(uses)  # no gradient: ZeRO-3 shards it, nothing else touches it
+        spec, cold, opt, zc = zero_cost(name, strategy.__getitem__)
+        meta, stored = problem.meta[name], strategy[name].output
         if spec != stored and not cold:
             whole_grads[name] = tuple(mesh.names[a] for a in range(mesh.ndim) if spec[a] != stored[a])
-        opt = choice.zero.get(g, ZeroOption(0))
-        opt = effective(opt, spec, mesh, cold)
         zero_of[name] = opt
-        zc = param_cost(opt, spec, meta, mesh, uses=uses)
-        param_rows[name] = (zc.memory_bound + zc.comm, zc.state + zc.grad + zc.act)
+        param_rows[name] = row(zc)
         if zc.stepped:
             stepped.append(zc.stepped)
         busy_time += zc.memory_bound
@@ -327,15 +335,6 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         add(price_steps(summed, m.dtype, mesh, rg), f"output{k}")
     # node records, with alternatives priced in context for representatives
     ins_of: dict[str, list] = {}
-    def zero_row(name: str, st) -> tuple[float, float]:
-        """A parameter's (time, memory) with Strategy ``st`` under its group's ZeRO stage, as its table row prices the
-        chosen one (the solver's options price parameters at ZeRO-0, and the stage then changes both)."""
-        spec = problem.grad_spec(name, lambda x: st if x == name else strategy[x])
-        uses = zero3_uses(tg, name)
-        opt = effective(choice.zero.get(zgroups[name][0], ZeroOption(0)), spec, mesh, frozen(uses))
-        zc = param_cost(opt, spec, problem.meta[name], mesh, uses=uses)
-        return zc.memory_bound + zc.comm, zc.state + zc.grad + zc.act
-
     outs_of: dict[str, list] = {}
     for u, v, i, m in problem.edges:
         ins_of.setdefault(v, []).append((u, i, m))
@@ -349,7 +348,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if rep == name:
             scored = []
             for si, st in enumerate(problem.cands[name]):
-                t, mem = zero_row(name, st) if name in param_rows else (problem.costs[name][si].time, problem.costs[name][si].memory)
+                # a parameter's options under its ZeRO stage, as its row prices the chosen one
+                t, mem = (row(zero_cost(name, lambda x, st=st: st if x == name else strategy[x])[3]) if name in param_rows
+                          else (problem.costs[name][si].time, problem.costs[name][si].memory))
                 for u, i, m in ins_of.get(name, []):
                     t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False), name, u)
                 shared: dict[str, float] = {}  # consumers wanting one Spec share its redistribution, as the solver prices it

@@ -59,7 +59,8 @@ from autopar.trace import INPUT, PARAM, TracedGraph, trace
 from autopar.zero import ZeroOption, effective, optimizer_time, param_cost, pipeline_held, pipeline_sync_priced, shard_factor
 
 MAX_MICROBATCH_CANDIDATES = 6
-SQUEEZE_ATTEMPTS = 3  # solves of the stages' ILP, its memory bound tightened each time no stage cut fits the ranks
+SQUEEZE_ATTEMPTS = 4  # solves of the stages' ILP, its memory bound tightened each time no stage cut fits the ranks
+# (or a faster cut is kept out), halfway back after an overshoot
 
 
 @dataclass(frozen=True)
@@ -924,12 +925,20 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         # the stages' ILP bounds the whole model's memory (p ranks' worth); when no cut then fits each rank (the
         # ILP spent the slack unevenly), it is solved again under a tighter bound. A caller's first squeeze (the
         # cluster screen knows how uneven the ranks are) that no stage plan meets falls back to the plain bound.
+        # A bound that fits a slower schedule may keep a faster one out: the ILP then spends the slack on faster ops
+        # whose memory the faster schedule's extra microbatches in flight cannot hold. Where a cut that did not fit
+        # would beat the best that does by over 1%, the stages are solved again tighter to let it in (the best of
+        # all attempts is kept); a tightening that overshoots (no stage plan at that bound) is retried halfway back.
         squeeze, plain = first_squeeze, 0 if first_squeeze >= 1.0 else None  # plain: the attempt at the plain bound
         attempts = SQUEEZE_ATTEMPTS + (plain is None)
         too_big = False
+        solved = None  # the last squeeze whose stage ILP had a plan
+        found = False  # a cut fits at this m
         for attempt in range(attempts):
             last = attempt == attempts - 1
             worst = math.inf  # this attempt's smallest rank peak over the cuts tried
+            unfit: list[tuple[float, float]] = []  # (step, rank peak) of the cuts that did not fit
+            fastest = math.inf  # this attempt's fastest cut that fits
             problem.costs = scaled
             try:
                 # the separate feasibility solves only word the first attempt's error; a tighter bound that cannot
@@ -944,6 +953,11 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                 if plain is None:  # the hinted bound was too tight: start over from the plain one
                     squeeze, plain = 1.0, attempt + 1
                     continue
+                if found:  # tightened for a faster schedule past any stage plan: what fits stands
+                    break
+                if attempt != plain and solved is not None and not last:  # overshot: halfway back
+                    squeeze = (squeeze + solved) / 2
+                    continue
                 if attempt == plain:
                     # (the stage ILP's own budget is the pp ranks' together, on the mesh without pp: its error's
                     # numbers and advice are for that problem, so what it found is said per device here)
@@ -956,6 +970,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                     tried.append(f"m={m}: no stage cut fits {fmt_bytes(budget)} per device, and no tighter stage plan exists")
                 break
             problem.costs = raw
+            solved = squeeze
             timings["solve"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             uc = unit_costs(tg, problem, choice, cost, units, inner, mesh.link(axis))
@@ -981,15 +996,20 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                     if max(ev.rank_memory) > budget * (1 + 1e-9):
                         smallest = min(smallest, max(ev.rank_memory))
                         worst = min(worst, max(ev.rank_memory))
+                        unfit.append((ev.total, max(ev.rank_memory)))
                         continue
                     fits = True
+                    fastest = min(fastest, ev.total)
                     key = (ev.total, m, order)
                     if best is None or key < best[0]:
                         best = (key, m, name, v, ev, tg, problem, choice, cost, units)
                 if not fits and last:
                     tried.append(f"m={m} {name}{'' if v == 1 else f' v={v}'}: no cuts fit {fmt_bytes(budget)} per device")
                 any_fit = any_fit or fits
-            if any_fit or worst == math.inf:
+            found = found or any_fit
+            if any_fit:  # a faster cut kept out by memory: tighten for it (its peak), else done
+                worst = min((peak for total, peak in unfit if total < 0.99 * fastest), default=math.inf)
+            if worst == math.inf or last:
                 break
             # tighten by the overshoot of the best cut, and a margin (each solve of a large stage ILP takes seconds)
             squeeze *= min(0.85, 0.9 * budget / worst)

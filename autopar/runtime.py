@@ -1005,7 +1005,11 @@ class _PipelineRun:
         dummy = torch.zeros(m, device=self.device)  # the loss is in the last stage's graph; targets ride along
         run = self.schedule.step if backward else self.schedule.eval
         run(*(flat if 0 in self.mine else ()), target=dummy, losses=losses, return_outputs=False)
-        total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
+        # (the other stages receive it in the last stage's output dtype: under mixed precision bf16, whose bytes a
+        # float32 buffer misread as ~2e-41)
+        loss_dtype = self.ios[-1].output_metas[0][1]
+        total = (torch.stack([x.detach() for x in losses]).sum() if losses
+                 else torch.zeros((), dtype=loss_dtype, device=self.device))
         dist.broadcast(total, src=self.last_rank, group=self.pp_group)
         return total
 

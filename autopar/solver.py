@@ -53,6 +53,11 @@ nodes v, strategies s:
   ``sum_v m_v state[v] + sum_v S(v) + T <= budget`` with T = ``sum_v S(v)`` ("foreach") or, "for-loop",
   ``T >= 2 S(v) + S(u)`` for each parameter v and the one u stepped before it. A pipeline's stage problem holds
   its gradients in the state: there the temporaries of its ZeRO-0 parameters join ``transient_g``.
+  One-at-a-time buffers, per parameter group g (the largest counts): ``transient_g >= sum`` of g's buckets as
+  backward ends (stage 0: the flat copy; stage 2: the whole gradients, in the reduce dtype; stage 3: its gradients
+  and their flat copy, with the copy before's weights gathered ahead, ``zero.zero3_transient``), and
+  ``transient_a >= sum`` of them as backward starts (stage 2 the same; stage 3 the gathered rows and the
+  parameters cut from them, with the weights ahead), on the (strategy, option) indicators.
 - A parameter's gradient communication is priced by its bandwidth (over the axes its ``zero.grad_spec`` sums it
   over: not where its only use reads it as P); the planner buckets gradients per (ZeRO option o
   a parameter runs -- its group's, over the shard axes where it is whole: ``zero.effective`` --, axes S its gradients are all-reduced over
@@ -891,7 +896,8 @@ def solve(
     # gradients cut from it in place of those it was made of, 1x; stage 2: 1x), a ZeRO-3 bucket gathered again
     # with its full gradients (2x), beside the copy before's weights gathered ahead for backward
     # (``zero3_transient``)
-    tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2/3 bucket bytes], one copy
+    tbucket: dict[tuple[str, int, str], list] = {}  # -> per option [stage-0 bucket bytes, stage-2/3 bucket bytes at the
+    # gradient peak, at the activation peak], one copy
     zfacts: dict[tuple, tuple] = {}  # one parameter's ZeRO facts at one Spec: the same for every tied copy
 
     def zero_facts(spec: Spec, meta: TensorMeta, copies: int, uses: tuple[str, ...]) -> tuple:
@@ -927,7 +933,7 @@ def solve(
             t_ovl[r][s] += base_comm * sync_w(g)  # its stage-0 gradient sync, overlappable (others: their deltas in zdelta)
             t_hide[r][s] += base_def * sync_w(g) * (n in hides)
             row = zdelta.setdefault((r, s, g), [[0.0] * 6 for _ in zopts])
-            buck = tbucket.setdefault((r, s, g), [[0.0, 0.0] for _ in zopts])
+            buck = tbucket.setdefault((r, s, g), [[0.0, 0.0, 0.0] for _ in zopts])
             for k, (stage, delta, gb, sb) in enumerate(per):
                 if sb:
                     stepped.setdefault(n, []).append((sb, r, s, g, k, stage))
@@ -935,8 +941,13 @@ def solve(
                     bucket_sets.setdefault((r, s, g, k), set()).add(gb)
                 if stage == 0 and synced:  # (the flat buffer in the reduce dtype, as the plan prices it: ``price``)
                     buck[k][0] += b * rf / copies
-                elif stage in (2, 3):
-                    buck[k][1] += b * rf / copies if stage == 2 else zero3_transient(b, copies, zuses[n], rf)
+                elif stage == 2:  # a bucket's whole gradients in the reduce dtype, at both peaks
+                    buck[k][1] += b * rf / copies
+                    buck[k][2] += b * rf / copies
+                elif stage == 3:  # its gradients and their flat copy as backward ends; as backward starts, its
+                    # gathered rows beside the parameters cut from them (``price``: ``zero3_transient`` in 1 byte per byte)
+                    buck[k][1] += zero3_transient(b, copies, zuses[n], rf)
+                    buck[k][2] += zero3_transient(b, copies, zuses[n], 1.0)
                 if k == 0:
                     continue
                 d = row[k]
@@ -1175,14 +1186,12 @@ def solve(
     top_g = model.var(0.0, inf)  # transient_g
     top_a = model.var(0.0, inf)  # transient_a
     for g in zvar:
-        for kind in (0, 1):
+        for kind in (0, 1, 2):
             expr = [(buck[k][kind] * MB, ind[(r, s, gg, k)]) for (r, s, gg), buck in tbucket.items() if gg == g and x[r][s] is not None
                     for k in range(len(zopts)) if buck[k][kind] and (r, s, gg, k) in ind]
             if expr:
                 form = [(-c * cf, v) for c, f in expr for cf, v in f]
-                add_row(0.0, inf, [(1.0, top_g)] + form)
-                if kind == 1:
-                    add_row(0.0, inf, [(1.0, top_a)] + form)
+                add_row(0.0, inf, [(1.0, top_a if kind == 2 else top_g)] + form)
     # recomputation: while one block's backward runs, what its forward kept not is alive again (blocks are tied:
     # the first stands for all)
     if any(any(row) for row in regen.values()):

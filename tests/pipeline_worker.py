@@ -156,6 +156,23 @@ def main() -> None:
                                      mp=autopar.MixedPrecision(torch.float32))
             if dist.get_rank() == 0:
                 print(f"PIPE-MP {name} dp2xpp2 zero{zero} {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
+        # in bf16: the loss every rank returns, the first stage's (which receives it from the last) included, is
+        # the one device's under the same policy, within bf16's rounding (it read bf16 bytes as float32: ~2e-41)
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=4))
+        x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+        bf16 = autopar.MixedPrecision(torch.bfloat16, torch.float32)
+        ref = float(SingleDevice(copy.deepcopy(model), bf16)(x, torch.roll(x, -1, 1)))
+        pm = autopar.parallelize(model, autopar.Mesh({"dp": 2, "pp": 2}), (x, torch.roll(x, -1, 1)),
+                                 constraints=[autopar.PipelinePin("1f1b", 2)], mixed_precision=bf16)
+        loss = pm(*pm.local_inputs(x, torch.roll(x, -1, 1)))
+        mean = loss.detach().float().reshape(1)
+        dist.all_reduce(mean)  # (each dp replica's loss is its rows'; their mean is the batch's)
+        worst = torch.tensor([abs(float(loss) - ref)])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        loss.backward()
+        if dist.get_rank() == 0:
+            print(f"PIPE-BF16 {loss.dtype} {abs(float(mean) / 4 - ref):.3e} {float(worst):.3e}", flush=True)
     if world == 2:  # stages that recompute their blocks, driven by torch.distributed.pipelining
         for name in ("gpt", "llama"):
             label, dl, dg, dp = case(name, {"pp": 2}, "1f1b", 4, 4, recompute="full")

@@ -712,3 +712,19 @@ def test_table_rows_of_parameters_are_priced_at_their_zero_stage():
                 chosen = next((t, m) for s, t, m in n.alternatives if s == str(n.strategy))
                 assert chosen == pytest.approx((n.time, n.memory)), (n.path, chosen, n.time, n.memory)
     assert rows[3] == pytest.approx(rows[0] / 2), rows  # every tensor of GPT tiny halves evenly over dp=2
+
+
+def test_zero3_under_mixed_precision_fits_a_budget_of_its_own_peak():
+    """The ILP's ZeRO-3 buffer at the activation peak is the gathered rows beside the parameters cut from them, as
+    the plan prices it (``price``); it charged the gradient peak's (the gradients and their fp32 flat copy), so
+    under mixed precision FSDP's own peak as the budget was refused ("needs 2.77 MiB" for a 2.40 MiB plan)."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(GPTConfig.tiny(), n_embd=128, vocab_size=512, n_layer=2)
+    model, x = GPT(cfg), torch.randint(0, 512, (8, 64))
+    mesh, mp = autopar.Mesh({"dp": 8}), autopar.MixedPrecision(torch.bfloat16, torch.float32)
+    fsdp = autopar.handwritten(model, mesh, (x, x), "fsdp", mixed_precision=mp)
+    auto = autopar.plan(model, mesh, (x, x), memory_budget=fsdp.cost.memory_per_device * 1.0001, mixed_precision=mp)
+    assert auto.cost.step_time <= fsdp.cost.step_time * (1 + 1e-6)
+    assert auto.cost.memory_per_device <= fsdp.cost.memory_per_device * 1.0001

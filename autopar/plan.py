@@ -438,6 +438,10 @@ class Plan:
             if n.name in self.whole_grads:
                 out.append(f"  {_whole(self.whole_grads[n.name])}: its only use reads it as P there, and the gradient of a P "
                            "value is whole on every rank (Megatron's row-parallel bias)")
+            if not r.alternatives and n.op == "param":  # (folded: ``planner.price``)
+                out.append(f"  decided with the op that reads it: its other Specs are that op's other strategies "
+                           f"(plan.explain({n.path.rpartition('.')[0]!r}) lists them)")
+                continue
             rows = []
             for s, t, m in r.alternatives:
                 mark = "<- chosen" if s == str(r.strategy) else ""

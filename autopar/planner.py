@@ -20,7 +20,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
-from autopar.solver import (Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients,
+from autopar.solver import (FOLDED, Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients,
                             solve, zero_groups)
 from autopar.zero import (ZeroOption, effective, frozen, gather_priced, grad_bucket, linear_weight_users, param_cost,
                           scatter_priced, shard_factor, zero3_uses)
@@ -335,6 +335,10 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         add(price_steps(summed, m.dtype, mesh, rg), f"output{k}")
     # node records, with alternatives priced in context for representatives
     ins_of: dict[str, list] = {}
+    folded_of: dict[str, list[str]] = {}  # an op -> the parameters folded into its strategy (``solver``: FOLDED)
+    for f, k in problem.kind.items():
+        if k == FOLDED:
+            folded_of.setdefault(problem.folded_use[f][0], []).append(f)
     outs_of: dict[str, list] = {}
     for u, v, i, m in problem.edges:
         ins_of.setdefault(v, []).append((u, i, m))
@@ -345,7 +349,10 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         nc = problem.costs[name][idx]
         rep = problem.rep.get(name, name)
         alts: tuple = ()
-        if rep == name:
+        # a folded parameter (read by one op) has no choice of its own: its Spec is the one its reader's strategy
+        # takes it in, and another would be another strategy of that op (its alternatives list them); priced alone
+        # beside the op as chosen, it would need a redistribution the program never has
+        if rep == name and problem.kind.get(name) != FOLDED:
             scored = []
             for si, st in enumerate(problem.cands[name]):
                 # a parameter's options under its ZeRO stage, as its row prices the chosen one
@@ -353,6 +360,13 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
                           else (problem.costs[name][si].time, problem.costs[name][si].memory))
                 for u, i, m in ins_of.get(name, []):
                     t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False), name, u)
+                for f in folded_of.get(name, ()):  # the parameters it reads, in the Spec this strategy takes them
+                    fst = problem.cands[f][problem.index(f, si)]
+                    ft, fm = (row(zero_cost(f, lambda x, f=f, fst=fst, st=st: fst if x == f else st if x == name else strategy[x])[3])
+                              if f in param_rows else (problem.costs[f][problem.index(f, si)].time, problem.costs[f][problem.index(f, si)].memory))
+                    user, slot = problem.folded_use[f]
+                    t += ft + cost.edge_time(problem.meta[f], fst.output, st.inputs[slot], problem.requires_grad.get(f, False), user, f)
+                    mem += fm
                 shared: dict[str, float] = {}  # consumers wanting one Spec share its redistribution, as the solver prices it
                 for v, i, m in outs_of.get(name, []):
                     d = strategy[v].inputs[i]

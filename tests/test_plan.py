@@ -102,6 +102,19 @@ def test_explain_shows_alternatives_priced_in_context(plans):
     with pytest.raises(autopar.AutoparError, match="no node, parameter or module"):
         auto.explain("nope")
 
+def test_explain_prices_an_ops_options_with_the_parameters_they_take(plans):
+    """A parameter read by one op has no choice of its own (the ILP folds it into the op's strategy): explain says
+    so, and prices each of the op's options with its parameters' rows in the Specs that option takes them. It
+    priced the parameter's other Specs beside the op as chosen, a redistribution the program never has, which
+    seemed to beat the choice on time and memory; and the op's options without their weights' cost."""
+    auto, _ = plans
+    assert "decided with the op that reads it" in auto.explain("h.0.mlp.c_fc.weight")
+    op = next(n for n in auto.nodes.values() if n.path.startswith("h.0.mlp.c_fc:"))
+    weights = [n for n in auto.nodes.values() if n.path in ("h.0.mlp.c_fc.weight", "h.0.mlp.c_fc.bias")]
+    chosen = next((t, m) for s, t, m in op.alternatives if s == str(op.strategy))
+    assert chosen[1] == pytest.approx(op.memory + sum(w.memory for w in weights))
+    assert chosen[0] >= op.time + sum(w.time for w in weights) - 1e-12
+
 
 def test_diff_lists_changed_strategies(plans):
     auto, pinned = plans

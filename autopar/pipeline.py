@@ -950,7 +950,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                 problem.costs = raw
                 timings["solve"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                if plain is None:  # the hinted bound was too tight: start over from the plain one
+                if plain is None and solved is None:  # the hinted bound was too tight: start over from the plain one
                     squeeze, plain = 1.0, attempt + 1
                     continue
                 if found:  # tightened for a faster schedule past any stage plan: what fits stands

@@ -439,8 +439,9 @@ class Plan:
                 out.append(f"  {_whole(self.whole_grads[n.name])}: its only use reads it as P there, and the gradient of a P "
                            "value is whole on every rank (Megatron's row-parallel bias)")
             if not r.alternatives and n.op == "param":  # (folded: ``planner.price``)
-                out.append(f"  decided with the op that reads it: its other Specs are that op's other strategies "
-                           f"(plan.explain({n.path.rpartition('.')[0]!r}) lists them)")
+                module = n.path.rpartition(".")[0]
+                out.append("  decided with the op that reads it: its other Specs are that op's other strategies "
+                           + (f"(plan.explain({module!r}) lists them)" if module else "(explain that op to list them)"))
                 continue
             rows = []
             for s, t, m in r.alternatives:

@@ -20,7 +20,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
-from autopar.solver import (FOLDED, Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients,
+from autopar.solver import (DECISION, FOLDED, Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients,
                             solve, zero_groups)
 from autopar.zero import (ZeroOption, effective, frozen, gather_priced, grad_bucket, linear_weight_users, param_cost,
                           scatter_priced, shard_factor, zero3_uses)
@@ -360,10 +360,15 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
                           else (problem.costs[name][si].time, problem.costs[name][si].memory))
                 for u, i, m in ins_of.get(name, []):
                     t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False), name, u)
-                for f in folded_of.get(name, ()):  # the parameters it reads, in the Spec this strategy takes them
-                    fst = problem.cands[f][problem.index(f, si)]
+                # the parameters it reads, in the Spec this strategy takes them: derived from its root's strategy (a
+                # follower's own index is not its root's), the first of the root's that gives this one
+                root_si = si if problem.kind[name] == DECISION else next(
+                    (s for s in range(len(problem.cands[problem.root[name]])) if problem.index(name, s) == si), None)
+                for f in folded_of.get(name, ()) if root_si is not None else ():
+                    fi = problem.index(f, root_si)
+                    fst = problem.cands[f][fi]
                     ft, fm = (row(zero_cost(f, lambda x, f=f, fst=fst, st=st: fst if x == f else st if x == name else strategy[x])[3])
-                              if f in param_rows else (problem.costs[f][problem.index(f, si)].time, problem.costs[f][problem.index(f, si)].memory))
+                              if f in param_rows else (problem.costs[f][fi].time, problem.costs[f][fi].memory))
                     user, slot = problem.folded_use[f]
                     t += ft + cost.edge_time(problem.meta[f], fst.output, st.inputs[slot], problem.requires_grad.get(f, False), user, f)
                     mem += fm

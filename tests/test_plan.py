@@ -164,3 +164,30 @@ def test_an_mfu_past_what_kernels_reach_says_it_counts_the_whole_causal_matrix()
     assert long.cost.mfu > 1.0 and "counting causal attention's whole score matrix" in long.summary()
     short = autopar.plan(model, mesh, make(2, 256))
     assert short.cost.mfu < mesh.hardware.matmul_efficiency and "score matrix" not in short.summary()
+
+
+class _Scaled(torch.nn.Module):
+    """A parameter read by a follower op (``x * scale``, which follows x's layout), at the top level."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(d))
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x, y):
+        return ((self.lin(x * self.scale) - y) ** 2).mean()
+
+
+def test_explain_takes_a_followers_parameters_in_its_roots_strategy():
+    """A follower's options index its own strategies, its folded parameter's Specs its root's: priced by the
+    follower's index, planning failed (IndexError) or took another Spec. A top-level parameter's hint names no
+    module (it said plan.explain(''), which raises)."""
+    torch.manual_seed(0)
+    for axes in ({"tp": 4}, {"dp": 2, "tp": 2}):
+        plan = autopar.plan(_Scaled(), autopar.Mesh(axes), (torch.randn(32, 64), torch.randn(32, 64)))
+        text = plan.explain("scale")
+        assert "decided with the op that reads it" in text and "explain('')" not in text
+        mul = next(n for n in plan.nodes.values() if n.op.startswith("aten.mul"))
+        scale = plan.nodes[next(k for k, n in plan.nodes.items() if n.path == "scale")]
+        chosen = next(m for s, _t, m in mul.alternatives if s == str(mul.strategy))
+        assert chosen == pytest.approx(mul.memory + scale.memory)

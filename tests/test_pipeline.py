@@ -312,6 +312,30 @@ def test_a_budget_that_fits_a_slow_schedule_does_not_keep_a_faster_one_out():
     assert auto.cost.step_time <= megatron.cost.step_time and max(auto.pipeline.rank_memory) <= megatron.cost.memory_per_device
 
 
+def test_a_squeeze_hint_once_solved_is_tightened_from_not_dropped(monkeypatch):
+    """The cluster screen's hint (the stages' memory bound squeezed to 0.9) is dropped for the plain bound only
+    when no stage plan meets it. Once one did, a tightening past any stage plan goes halfway back towards it; it
+    restarted at the plain bound (1.0), a solve looser than one already made. The stages' ILP is patched to
+    have a plan at bounds of 0.8 and up (and no cut to fit the budget)."""
+    from autopar import pipeline
+    from autopar.errors import InfeasibleError
+
+    budget, bounds, real = 1e5, [], pipeline.solve
+
+    def solve(tg, inner, cost, problem, bound, pins, **kw):
+        bounds.append(bound / (budget * 2))
+        if bounds[-1] < 0.8:
+            raise InfeasibleError("no stage plan (patched)", None)
+        return real(tg, inner, cost, problem, None, pins, **kw)
+
+    monkeypatch.setattr(pipeline, "solve", solve)
+    x = _batch(8)[0]
+    with pytest.raises(autopar.InfeasibleError):
+        pipeline.plan_pipeline(_gpt(4), (x, torch.roll(x, -1, 1)), autopar.Mesh({"pp": 2}), budget, [],
+                               PipelinePin("1f1b", 2), squeeze=0.9)
+    assert bounds[0] == pytest.approx(0.9) and len(bounds) > 2 and all(b < 0.9 for b in bounds[1:]), bounds
+
+
 def test_pipeline_errors_are_clear():
     model = _gpt(4)
     mesh = autopar.Mesh({"pp": 2})

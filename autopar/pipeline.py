@@ -257,9 +257,11 @@ class UnitCosts:
         return self.memo["back"]
 
 
-def scatter_axis(spec: Spec, shape: tuple[int, ...], nbytes: float, inner: Mesh, pp_link, grad: bool) -> tuple[int, int] | None:
-    """(axis, dim) over which a value replicated there is best sent as 1/n per rank and gathered by the next
-    stage, or None: where the gather (and its backward reduce-scatter) costs less than the send time it saves."""
+def scatter_axis(spec: Spec, shape: tuple[int, ...], nbytes: float, inner: Mesh, pp_link,
+                 grad: bool) -> tuple[int, int, float, float] | None:
+    """(axis, dim, the gather's seconds, its backward reduce-scatter's) over which a value replicated there is best
+    sent as 1/n per rank and gathered by the next stage, or None: where the gather (and its backward
+    reduce-scatter) costs less than the send time it saves."""
     best, gain = None, 0.0
     trips = 2 if grad else 1  # the gradient comes back the same way
     for ax, pl in enumerate(spec.placements):
@@ -269,9 +271,10 @@ def scatter_axis(spec: Spec, shape: tuple[int, ...], nbytes: float, inner: Mesh,
             continue
         link = inner.link(ax)
         saved = trips * (send_time(nbytes, pp_link) - send_time(nbytes / n, pp_link))
-        spent = collective_time("all_gather", nbytes, n, link) + (collective_time("reduce_scatter", nbytes, n, link) if grad else 0.0)
-        if saved - spent > gain:
-            best, gain = (ax, dims[0]), saved - spent  # the outermost dim: past leading 1s, a contiguous cut
+        tf = collective_time("all_gather", nbytes, n, link)
+        tb = collective_time("reduce_scatter", nbytes, n, link) if grad else 0.0
+        if saved - tf - tb > gain:
+            best, gain = (ax, dims[0], tf, tb), saved - tf - tb  # the outermost dim: past leading 1s, a contiguous cut
     return best
 
 
@@ -377,9 +380,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         whole[b + 1] -= nbytes
         cut = scatter_axis(spec, shape, nbytes, inner, pp_link, rg) if pp_link is not None and spec is not None else None
         if cut is not None:
-            scattered, (ax, dim), n = True, cut, inner.sizes[cut[0]]
-            tf = collective_time("all_gather", nbytes, n, inner.link(ax))
-            tb = collective_time("reduce_scatter", nbytes, n, inner.link(ax)) if rg else 0.0
+            scattered, (ax, dim, tf, tb), n = True, cut, inner.sizes[cut[0]]
             entry = (name, tuple(sorted(r for r in readers[name] if r > a)), tf, tb, nbytes, inner.names[ax], dim)
             for c in range(a + 1, b + 1):
                 gathers[c].append(entry)
@@ -938,7 +939,6 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             last = attempt == attempts - 1
             worst = math.inf  # this attempt's smallest rank peak over the cuts tried
             unfit: list[tuple[float, float]] = []  # (step, rank peak) of the cuts that did not fit
-            fastest = math.inf  # this attempt's fastest cut that fits
             problem.costs = scaled
             try:
                 # the separate feasibility solves only word the first attempt's error; a tighter bound that cannot
@@ -999,7 +999,6 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                         unfit.append((ev.total, max(ev.rank_memory)))
                         continue
                     fits = True
-                    fastest = min(fastest, ev.total)
                     key = (ev.total, m, order)
                     if best is None or key < best[0]:
                         best = (key, m, name, v, ev, tg, problem, choice, cost, units)
@@ -1007,8 +1006,8 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                     tried.append(f"m={m} {name}{'' if v == 1 else f' v={v}'}: no cuts fit {fmt_bytes(budget)} per device")
                 any_fit = any_fit or fits
             found = found or any_fit
-            if any_fit:  # a faster cut kept out by memory: tighten for it (its peak), else done
-                worst = min((peak for total, peak in unfit if total < 0.99 * fastest), default=math.inf)
+            if any_fit:  # a cut kept out by memory that would beat the best so far: tighten for it (its peak), else done
+                worst = min((peak for total, peak in unfit if total < 0.99 * best[0][0]), default=math.inf)
             if worst == math.inf or last:
                 break
             # tighten by the overshoot of the best cut, and a margin (each solve of a large stage ILP takes seconds)

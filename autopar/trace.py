@@ -1241,25 +1241,27 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
             raise TraceError(f"input {n.name!r} is not a tensor; pass non-tensor settings to the model's constructor instead")
     _inline_grad_regions(gm)
     _canonicalize(gm)
+    def where(n: fx.Node) -> str:  # (an error's text: built only for the node it names, not for every node)
+        frame = (n.meta.get("stack_trace") or "").strip().splitlines()
+        return f"node {n.name} ({n.target}) in module '{_module_of(n) or '<root>'}'" + (
+            f", at {frame[-2].strip()}: {frame[-1].strip()}" if len(frame) >= 2 else "")
+
     for n in gm.graph.nodes:  # a shape only the data decides (boolean-mask indexing, nonzero): nothing to plan by
         val = n.meta.get("val")
-        frame = (n.meta.get("stack_trace") or "").strip().splitlines()
-        where = f"node {n.name} ({n.target}) in module '{_module_of(n) or '<root>'}'" + (
-            f", at {frame[-2].strip()}: {frame[-1].strip()}" if len(frame) >= 2 else "")
         if n.op == "call_function" and isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise TraceError(  # .item() on a tensor: export keeps it as a number the data decides
-                f"the model's forward turns a tensor's value into a Python number: {where}. autopar plans tensor "
+                f"the model's forward turns a tensor's value into a Python number: {where(n)}. autopar plans tensor "
                 "programs: keep it a tensor (e.g. loss / (labels != -100).sum() instead of loss / (labels != -100).sum().item())")
         if n.op == "call_function" and n.target in _SAME_DTYPE_OPS:
             dtypes = {a.meta["val"].dtype for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)}
             if len(dtypes) > 1:  # export's fake kernels let it pass; the real kernel refuses it on the first step
                 names = ", ".join(f"{a.name} {a.meta['val'].dtype}" for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
-                raise TraceError(f"the model's forward multiplies tensors of different dtypes ({names}): {where}; the "
+                raise TraceError(f"the model's forward multiplies tensors of different dtypes ({names}): {where(n)}; the "
                                  "model would fail there on one device too. Give example inputs of the model's dtype "
                                  "(x.to(next(model.parameters()).dtype)), or cast the model")
         if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
             raise TraceError(
-                f"the model's forward makes a tensor whose shape depends on the values of its inputs: {where}, shape "
+                f"the model's forward makes a tensor whose shape depends on the values of its inputs: {where(n)}, shape "
                 f"{tuple(val.shape)}. autopar plans on shapes known before "
                 "the data: write it with fixed shapes, e.g. a masked sum (x * mask).sum() or torch.where(mask, x, 0) "
                 "instead of x[mask], and a loss's ignore_index instead of dropping rows")

@@ -707,10 +707,15 @@ def test_table_rows_of_parameters_are_priced_at_their_zero_stage():
         rows[stage] = sum(n.memory for n in plan.nodes.values() if n.op == "param")
         # explain() prices a parameter's options under that stage too: its chosen one is its row (it showed
         # ZeRO-0's, and alternatives that seemed to beat the choice on time and memory)
+        checked = 0
         for n in plan.nodes.values():
             if n.op == "param" and n.alternatives:
                 chosen = next((t, m) for s, t, m in n.alternatives if s == str(n.strategy))
                 assert chosen == pytest.approx((n.time, n.memory)), (n.path, chosen, n.time, n.memory)
+                checked += 1
+        # folded parameters list no options of their own; GPT's tied wte.weight (read by the embedding and the head)
+        # is a decision, so at least it is checked
+        assert checked >= 1, stage
     assert rows[3] == pytest.approx(rows[0] / 2), rows  # every tensor of GPT tiny halves evenly over dp=2
 
 

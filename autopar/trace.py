@@ -458,12 +458,19 @@ def _find_blocks(gm: fx.GraphModule, fqns: dict[str, str]) -> tuple[list[Block],
 
 def _graph_hash(gm: fx.GraphModule, frozen: "tuple[str, ...]" = ()) -> str:
     """The graph's fingerprint (a plan is for one graph): its nodes, their values' shapes and dtypes, and the FQNs
-    of its ``frozen`` parameters, which a plan gives no gradient reduction (none: all-trainable, the hash it was)."""
+    of its ``frozen`` parameters, which a plan gives no gradient reduction (none: all-trainable, the hash it was).
+    Devices are left out: a model's ``torch.arange(T, device=x.device)`` names the device it was traced on, and a
+    plan is the same on the meta device, on cpu and on each rank's own ``cuda:r`` (where rank 0's plan must be every
+    rank's, ``runtime._check_same_plan_everywhere``)."""
     h = hashlib.sha256()
+
+    def arg(a):
+        return a.name if isinstance(a, fx.Node) else "device" if isinstance(a, torch.device) else repr(a)
+
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         shapes = pytree.tree_map(lambda v: (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v), val)
-        args = pytree.tree_map(lambda a: a.name if isinstance(a, fx.Node) else repr(a), (list(n.args), dict(n.kwargs)))
+        args = pytree.tree_map(arg, (list(n.args), dict(n.kwargs)))
         h.update(repr((n.name, n.op, str(n.target), shapes, args)).encode())
     if frozen:
         h.update(repr(("frozen", tuple(sorted(frozen)))).encode())

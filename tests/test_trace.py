@@ -439,3 +439,23 @@ def test_hugging_face_sliding_window_caches_are_copied_with_their_layers():
     fast, full = _both(model, (x, x), 3)
     assert sum(k == "constant" for k in full.kinds.values()) == 3 * 5  # a sliding-window table and a KV cache per layer
     assert [b.tied_to for b in fast.blocks] == [None] + ["lm.model.layers.0"] * 4
+
+
+def test_graph_hash_leaves_out_the_device_the_model_was_traced_on():
+    """GPT's ``torch.arange(T, device=idx.device)`` put the device in the graph's hash: a plan made on the meta device
+    was refused for the same model on cpu, and each rank of a GPU run (tracing on its own ``cuda:r``) would have
+    hashed a graph of its own, which the runtime's check that rank 0's plan is every rank's refuses."""
+    from autopar.trace import _graph_hash
+
+    torch.manual_seed(0)
+    cpu = GPT(GPTConfig.tiny())
+    with torch.device("meta"):
+        meta = GPT(GPTConfig.tiny())
+    x = torch.randint(0, 64, (2, 16))
+    on_cpu, on_meta = trace(cpu, (x, x)), trace(meta, (x.to("meta"), x.to("meta")))
+    placed = [n for n in on_cpu.gm.graph.nodes if isinstance(n.kwargs.get("device"), torch.device)]
+    assert placed, "GPT's graph names a device (its positions' arange): the check needs one"
+    assert on_cpu.hash == on_meta.hash
+    for k, n in enumerate(placed):  # the graph of rank k, traced on cuda:k
+        n.kwargs = {**n.kwargs, "device": torch.device("cuda", k)}
+    assert _graph_hash(on_cpu.gm) == on_meta.hash

@@ -385,6 +385,7 @@ class Plan:
         copies: dict[str, int] = {}
         for b, t in self.blocks:
             copies[t or b] = copies.get(t or b, 0) + 1
+        tied = {b for b, t in self.blocks if t}  # blocks shown as their representative's copies
         view_ops = {str(v) for v in VIEW_OPS} | {"<built-in function getitem>"}
         placeholder = ("param", "buffer", "constant", "input")
 
@@ -407,7 +408,7 @@ class Plan:
             rows.append([n.path, _short_op(n.op), what, f"{n.time * 1e3:.4f}", fmt_bytes(n.memory), colstr(cols)])
         for b in list(self.grad_buckets) + list(self.zero_buckets):
             block = b.name.split("[", 1)[1].split("]")[0]
-            if block in copies or block == "rest":
+            if block in copies or block not in tied:  # (a tied copy's bucket is its representative's, shown xN)
                 label = f"{b.name} x{copies[block]}" if copies.get(block, 1) > 1 else b.name
                 what = "grad sync" if isinstance(b, GradBucket) else f"ZeRO-{b.stage}"
                 if isinstance(b, ZeroBucket) and b.stage == 3 and b.weights != "regather":
@@ -467,6 +468,14 @@ class Plan:
             show = lambda p: "no pipeline" if p is None else f"{p.label} [{' | '.join(s.label for s in p.stages)}]"  # noqa: E731
             if show(self.pipeline) != show(other.pipeline):
                 lines.append(f"pipeline: {show(self.pipeline)} -> {show(other.pipeline)}")
+        from autopar.zero import ZeroOption
+
+        def stage(p: "Plan", g: str) -> str:
+            return ZeroOption.from_json(p.zero_stages[g], p.mesh).label(p.mesh) if g in p.zero_stages else ZeroOption(0).label(p.mesh)
+
+        for g in dict.fromkeys(list(self.zero_stages) + list(other.zero_stages)):  # parameter groups' ZeRO stages
+            if stage(self, g) != stage(other, g):
+                lines.append(f"ZeRO {g}: {stage(self, g)} -> {stage(other, g)}")
         for what, x, y in (("recompute", self.recompute, other.recompute), ("mixed precision", self.mixed_precision, other.mixed_precision)):
             if x != y:
                 lines.append(f"{what}: {x} -> {y}")

@@ -123,6 +123,26 @@ def test_diff_lists_changed_strategies(plans):
     assert auto.diff(auto).splitlines()[0].startswith("step time")
 
 
+def test_table_and_diff_show_every_zero_bucket_and_stage():
+    """A bucket over all parameters (``zero1[all]``: ZeRO-1's one bucket) has a row in the table as the blocks' do
+    (it had none: its collectives, the plan's largest data-parallel traffic, were in no row), and ``diff`` names a
+    parameter group whose ZeRO stage changed (it printed only the step time and memory)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    x = torch.randint(0, 64, (4, 16))
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, hardware="h100-80gb")
+    one = autopar.plan(model, mesh, (x, x), constraints=[autopar.ZeroPin("*", 1)])
+    three = autopar.plan(model, mesh, (x, x), constraints=[autopar.ZeroPin("*", 3)])
+    buckets = [b.name for b in one.zero_buckets]
+    assert any("[all]" in b for b in buckets), buckets
+    rows = [line.split()[0] for line in one.table().splitlines() if line.strip()]
+    for b in buckets:
+        assert b in rows, (b, buckets)
+    d = one.diff(three)
+    assert "ZeRO h.0: ZeRO-1 over dp -> ZeRO-3 over dp" in d, d
+    assert "ZeRO" not in one.diff(one)
+
+
 class _Fan(torch.nn.Module):
     """One activation read by ``k`` column-parallel linears: each wants it whole, one all-gather for all."""
 

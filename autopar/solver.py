@@ -155,7 +155,9 @@ DECISION, FOLLOWER, FOLDED = "decision", "follower", "folded"
 
 @dataclass(frozen=True)
 class Pin:
-    """Force the Spec of a parameter / buffer (by FQN) or of a node's output (by name or ``module:name``); globs allowed."""
+    """Force the Spec of a parameter / buffer (by FQN) or of a node's output (by name or ``module:name``); globs allowed.
+    ``spec`` may also be a whole strategy as ``plan.explain`` lists it, ``"(S(0)R, RS(0)) -> S(0)S(2)"``: its inputs'
+    Specs pinned too."""
 
     target: str
     spec: str
@@ -212,11 +214,36 @@ def _tmeta(v) -> TensorMeta:
     return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
 
 
-def _output_specs(meta: TensorMeta, sizes: tuple[int, ...]) -> list[Spec]:
-    """A scalar loss may be handed out from R or P on each axis; other outputs from R or split along dim 0."""
-    choices = [Replicate(), Partial()] if meta.ndim == 0 else [Replicate(), Shard(0)]
-    specs = [Spec(tuple(c)) for c in itertools.product(*[choices if n > 1 else [Replicate()] for n in sizes])]
+def _output_specs(meta: TensorMeta, sizes: tuple[int, ...], first: "TensorMeta | None" = None,
+                  first_specs: "list[Spec] | None" = None) -> list[Spec]:
+    """A scalar loss may be handed out from R or P on each axis; other outputs from R or split along dim 0, and
+    along each dim the first user input (``first``, ``first_specs`` its candidates) may be split on that the output
+    shares (``_mirrored``: a batch's logits handed out as its rows are)."""
+    if meta.ndim == 0:
+        per_axis = [[Replicate(), Partial()] if n > 1 else [Replicate()] for n in sizes]
+    else:
+        per_axis = [[Replicate()] + ([Shard(0)] if n > 1 else []) for n in sizes]
+        for a, dims in _mirrored(meta, first, first_specs, len(sizes)).items():
+            per_axis[a] += [Shard(d) for d in sorted(dims) if Shard(d) not in per_axis[a]]
+    specs = [Spec(tuple(c)) for c in itertools.product(*per_axis)]
     return [s for s in specs if s.divides(meta.shape, sizes)]
+
+
+def _mirrored(meta: TensorMeta, first: "TensorMeta | None", first_specs: "list[Spec] | None", ndim: int) -> dict[int, set[int]]:
+    """For an output of the first user input's rows (its leading dim as long as the input's: a (B, T) batch's
+    (B, T, V) logits), axis -> the dims that input may be split along on it (none: it is whole there), for each axis
+    where every such split falls on a dim the output has too, of the same size. On those axes the output is handed
+    out as the input is (``solve``'s output rows): a loss computed outside the model from a rank's outputs then
+    reads the rows of its own ``local_inputs``, where an output split over an axis its input is whole on (logits
+    split by rows over tp) had other rows than the rank's targets."""
+    if first is None or not first_specs or meta.ndim == 0 or first.ndim == 0 or meta.shape[0] != first.shape[0]:
+        return {}
+    out = {}
+    for a in range(ndim):
+        dims = {s.output[a].dim for s in first_specs if isinstance(s.output[a], Shard)}
+        if all(d < meta.ndim and meta.shape[d] == first.shape[d] for d in dims):
+            out[a] = dims
+    return out
 
 
 def _follower_main(n: fx.Node, ins: list[fx.Node], mains: list[int]) -> int | None:
@@ -587,8 +614,10 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             root[n.name] = n.name
     for p, (user, _slot) in folded_use.items():
         root[p] = root[user]
+    first = next((n for n in order if tg.kinds.get(n) == INPUT), None)
+    first_meta, first_specs = (meta[first], cands[first]) if first is not None else (None, None)
     problem = Problem(order, kind, root, cands, costs, {}, meta, rg, source, edges, outputs,
-                      [_output_specs(m, sizes) for _, m in outputs], tg.rep, main_slot, folded_use,
+                      [_output_specs(m, sizes, first_meta, first_specs) for _, m in outputs], tg.rep, main_slot, folded_use,
                       direct_use, saved={n: (saved_out.get(n, False), internal.get(n, 0)) for n in order}, saved_in=saved_in)
     if "loss_backward" not in tg.memo:  # the graph's own fact, like what its ops keep
         tg.memo["loss_backward"] = _loss_backward(problem, {n.name: n for n in graph_nodes}, rg)
@@ -692,17 +721,23 @@ def _allowed(tg: TracedGraph, problem: Problem, mesh: Mesh, pins: list[Pin]) -> 
     for pin in pins:
         if isinstance(pin, ZeroPin):
             continue
-        spec = Spec.parse(pin.spec)
+        whole = "->" in pin.spec  # a strategy, as explain lists them: the inputs' Specs too
+        spec = Strategy.parse(pin.spec) if whole else Spec.parse(pin.spec)
+        gives = (lambda st: st == spec) if whole else (lambda st: st.output == spec)  # noqa: E731
         hits = _pin_nodes(keys, pin)
         if not hits:
             sample = ", ".join(list(tg.fqns.values())[:3] + [tg.path(n) for n in problem.order if n not in tg.fqns][:3])
             raise AutoparError(f"pin {pin.target!r} matches no parameter, buffer or node; names look like: {sample}")
         for name in hits:
-            if not any(s.output == spec for s in problem.cands[name]):
+            if not any(gives(s) for s in problem.cands[name]):
+                if whole:
+                    some = "; ".join(str(s) for s in problem.cands[name][:4])
+                    raise ShardingError(f"{tg.path(name)}: pinned strategy {spec} is none of this op's on mesh {mesh} "
+                                        f"(such as {some}); plan.explain({tg.path(name)!r}) lists them, or pin its output Spec alone")
                 raise ShardingError(_explain_unplaceable(tg, name, spec, problem.meta[name], mesh))
             r = problem.rep.get(problem.root[name], problem.root[name])
             rn = problem.root[name]
-            ok = {s for s in range(len(problem.cands[rn])) if problem.strategy(name, s).output == spec}
+            ok = {s for s in range(len(problem.cands[rn])) if gives(problem.strategy(name, s))}
             if not ok:
                 raise ShardingError(
                     f"{tg.path(name)}: its layout follows {tg.path(rn)}, and no strategy of that gives {spec}; pin {tg.path(rn)} instead"
@@ -982,6 +1017,14 @@ def solve(
                 i0 = rep(ins[0])
                 split = [xv for xv, s in zip(x[i0], P_.cands[i0]) if xv is not None and isinstance(s.output[a], Shard)]
             add_row(-inf, 0.0, [(1.0, zv) for zv in partial] + [(-1.0, xv) for xv in split])
+        # an output of the batch's rows is handed out split as the first input is (``_mirrored``): a rank's logits
+        # are the rows of its own inputs, as DDP's are, where a loss computed outside the model reads its targets
+        if ins:
+            i0 = rep(ins[0])
+            for a in _mirrored(m, P_.meta[ins[0]], P_.cands[i0], mesh.ndim):
+                for pl in dict.fromkeys([s[a] for s in specs] + [c.output[a] for c in P_.cands[i0]]):  # (in order: deterministic rows)
+                    add_row(0.0, 0.0, [(1.0, zv) for zv, s in zip(z, specs) if s[a] == pl]
+                            + [(-1.0, xv) for xv, c in zip(x[i0], P_.cands[i0]) if xv is not None and c.output[a] == pl])
     # Edges into decisions and outputs. Sources are grouped by (root, representative); within a group, sources
     # that feed the same set of (consumer, slot) keys form a class whose redistributions are shared: per class
     # and (o, d) one r >= every edge's indicator, weighted by the class size (exact, also across tied copies).

@@ -128,7 +128,9 @@ class NodePlan:
     time: float  # seconds per step, this node's own compute + gradient sync (one copy)
     memory: float  # bytes per device (one copy)
     rep: str  # the representative node whose variables it shares (itself if none)
-    alternatives: tuple[tuple[str, float, float], ...] = ()  # (strategy, seconds in context, bytes), best first
+    alternatives: tuple[tuple[str, float, float], ...] = ()  # (strategy, seconds in context, bytes), best first;
+    # a node with tied copies: summed over them, each with its own inputs' and consumers' redistributions
+    follows: str = ""  # a follower's (view, elementwise) root, whose strategy decides its Spec: the root's path
 
 
 @dataclass(frozen=True)
@@ -425,7 +427,11 @@ class Plan:
         return self.summary() + "\n" + t + phases
 
     def explain(self, name: str) -> str:
-        """The chosen strategy of a node, parameter or module, against its alternatives, each priced in context."""
+        """The chosen strategy of a node, parameter or module, against its alternatives, each priced in context: the
+        op with the views and elementwise ops that follow its layout and the parameters it reads in the Specs that
+        option takes them, the redistributions into and out of them with the rest of the plan as chosen (a plan
+        pinned to the option pays at most that: ``Pin(node, strategy)`` takes the text as listed), summed over the
+        op's tied copies. Followers and parameters decided with the op that reads them name that op instead."""
         hits = [n for n in self.nodes.values() if name in (n.name, n.path) or n.path.startswith(name + ".") and n.op == "param"
                 or n.path.split(":")[0] == name]
         if not hits:
@@ -444,11 +450,20 @@ class Plan:
                 out.append("  decided with the op that reads it: its other Specs are that op's other strategies "
                            + (f"(plan.explain({module!r}) lists them)" if module else "(explain that op to list them)"))
                 continue
+            if r.follows:  # (a follower: ``planner.price``)
+                out.append(f"  follows {r.follows}: a view or elementwise op takes the layout of the op it follows, so its "
+                           f"other Specs come with that op's other strategies (plan.explain({r.follows!r}) lists them)")
+                continue
+            copies = sum(1 for m in self.nodes.values() if m.rep == r.name)
             rows = []
             for s, t, m in r.alternatives:
                 mark = "<- chosen" if s == str(r.strategy) else ""
                 rows.append([s, f"{t * 1e3:.4f}", fmt_bytes(m), mark])
-            out.append(_tabulate.tabulate(rows, headers=["strategy", "ms (node + its redistributions)", "memory", ""], tablefmt="simple"))
+            if copies > 1:
+                out.append(f"  priced over its {copies} tied copies, which take one strategy (each copy with its own "
+                           "inputs' and consumers' redistributions)")
+            out.append(_tabulate.tabulate(rows, headers=["strategy", "ms (with what follows it, its parameters, redistributions)", "memory", ""],
+                                          tablefmt="simple"))
         return "\n".join(out)
 
     def diff(self, other: "Plan") -> str:
@@ -512,7 +527,7 @@ class Plan:
                 {
                     "name": n.name, "path": n.path, "op": n.op, "shape": list(n.shape), "strategy": str(n.strategy),
                     "time": n.time, "memory": n.memory, "rep": n.rep,
-                    "alternatives": [list(a) for a in n.alternatives],
+                    "alternatives": [list(a) for a in n.alternatives], **({"follows": n.follows} if n.follows else {}),
                 }
                 for n in self.nodes.values()
             ],
@@ -574,7 +589,7 @@ class Plan:
         for e in d["nodes"]:
             nodes[e["name"]] = NodePlan(
                 e["name"], e["path"], e["op"], tuple(e["shape"]), Strategy.parse(e["strategy"]), e["time"], e["memory"], e["rep"],
-                tuple((a[0], a[1], a[2]) for a in e["alternatives"]),
+                tuple((a[0], a[1], a[2]) for a in e["alternatives"]), e.get("follows", ""),
             )
         c = d["cost"]
         return Plan(

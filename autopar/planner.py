@@ -20,9 +20,9 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
-from autopar.solver import (DECISION, FOLDED, Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients,
+from autopar.solver import (FOLDED, FOLLOWER, Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients,
                             solve, zero_groups)
-from autopar.zero import (ZeroOption, effective, frozen, gather_priced, grad_bucket, linear_weight_users, param_cost,
+from autopar.zero import (ZeroOption, bucket_latency, effective, frozen, gather_priced, grad_bucket, linear_weight_users, param_cost,
                           scatter_priced, shard_factor, zero3_uses)
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info, tensor_inputs
@@ -187,6 +187,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     buckets: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}  # -> [(param, bytes to all-reduce)]
     zero_of: dict[str, ZeroOption] = {}
     param_rows: dict[str, tuple[float, float]] = {}  # a parameter's (time, memory) under its ZeRO stage, for its row
+    param_zc: dict[str, object] = {}  # a parameter's ZeroCost under its ZeRO stage
     whole_grads: dict[str, tuple[str, ...]] = {}
     stepped: list[float] = []  # what the optimizer steps of each parameter, in the order it steps them
 
@@ -199,8 +200,23 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         opt = effective(choice.zero.get(zgroups[name][0], ZeroOption(0)), spec, mesh, cold)
         return spec, cold, opt, param_cost(opt, spec, problem.meta[name], mesh, uses=uses)
 
+    at_act = [False]  # the step's peak is the activations' (as backward starts), not the gradients' (as it ends)
+
     def row(zc) -> tuple[float, float]:
-        return zc.memory_bound + zc.comm, zc.state + zc.grad + zc.act
+        return zc.memory_bound + zc.comm, zc.state + (zc.act if at_act[0] else zc.grad)
+
+    def bucket_key(name: str, opt: ZeroOption, spec, cold: bool) -> tuple:
+        """The key of the bucket a parameter's gradients land in (None: none), as the buckets below are keyed, and
+        that bucket's launch and latency seconds (``bucket_latency``: paid once per bucket)."""
+        gb = grad_bucket(opt, spec, problem.meta[name], mesh, cold)
+        block = tg.block_of(name) or ""
+        if gb is None:
+            return None, 0.0
+        if gb[0].stage in (1, 2):
+            return (gb[0].stage, gb[0].shard_axes, gb[1], block if gb[0].stage == 2 else ""), bucket_latency(mesh, gb[1], gb[0])
+        return (block, gb[1]), bucket_latency(mesh, gb[1])
+
+    bucket_of: dict[str, tuple] = {}  # parameter -> (its bucket's key, that bucket's latency): ``bucket_key``
 
     for name in problem.order:
         if name not in zgroups:
@@ -211,7 +227,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         if spec != stored and not cold:
             whole_grads[name] = tuple(mesh.names[a] for a in range(mesh.ndim) if spec[a] != stored[a])
         zero_of[name] = opt
-        param_rows[name] = row(zc)
+        param_zc[name] = zc
         if zc.stepped:
             stepped.append(zc.stepped)
         busy_time += zc.memory_bound
@@ -231,6 +247,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             by_zero.setdefault((opt.stage, opt.shard_axes, gb[1], block if opt.stage == 2 else ""), []).append(name)
         elif gb is not None:
             buckets.setdefault((block, gb[1]), []).append((name, int(local // n * mesh.hardware.reduce_factor(meta.dtype))))
+        bucket_of[name] = bucket_key(name, opt, spec, cold)
     # the optimizer's step, after backward: the gradients a rank stores and its temporaries beside the state
     temps = step_temporaries(stepped, mesh.hardware.optimizer_kernel)
     grad_buckets = []
@@ -333,60 +350,6 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         # the output adapter sums a partial output over the axes that do not split the batch
         summed = [Step("all_reduce", a, shape=m.shape) for a, p in enumerate(spec.placements) if isinstance(p, Partial) and a not in split]
         add(price_steps(summed, m.dtype, mesh, rg), f"output{k}")
-    # node records, with alternatives priced in context for representatives
-    ins_of: dict[str, list] = {}
-    folded_of: dict[str, list[str]] = {}  # an op -> the parameters folded into its strategy (``solver``: FOLDED)
-    for f, k in problem.kind.items():
-        if k == FOLDED:
-            folded_of.setdefault(problem.folded_use[f][0], []).append(f)
-    outs_of: dict[str, list] = {}
-    for u, v, i, m in problem.edges:
-        ins_of.setdefault(v, []).append((u, i, m))
-        outs_of.setdefault(u, []).append((v, i, m))
-    nodes: dict[str, NodePlan] = {}
-    for name in problem.order:
-        idx = choice.index[name]
-        nc = problem.costs[name][idx]
-        rep = problem.rep.get(name, name)
-        alts: tuple = ()
-        # a folded parameter (read by one op) has no choice of its own: its Spec is the one its reader's strategy
-        # takes it in, and another would be another strategy of that op (its alternatives list them); priced alone
-        # beside the op as chosen, it would need a redistribution the program never has
-        if rep == name and problem.kind.get(name) != FOLDED:
-            scored = []
-            for si, st in enumerate(problem.cands[name]):
-                # a parameter's options under its ZeRO stage, as its row prices the chosen one
-                t, mem = (row(zero_cost(name, lambda x, st=st: st if x == name else strategy[x])[3]) if name in param_rows
-                          else (problem.costs[name][si].time, problem.costs[name][si].memory))
-                for u, i, m in ins_of.get(name, []):
-                    t += cost.edge_time(m, strategy[u].output, st.inputs[i], problem.requires_grad.get(u, False), name, u)
-                # the parameters it reads, in the Spec this strategy takes them: derived from its root's strategy (a
-                # follower's own index is not its root's), the first of the root's that gives this one
-                root_si = si if problem.kind[name] == DECISION else next(
-                    (s for s in range(len(problem.cands[problem.root[name]])) if problem.index(name, s) == si), None)
-                for f in folded_of.get(name, ()) if root_si is not None else ():
-                    fi = problem.index(f, root_si)
-                    fst = problem.cands[f][fi]
-                    ft, fm = (row(zero_cost(f, lambda x, f=f, fst=fst, st=st: fst if x == f else st if x == name else strategy[x])[3])
-                              if f in param_rows else (problem.costs[f][fi].time, problem.costs[f][fi].memory))
-                    user, slot = problem.folded_use[f]
-                    t += ft + cost.edge_time(problem.meta[f], fst.output, st.inputs[slot], problem.requires_grad.get(f, False), user, f)
-                    mem += fm
-                shared: dict[str, float] = {}  # consumers wanting one Spec share its redistribution, as the solver prices it
-                for v, i, m in outs_of.get(name, []):
-                    d = strategy[v].inputs[i]
-                    e = cost.edge_time(m, st.output, d, problem.requires_grad.get(name, False), v, name)
-                    shared[str(d)] = max(shared.get(str(d), 0.0), e)
-                t += sum(shared.values())
-                scored.append((t, mem, si))
-            scored.sort(key=lambda r: (r[0], r[1], r[2]))
-            keep = scored[:N_ALTERNATIVES]
-            if idx not in [r[2] for r in keep]:
-                keep.append(next(r for r in scored if r[2] == idx))
-            alts = tuple((str(problem.cands[name][si]), t, mem) for t, mem, si in keep)
-        n = nodes_fx[name]
-        t, mem = param_rows.get(name, (nc.time, nc.memory))  # (the solver's options price a parameter at ZeRO-0)
-        nodes[name] = NodePlan(name, tg.path(name), _op_name(tg, n), problem.meta[name].shape, strategy[name], t, mem, rep, alts)
     # totals
     compute = sum(problem.costs[n][choice.index[n]].compute for n in problem.order) - owned + busy_time
     comm = sum(c.seconds for c in collectives)
@@ -421,6 +384,108 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             dtype = info.outputs[0].dtype
     peak = mesh.hardware.flops(dtype) * mesh.size
     mfu = flops / (peak * step) if step > 0 else 0.0
+    # a parameter's row holds what it adds at the step's peak: its state, and its gradients or what it keeps for
+    # backward (ZeRO-1/2's gathered copy, a 16-bit compute copy), whichever side the peak is on (the rows summed all
+    # three, past the peak itself under ZeRO-1)
+    at_act[0] = act + t_act >= max(grad + transient, sum(stepped) + temps)
+    for name, zc in param_zc.items():
+        param_rows[name] = row(zc)
+    # node records, with alternatives priced in context for representatives
+    ins_of: dict[str, list] = {}
+    outs_of: dict[str, list] = {}
+    for u, v, i, m in problem.edges:
+        ins_of.setdefault(v, []).append((u, i, m))
+        outs_of.setdefault(u, []).append((v, i, m))
+    copies_of: dict[str, list[str]] = {}
+    for name in problem.order:
+        copies_of.setdefault(problem.rep.get(name, name), []).append(name)
+
+    members = {}  # bucket key -> how many parameters it holds
+    for k, _lat in bucket_of.values():
+        members[k] = members.get(k, 0) + 1
+
+    def param_option(p: str, strategy_of) -> tuple[float, float]:
+        """A parameter's row under its ZeRO stage with the strategies ``strategy_of``, and the bucket latency its
+        gradients' move to another bucket adds (a bucket no other parameter is in) or saves (it was alone in its own)."""
+        spec, cold, opt, zc = zero_cost(p, strategy_of)
+        t, mem = row(zc)
+        key, lat = bucket_key(p, opt, spec, cold)
+        old, old_lat = bucket_of[p]
+        if key != old:
+            t += lat if key is not None and key not in members else 0.0
+            t -= old_lat if old is not None and members[old] == 1 else 0.0
+        return t, mem
+
+    chosen_out = {}  # node -> [(output meta, the Spec it is handed out in, requires grad)]
+    for (u, m), spec in zip(problem.outputs, choice.output_specs):
+        chosen_out.setdefault(u, []).append((m, spec))
+
+    group_of: dict[str, list[str]] = {}  # a decision -> the nodes its strategy fixes: itself, followers, folded
+    for name in problem.order:
+        group_of.setdefault(problem.root[name], []).append(name)
+
+    def option_price(root: str, si: int) -> tuple[float, float]:
+        """Seconds and bytes of decision ``root`` (one copy) under its option ``si``, the rest of the plan as chosen:
+        its own cost and its group's -- the views and elementwise ops that follow it and the parameters folded into
+        it, each in the Spec this option gives it (a parameter's row under its ZeRO stage, with the latency of a
+        gradient bucket it opens or leaves) -- the redistributions into the group and out of it (one per source and
+        Spec, as the solver prices them), and to the Specs the plan hands its outputs out in."""
+        inside = set(group_of[root])
+
+        def strat(x: str):
+            return problem.strategy(x, si) if x in inside else strategy[x]
+
+        t = mem = 0.0
+        shared: dict[tuple[str, str], float] = {}
+
+        def edge(u: str, v: str, i: int, m) -> None:
+            dst = strat(v).inputs[i]
+            e = cost.edge_time(m, strat(u).output, dst, problem.requires_grad.get(u, False), v, u)
+            shared[u, str(dst)] = max(shared.get((u, str(dst)), 0.0), e)
+
+        for n in group_of[root]:
+            k = problem.index(n, si)
+            nt, nm = param_option(n, strat) if n in param_rows else (problem.costs[n][k].time, problem.costs[n][k].memory)
+            t, mem = t + nt, mem + nm
+            for u, i, m in ins_of.get(n, []):
+                edge(u, n, i, m)
+            for v, i, m in outs_of.get(n, []):
+                if v not in inside:
+                    edge(n, v, i, m)
+            for m, spec in chosen_out.get(n, ()):
+                t += cost.edge_time(m, strat(n).output, spec, problem.requires_grad.get(n, False), None, n)
+        return t + sum(shared.values()), mem
+
+    nodes: dict[str, NodePlan] = {}
+    for name in problem.order:
+        idx = choice.index[name]
+        nc = problem.costs[name][idx]
+        rep = problem.rep.get(name, name)
+        alts: tuple = ()
+        # a folded parameter (read by one op) has no choice of its own: its Spec is the one its reader's strategy
+        # takes it in, and another would be another strategy of that op (its alternatives list them); priced alone
+        # beside the op as chosen, it would need a redistribution the program never has
+        # a follower takes its root's layout: its other Specs come only with the root's other strategies (priced
+        # alone, one seemed to beat the choice where no plan could take it without changing the root too)
+        follows = tg.path(problem.root[name]) if problem.kind.get(name) == FOLLOWER else ""
+        if rep == name and not follows and problem.kind.get(name) != FOLDED:
+            scored = []
+            for si in range(len(problem.cands[name])):
+                # tied copies take one strategy: each priced with its own neighbours (the first block's input
+                # comes from the embedding, the others' from the block before), summed
+                t = mem = 0.0
+                for c in copies_of.get(name, (name,)):
+                    ct, cm = option_price(c, si)
+                    t, mem = t + ct, mem + cm
+                scored.append((t, mem, si))
+            scored.sort(key=lambda r: (r[0], r[1], r[2]))
+            keep = scored[:N_ALTERNATIVES]
+            if idx not in [r[2] for r in keep]:
+                keep.append(next(r for r in scored if r[2] == idx))
+            alts = tuple((str(problem.cands[name][si]), t, mem) for t, mem, si in keep)
+        n = nodes_fx[name]
+        t, mem = param_rows.get(name, (nc.time, nc.memory))  # (the solver's options price a parameter at ZeRO-0)
+        nodes[name] = NodePlan(name, tg.path(name), _op_name(tg, n), problem.meta[name].shape, strategy[name], t, mem, rep, alts, follows)
     return Plan(
         mesh=mesh,
         graph_hash=tg.hash,

@@ -120,12 +120,14 @@ def _inner_pins(pins: list, mesh: Mesh, axis: int) -> list:
                 )
             out.append(pin)
             continue
-        spec = Spec.parse(pin.spec)
-        if len(spec.placements) == mesh.ndim:
-            if not isinstance(spec.placements[axis], Replicate):
+        # a Spec, or a whole strategy as explain lists it (each of its Specs on the whole mesh)
+        specs = Strategy.parse(pin.spec) if "->" in pin.spec else None
+        parts = [*specs.inputs, specs.output] if specs is not None else [Spec.parse(pin.spec)]
+        if all(len(sp.placements) == mesh.ndim for sp in parts):
+            if any(not isinstance(sp.placements[axis], Replicate) for sp in parts):
                 raise ShardingError(f"pin {pin.target} -> {pin.spec}: tensors are never split on the pipeline axis {mesh.names[axis]}; use R there")
-            rest = tuple(q for a, q in enumerate(spec.placements) if a != axis) or (Replicate(),)
-            out.append(Pin(pin.target, str(Spec(rest))))
+            inner = [Spec(tuple(q for a, q in enumerate(sp.placements) if a != axis) or (Replicate(),)) for sp in parts]
+            out.append(Pin(pin.target, str(Strategy(tuple(inner[:-1]), inner[-1])) if specs is not None else str(inner[0])))
         else:
             out.append(pin)
     return out
@@ -883,6 +885,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
         ms = microbatch_candidates(per_replica, p)
     best = None  # (total, m, order, ev, plan pieces)
     tried: list[str] = []
+    pinned_out: list[str] = []  # the microbatch counts a pin ruled out (its strategy needs other rows), why
     smallest = math.inf
     timings = {"trace": 0.0, "solve": 0.0, "cuts": 0.0}
     # smallest microbatches first: a larger microbatch keeps at least as many rows in flight on each rank (rows x
@@ -946,6 +949,11 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                 # (a hinted first attempt comes from a screen that found the plan fits: no separate feasibility solves)
                 # overlap 0: the schedule syncs the gradients after its last backward (``evaluate``), it hides none
                 choice = solve(tg, inner, cost, problem, budget * p * squeeze, inner_pins, floor=attempt == plain, overlap=0.0)
+            except ShardingError as e:  # a pin no strategy at this microbatch's rows takes: another m may
+                problem.costs = raw
+                tried.append(f"m={m}: {e}")
+                pinned_out.append(str(e))
+                break
             except InfeasibleError as e:
                 problem.costs = raw
                 timings["solve"] += time.perf_counter() - t0
@@ -1020,6 +1028,9 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             tried.append(f"m={rest}: not tried (larger microbatches keep at least as many rows in flight)")
             break
     if best is None:
+        if pinned_out and len(pinned_out) == len(tried):  # every count the pins alone ruled out
+            raise ShardingError(f"no microbatch count of {', '.join(map(str, ms))} on {mesh} takes the pins: {pinned_out[0]} "
+                                "(a stage runs one microbatch's rows, so a Spec splitting the batch needs enough of them)")
         why = "; ".join(tried[:6])
         if tried and all(": no schedule runs (" in t for t in tried):  # nothing to do with memory: say so
             raise InfeasibleError(f"no pipeline schedule runs on {mesh} as pinned ({why}); change the PipelinePin "

@@ -429,9 +429,9 @@ class Plan:
     def explain(self, name: str) -> str:
         """The chosen strategy of a node, parameter or module, against its alternatives, each priced in context: the
         op with the views and elementwise ops that follow its layout and the parameters it reads in the Specs that
-        option takes them, the redistributions into and out of them with the rest of the plan as chosen (a plan
-        pinned to the option pays at most that: ``Pin(node, strategy)`` takes the text as listed), summed over the
-        op's tied copies. Followers and parameters decided with the op that reads them name that op instead."""
+        option takes them, the redistributions into and out of them with the rest of the plan as chosen (the plan
+        with only that choice changed; one pinned to it, ``Pin(node, strategy)`` with the text as listed, and solved
+        again pays about that), summed over the op's tied copies. Followers and parameters decided with the op that reads them name that op instead."""
         hits = [n for n in self.nodes.values() if name in (n.name, n.path) or n.path.startswith(name + ".") and n.op == "param"
                 or n.path.split(":")[0] == name]
         if not hits:

@@ -404,17 +404,24 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     for k, _lat in bucket_of.values():
         members[k] = members.get(k, 0) + 1
 
-    def param_option(p: str, strategy_of) -> tuple[float, float]:
-        """A parameter's row under its ZeRO stage with the strategies ``strategy_of``, and the bucket latency its
-        gradients' move to another bucket adds (a bucket no other parameter is in) or saves (it was alone in its own)."""
+    def param_option(p: str, strategy_of, moves: list) -> tuple[float, float]:
+        """A parameter's row under its ZeRO stage with the strategies ``strategy_of``; a move of its gradients to
+        another bucket is noted in ``moves`` ((old key, its latency, new key, its latency): ``bucket_shift``)."""
         spec, cold, opt, zc = zero_cost(p, strategy_of)
-        t, mem = row(zc)
         key, lat = bucket_key(p, opt, spec, cold)
-        old, old_lat = bucket_of[p]
-        if key != old:
-            t += lat if key is not None and key not in members else 0.0
-            t -= old_lat if old is not None and members[old] == 1 else 0.0
-        return t, mem
+        if key != bucket_of[p][0]:
+            moves.append((*bucket_of[p], key, lat))
+        return row(zc)
+
+    def bucket_shift(moves: list) -> float:
+        """The bucket latency an option's moves add: each bucket no parameter was in that they open, once, less each
+        bucket all of whose parameters they take out of it, once."""
+        opened = {new: lat for _o, _ol, new, lat in moves if new is not None and new not in members}
+        left: dict = {}
+        for old, old_lat, _n, _l in moves:
+            if old is not None:
+                left[old] = (left.get(old, (0, old_lat))[0] + 1, old_lat)
+        return sum(opened.values()) - sum(lat for k, (n, lat) in left.items() if n == members[k])
 
     chosen_out = {}  # node -> [(output meta, the Spec it is handed out in, requires grad)]
     for (u, m), spec in zip(problem.outputs, choice.output_specs):
@@ -424,11 +431,11 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     for name in problem.order:
         group_of.setdefault(problem.root[name], []).append(name)
 
-    def option_price(root: str, si: int) -> tuple[float, float]:
+    def option_price(root: str, si: int, moves: list) -> tuple[float, float]:
         """Seconds and bytes of decision ``root`` (one copy) under its option ``si``, the rest of the plan as chosen:
         its own cost and its group's -- the views and elementwise ops that follow it and the parameters folded into
         it, each in the Spec this option gives it (a parameter's row under its ZeRO stage, with the latency of a
-        gradient bucket it opens or leaves) -- the redistributions into the group and out of it (one per source and
+        gradient bucket move noted in ``moves``) -- the redistributions into the group and out of it (one per source and
         Spec, as the solver prices them), and to the Specs the plan hands its outputs out in."""
         inside = set(group_of[root])
 
@@ -436,16 +443,16 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             return problem.strategy(x, si) if x in inside else strategy[x]
 
         t = mem = 0.0
-        shared: dict[tuple[str, str], float] = {}
+        shared: dict[tuple, float] = {}
 
         def edge(u: str, v: str, i: int, m) -> None:
             dst = strat(v).inputs[i]
             e = cost.edge_time(m, strat(u).output, dst, problem.requires_grad.get(u, False), v, u)
-            shared[u, str(dst)] = max(shared.get((u, str(dst)), 0.0), e)
+            shared[u, dst] = max(shared.get((u, dst), 0.0), e)
 
         for n in group_of[root]:
             k = problem.index(n, si)
-            nt, nm = param_option(n, strat) if n in param_rows else (problem.costs[n][k].time, problem.costs[n][k].memory)
+            nt, nm = param_option(n, strat, moves) if n in param_rows else (problem.costs[n][k].time, problem.costs[n][k].memory)
             t, mem = t + nt, mem + nm
             for u, i, m in ins_of.get(n, []):
                 edge(u, n, i, m)
@@ -474,10 +481,11 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
                 # tied copies take one strategy: each priced with its own neighbours (the first block's input
                 # comes from the embedding, the others' from the block before), summed
                 t = mem = 0.0
+                moves: list = []  # parameters' gradients moved to other buckets, over all copies (``bucket_shift``)
                 for c in copies_of.get(name, (name,)):
-                    ct, cm = option_price(c, si)
+                    ct, cm = option_price(c, si, moves)
                     t, mem = t + ct, mem + cm
-                scored.append((t, mem, si))
+                scored.append((t + bucket_shift(moves), mem, si))
             scored.sort(key=lambda r: (r[0], r[1], r[2]))
             keep = scored[:N_ALTERNATIVES]
             if idx not in [r[2] for r in keep]:

@@ -781,3 +781,19 @@ def test_megatron_3d_without_sp_scatters_its_sends_and_trains_like_one_device(re
     assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
     gather = [n for n in r["graph_module"].stage_1.graph.nodes if n.target is collectives.all_gather]
     assert len(gather) == 1 and gather[0].meta.get("stage_gather"), list(r["graph_module"].stage_1.graph.nodes)
+
+
+def test_a_pipeline_plan_takes_a_strategy_pinned_as_explain_lists_it():
+    """explain lists a pipeline plan's options on the whole mesh (pp included): pinned as listed, the stages' pins
+    drop the pp axis from each of its Specs (the pin's text was read as one Spec and refused), and a microbatch count
+    whose rows the pinned strategy cannot split is passed over, not the end of the search."""
+    import models
+
+    model, inputs = models.build("gpt-tiny", device="meta")
+    mesh = autopar.Mesh({"pp": 2, "dp": 2, "tp": 2}, hardware="h100-80gb")
+    x = inputs(16, 16)
+    plan = autopar.plan(model, mesh, x)
+    n = next(n for n in plan.nodes.values() if n.path.startswith("h.0.mlp.c_fc:"))
+    other = next(s for s, _t, _m in n.alternatives if s != str(n.strategy) and "->" in s)
+    pinned = autopar.plan(model, mesh, x, constraints=[autopar.Pin(n.path, other)])
+    assert str(pinned.nodes[n.name].strategy) == other

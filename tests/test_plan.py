@@ -224,8 +224,9 @@ def test_explain_takes_a_followers_parameters_in_its_roots_strategy():
 
 
 def test_explain_prices_each_alternative_as_the_plan_that_pins_it_would_pay_at_most():
-    """An alternative explain lists costs, over the chosen plan, what a plan pinned to it pays at most (the rest of the
-    plan could stay as chosen; the solver may do better): it missed the redistribution to the Spec the output is
+    """An alternative explain lists costs, over the chosen plan, what the plan with only that choice changed costs, so
+    on these small plans what one pinned to it pays at most (on larger ones the solver's objective, an approximation
+    of the priced step, can leave it a little above): it missed the redistribution to the Spec the output is
     handed out in (a loss left partial over tp showed as free, and cost an all-reduce), the latency of a gradient
     bucket a parameter's move opens, and the tied copies' own neighbours (a block's first copy reads the embedding,
     the others the block before: priced on the first alone, a norm's option seemed 2 ms cheaper over 32 layers of

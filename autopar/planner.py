@@ -206,8 +206,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         return zc.memory_bound + zc.comm, zc.state + (zc.act if at_act[0] else zc.grad)
 
     def bucket_key(name: str, opt: ZeroOption, spec, cold: bool) -> tuple:
-        """The key of the bucket a parameter's gradients land in (None: none), as the buckets below are keyed, and
-        that bucket's launch and latency seconds (``bucket_latency``: paid once per bucket)."""
+        """The key of the bucket a parameter's gradients land in (None: none) -- the key ``by_zero`` (ZeRO-1/2) or
+        ``buckets`` files it under, and explain's pricing compares -- and that bucket's launch and latency seconds
+        (``bucket_latency``: paid once per bucket)."""
         gb = grad_bucket(opt, spec, problem.meta[name], mesh, cold)
         block = tg.block_of(name) or ""
         if gb is None:
@@ -239,15 +240,15 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         state += zc.state - problem.costs[name][choice.index[name]].state
         grad += zc.grad - problem.costs[name][choice.index[name]].grad
         act += zc.act - problem.costs[name][choice.index[name]].act
-        block = tg.block_of(name) or ""
         local = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
         n = shard_factor(opt, mesh)
-        gb = grad_bucket(opt, spec, meta, mesh, cold)  # the bucket its gradients land in, as the solver prices them
-        if opt.stage in (1, 2):
-            by_zero.setdefault((opt.stage, opt.shard_axes, gb[1], block if opt.stage == 2 else ""), []).append(name)
-        elif gb is not None:
-            buckets.setdefault((block, gb[1]), []).append((name, int(local // n * mesh.hardware.reduce_factor(meta.dtype))))
+        # the bucket its gradients land in, as the solver prices them; the explain pricing below keys them alike
         bucket_of[name] = bucket_key(name, opt, spec, cold)
+        key = bucket_of[name][0]
+        if key is not None and opt.stage in (1, 2):
+            by_zero.setdefault(key, []).append(name)
+        elif key is not None:
+            buckets.setdefault(key, []).append((name, int(local // n * mesh.hardware.reduce_factor(meta.dtype))))
     # the optimizer's step, after backward: the gradients a rank stores and its temporaries beside the state
     temps = step_temporaries(stepped, mesh.hardware.optimizer_kernel)
     grad_buckets = []
@@ -423,7 +424,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
                 left[old] = (left.get(old, (0, old_lat))[0] + 1, old_lat)
         return sum(opened.values()) - sum(lat for k, (n, lat) in left.items() if n == members[k])
 
-    chosen_out = {}  # node -> [(output meta, the Spec it is handed out in, requires grad)]
+    chosen_out = {}  # node -> [(output meta, the Spec it is handed out in)]
     for (u, m), spec in zip(problem.outputs, choice.output_specs):
         chosen_out.setdefault(u, []).append((m, spec))
 

@@ -1,9 +1,9 @@
 """MILP: the solver's mixed-integer linear program as arrays, and the solver that answers it.
 
 In: columns (bounds, integrality), rows (``lower <= sum c x <= upper`` over sparse coefficients), a linear
-objective to minimise, a time limit, a backend.
-Out: ``Solution``: ``status`` ("optimal", "feasible" when the time limit stopped a search that had a plan,
-"infeasible", "failed"), every column's value, the objective's value.
+objective to minimise, a branch-and-bound node limit and a wall-clock limit, a backend.
+Out: ``Solution``: ``status`` ("optimal", "feasible" when a limit stopped a search that had a plan, "infeasible",
+"failed"), every column's value, the objective's value, and which limit stopped it (``limit``).
 
 A variable is its column's index and a linear form a list of ``(coefficient, column)`` pairs; the program is kept as
 plain lists and handed to the solver whole, once. Two backends:
@@ -19,7 +19,11 @@ coefficient at a time took another 1.5 to 2.5 s of Python. OR-Tools stays as the
 tests hold the default against.
 
 Both run single-threaded: deterministic answers, and the cluster screen's profiles solve side by side on threads
-(both release the GIL while they solve).
+(both release the GIL while they solve). A search stopped by the clock is not deterministic: where it stops depends
+on the machine and its load, and two ranks planning alone could get different plans. So HiGHS stops first at a count
+of branch-and-bound nodes (``NODE_LIMIT``), which every run counts alike; the wall clock stays as the last safety
+net, and a plan it stopped says so (``Solution.limit``). OR-Tools' HiGHS and CBC take no node limit through pywraplp
+(SCIP does: ``limits/nodes``), so on the fallback backend the clock is the only limit but for SCIP.
 """
 
 from __future__ import annotations
@@ -80,11 +84,20 @@ class _Quiet:
 _quiet = _Quiet()
 
 
+# Branch-and-bound nodes HiGHS may explore before it returns its best plan. Counted on this machine: the 310 solves
+# of benchmarks/plan_quality.py (Llama-3.1-405B, GPT-3 175B on 1536 GPUs, the cluster screens' profiles) closed at
+# the root (1 node), the 613 of the solver, ZeRO, plan and cluster tests within 3. A node after the root re-solves
+# an LP from a warm start, well under the root's 0.1-0.5 s on the largest ILPs: a thousand of them stop a search
+# long before the wall clock's 120 s, so the limit that binds is the one every run counts alike.
+NODE_LIMIT = 1000
+
+
 @dataclass(frozen=True)
 class Solution:
     status: str  # optimal / feasible / infeasible / failed
     values: tuple[float, ...]  # by column; empty unless optimal or feasible
     objective: float
+    limit: str = ""  # what stopped a "feasible" search: "nodes" (deterministic) or "time" (the wall clock: not)
 
 
 def backends() -> list[str]:
@@ -156,8 +169,10 @@ class Model:
     def minimize(self, terms) -> None:
         self.cost = self._merged(terms)
 
-    def solve(self, time_limit_s: float = 120.0, backend: str | None = None, presolve: bool = True) -> Solution:
-        """Solve to optimality (within HiGHS's default relative gap, 1e-4), or until ``time_limit_s`` has passed.
+    def solve(self, time_limit_s: float = 120.0, backend: str | None = None, presolve: bool = True,
+              node_limit: int = NODE_LIMIT) -> Solution:
+        """Solve to optimality (within HiGHS's default relative gap, 1e-4), or until ``node_limit`` branch-and-bound
+        nodes are explored, or ``time_limit_s`` has passed, whichever comes first.
         ``presolve``: HiGHS's presolve (and the restarts it drives); the planner turns it off for its step-time ILPs,
         where it costs more than it saves, and keeps it for the smallest-memory ILP, where it pays (see the solver)."""
         have = backends()
@@ -167,15 +182,18 @@ class Model:
         if backend not in have:
             raise AutoparError(f"MIP backend {backend!r} is not installed here (available: {', '.join(have)})")
         with _quiet():
-            return self._highs(time_limit_s, presolve) if backend == "highs" else self._ortools(time_limit_s)
+            if backend == "highs":
+                return self._highs(time_limit_s, presolve, node_limit)
+            return self._ortools(time_limit_s, node_limit)
 
-    def _highs(self, time_limit_s: float, presolve: bool) -> Solution:
+    def _highs(self, time_limit_s: float, presolve: bool, node_limit: int) -> Solution:
         import highspy
 
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("threads", 1)
         h.setOptionValue("time_limit", float(time_limit_s))
+        h.setOptionValue("mip_max_nodes", int(node_limit))
         if not presolve:
             h.setOptionValue("presolve", "off")
         lp = highspy.HighsLp()
@@ -214,10 +232,12 @@ class Model:
         else:
             status = "failed"
         if status in ("optimal", "feasible"):
-            return Solution(status, tuple(h.getSolution().col_value), info.objective_function_value)
+            # the node limit ends the search as kSolutionLimit; anything else short of the optimum is the clock's
+            limit = "" if status == "optimal" else ("nodes" if ms == S.kSolutionLimit else "time")
+            return Solution(status, tuple(h.getSolution().col_value), info.objective_function_value, limit)
         return Solution(status, (), math.nan)
 
-    def _ortools(self, time_limit_s: float) -> Solution:
+    def _ortools(self, time_limit_s: float, node_limit: int) -> Solution:
         from ortools.linear_solver import pywraplp
 
         solver = None
@@ -242,6 +262,7 @@ class Model:
             obj.SetCoefficient(cols[v], c)
         obj.SetMinimization()
         solver.SetTimeLimit(int(time_limit_s * 1000))
+        by_nodes = solver.SolverVersion().startswith("SCIP") and solver.SetSolverSpecificParametersAsString(f"limits/nodes = {int(node_limit)}\n")
         st = solver.Solve()
         if st == pywraplp.Solver.OPTIMAL:
             status = "optimal"
@@ -252,5 +273,8 @@ class Model:
         else:
             status = "failed"
         if status in ("optimal", "feasible"):
-            return Solution(status, tuple(c.solution_value() for c in cols), solver.Objective().Value())
+            # pywraplp does not say which limit stopped it: the nodes' where it has one and it was not the clock
+            timed_out = solver.wall_time() >= time_limit_s * 1000
+            limit = "" if status == "optimal" else ("nodes" if by_nodes and not timed_out else "time")
+            return Solution(status, tuple(c.solution_value() for c in cols), solver.Objective().Value(), limit)
         return Solution(status, (), math.nan)

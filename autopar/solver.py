@@ -93,7 +93,8 @@ nodes v, strategies s:
   same form as ``cost.step_time``.
 
 Deterministic: variables and constraints are created in graph order and the solver runs single-threaded to
-optimality; the time limit is a safety net whose hit is reported in the plan (``solver_status``).
+optimality, or to a count of branch-and-bound nodes (``milp.NODE_LIMIT``), which every run counts alike; the
+wall-clock limit is a safety net whose hit is reported in the plan (``solver_status``) as not reproducible.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ import torch.fx as fx
 from autopar.cost import ATTENTION_OPS, CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_backward_peak, probe_saved
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
-from autopar.milp import INF, Model, Solution
+from autopar.milp import INF, NODE_LIMIT, Model, Solution
 from autopar.plan import fmt_bytes
 from autopar.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
@@ -1374,5 +1375,6 @@ def solve(
     strategy = {n: P_.cands[n][index[n]] for n in P_.order}
     out_specs = [specs[pick(z)] for z, specs in zip(zs, P_.output_specs)]
     zero = {g: zopts[pick(zs_g)] for g, zs_g in zvar.items()}
-    status_s = "optimal" if sol.status == "optimal" else "feasible (time limit hit)"
+    status_s = {"": "optimal", "nodes": f"feasible (stopped at {NODE_LIMIT} branch-and-bound nodes)",
+                "time": f"feasible (stopped by the {time_limit_s:g} s wall-clock limit: another run may plan differently)"}[sol.limit]
     return Choice(strategy, index, out_specs, sol.objective / US, status_s, zero)

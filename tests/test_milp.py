@@ -61,6 +61,25 @@ def test_an_infeasible_program_says_so(backend):
     assert sol.status == "infeasible" and sol.values == ()
 
 
+def test_a_search_stopped_at_its_node_limit_returns_the_same_plan_every_time():
+    """The node limit, not the wall clock, is what stops a long search: every run counts nodes alike, so every rank
+    planning alone gets the same plan (a clock's stop depends on the machine's load)."""
+    import random
+
+    rng = random.Random(0)
+    m = Model()
+    xs = [m.binary() for _ in range(60)]
+    for _ in range(5):  # five knapsack rows over 60 items: far from solved at the root
+        w = [float(rng.randint(10, 99)) for _ in xs]
+        m.row(-INF, sum(w) // 2, list(zip(w, xs)))
+    m.minimize([(-float(rng.randint(10, 99)), x) for x in xs])
+    first, again = (m.solve(presolve=False, node_limit=3) for _ in range(2))
+    assert first.status == "feasible" and first.limit == "nodes", first.status
+    assert again == first
+    best = m.solve(presolve=False)
+    assert best.status == "optimal" and best.limit == "" and best.objective <= first.objective
+
+
 def test_an_unknown_backend_is_refused_with_the_ones_there_are():
     m, _, _ = _knapsack()
     with pytest.raises(autopar.AutoparError, match="'gurobi' is not installed here .*highs"):

@@ -424,9 +424,11 @@ class Evaluated:
     sync: float
     rank_memory: tuple[float, ...]
     in_flight: tuple[int, ...]
-    zero_share: tuple[float, ...] = ()  # each rank's share of the ZeRO-1 bytes (the plan's one bucket spans them)
+    zero_share: tuple[float, ...] = ()  # the part of the plan's ZeRO-1 bucket (the model's) each rank gathers and
+    # reduce-scatters: its stages' parameters (a tied one on each rank that holds it)
     optimizer: float = 0.0  # the busiest rank's optimizer step, seconds (in ``sync``)
     gathered: tuple = ()  # per stage, the scattered values it gathers (``UnitCosts.gathers``' entries)
+    tied: tuple = ()  # (parameter, the pp ranks holding it, bytes each all-reduces over them: ``tied_sync``)
 
     @property
     def total(self) -> float:
@@ -495,17 +497,20 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r] + rank_cast[r], rank_flat[r], rank_temp[r])
                    for r in range(p))
     sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) + copied[r] + stepped[r] for r in range(p)]
+    tied = []
     for name, rs in ranks_of.items():
         if len(rs) > 1 and name not in uc.frozen:  # (a frozen tied parameter has no gradient to sum)
+            wire, opt = uc.grad_wire.get(name, uc.params[name][2]), uc.zero[name][0] if name in uc.zero else None
+            tied.append((name, tuple(sorted(rs)), tied_bytes(wire, opt, inner)))
             for r in rs:
-                sync[r] += tied_sync(uc.grad_wire.get(name, uc.params[name][2]), uc.zero[name][0] if name in uc.zero else None,
-                                     len(rs), inner, link)
-    zero_total = sum(b for z in zero_bytes for b, _w in z.values())
+                sync[r] += tied_sync(wire, opt, len(rs), inner, link)
+    # the bucket's bytes count each parameter once (a tied one too, where the ranks count it on each that holds it)
+    zero_total = sum(uc.params[n][2] for n in uc.zero if n in ranks_of)
     zero_share = tuple(sum(b for b, _w in z.values()) / zero_total if zero_total else 0.0 for z in zero_bytes)
     tl = sched.simulate(schedule, p, m, v, [st.forward for st in stages], [st.backward for st in stages], p2p,
                         mesh.hardware.group_speedups(mesh.size, p))
     return Evaluated(tuple(starts), tuple(stages), tuple(p2p), tl, max(sync), memory, tuple(flights), zero_share, max(stepped),
-                     tuple(gathered))
+                     tuple(gathered), tuple(tied))
 
 
 def rank_sync(plain: dict[int, float], zeroed: dict[tuple, "list[float]"], inner: Mesh) -> float:
@@ -518,11 +523,17 @@ def rank_sync(plain: dict[int, float], zeroed: dict[tuple, "list[float]"], inner
             + sum(c.seconds for (opt, rest), (full, wire) in zeroed.items() for c in pipeline_sync_priced(opt, full, wire, rest, inner)))
 
 
+def tied_bytes(wire: float, opt: "ZeroOption | None", inner: Mesh) -> float:
+    """What a rank all-reduces over pp for a tied parameter of gradient ``wire`` bytes: all of it, or under ZeRO-1
+    ``opt`` its shard."""
+    return wire / (shard_factor(opt, inner) if opt else 1)
+
+
 def tied_sync(wire: float, opt: "ZeroOption | None", ranks: int, inner: Mesh, link) -> float:
     """A parameter held on ``ranks`` pp ranks (a tied embedding) has its gradient summed across them over the pipe
-    ``link`` too: whole, or under ZeRO-1 ``opt`` its shard, through a flat buffer of its own (its copy priced as a
-    bucket's, ``zero.param_cost``)."""
-    nbytes = wire / (shard_factor(opt, inner) if opt else 1)
+    ``link`` too: whole, or under ZeRO-1 ``opt`` its shard (``tied_bytes``), through a flat buffer of its own (its
+    copy priced as a bucket's, ``zero.param_cost``)."""
+    nbytes = tied_bytes(wire, opt, inner)
     return collective_time("all_reduce", nbytes, ranks, link) + flat_copy_time(nbytes, inner.hardware)
 
 
@@ -1104,7 +1115,18 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
     link = mesh.link(axis)
     rank_of_unit = {u: ev.stages[stage_of_unit(u)].rank for u in range(len(units.labels))}
     grad_buckets, synced = _sync_buckets(inner_plan, tg, inner, units, rank_of_unit, p)
-    cols = [c for c in inner_plan.collective_list if not (c.bucket and c.bucket[0] == "grads")] + synced
+    # ZeRO-1's bucket (the model's parameters) is gathered and reduce-scattered on each pp rank for its stages'
+    # parameters alone: listed at the busiest rank's part, as ``_sync_buckets`` lists the all-reduces
+    top = max(ev.zero_share, default=0.0)
+    def busiest(c: Collective) -> Collective:
+        i = inner.names.index(c.axis)
+        return dataclasses.replace(c, bytes=round(c.bytes * top), seconds=collective_time(c.kind, c.bytes * top, inner.sizes[i], inner.link(i)))
+
+    cols = [busiest(c) if c.bucket and c.bucket[0] == "zero1" else c
+            for c in inner_plan.collective_list if not (c.bucket and c.bucket[0] == "grads")] + synced
+    for pname, rs, nbytes in ev.tied:  # a tied parameter's gradient summed over the pp ranks holding it (``tied_sync``)
+        cols.append(Collective("all_reduce", mesh.names[axis], int(nbytes), "backward", f"grads[{tg.fqns[pname]}]({mesh.names[axis]})",
+                               collective_time("all_reduce", nbytes, len(rs), link)))
     for st in ev.stages[:-1]:
         if st.send_bytes:
             cols.append(Collective("send", mesh.names[axis], st.send_bytes, "forward", f"stage {st.index} -> {st.index + 1}", send_time(st.send_bytes, link)))
@@ -1113,6 +1135,9 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
     for st in ev.stages[:-1]:  # forward: the activations out; backward: the next stage sends their gradients back
         per_rank[st.rank] += st.send_bytes * m
         per_rank[ev.stages[st.index + 1].rank] += st.send_bytes * m
+    for _pname, rs, nbytes in ev.tied:
+        for r in rs:
+            per_rank[r] += wire_bytes("all_reduce", nbytes, len(rs))
     c = inner_plan.cost
     step = ev.total
     # bytes each device sends: a collective runs on the ranks of the stage holding the op it serves (per

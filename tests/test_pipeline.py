@@ -30,6 +30,30 @@ def _batch(rows: int = 8):
 
 
 # --- planning ------------------------------------------------------------------------------------------------------
+def test_a_pipeline_lists_its_tied_gradient_sum_and_each_rank_s_part_of_zero1():
+    """What a pipeline runs, its plan lists and counts: a tied parameter's gradient summed over the pp ranks holding it
+    (the runtime's ``tied_groups``: priced in the step, missing from the collectives and from comm_bytes), and ZeRO-1's
+    gathers and reduce-scatters of the parameters a rank holds (the model's whole bucket was listed, and comm_bytes
+    shared it out over the ranks as if a tied parameter were held once: dp 7 % under what the runtime sends)."""
+    from autopar.cost import wire_bytes
+
+    model = _gpt(2)
+    plan = autopar.plan(model, autopar.Mesh({"pp": 2, "dp": 2}, hardware="h100-80gb"), _batch(4),
+                        constraints=[autopar.ZeroPin("*", 1), PipelinePin(cuts=(1, 1))])
+    assert [st.units for st in plan.pipeline.stages] == [("embed", "h.0"), ("h.1", "head")], plan.pipeline.stages
+    size = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}  # (lm_head.weight is wte.weight)
+    last = {n for n in size if n.startswith(("h.1.", "ln_f."))}
+    held = [sum(v for n, v in size.items() if n not in last), sum(size[n] for n in last) + size["wte.weight"]]
+    zero1 = {c.kind: c.bytes for c in plan.collectives() if c.bucket and c.bucket[0] == "zero1"}
+    assert zero1 == {"all_gather": max(held), "reduce_scatter": max(held)}, (zero1, held)
+    tied = [c for c in plan.collectives() if c.axis == "pp" and c.kind == "all_reduce"]
+    wte = size["wte.weight"]
+    assert [(c.where, c.bytes, c.phase) for c in tied] == [("grads[wte.weight](pp)", wte // 2, "backward")]  # its dp shard
+    assert plan.cost.comm_bytes["dp"] >= wire_bytes("all_gather", max(held), 2) + wire_bytes("reduce_scatter", max(held), 2) - 1
+    sends = max(st.send_bytes for st in plan.pipeline.stages)
+    assert plan.cost.comm_bytes["pp"] == pytest.approx(sends + wire_bytes("all_reduce", wte // 2, 2))
+
+
 def test_cuts_pinned_alone_choose_among_the_schedules_with_that_many_stages():
     """``PipelinePin(cuts=...)`` without a schedule: the cuts say how many stages (2 on pp=2: gpipe or 1f1b; 4:
     interleaved, v=2). The search skipped none and failed on every pin (the interleaved option's 4 stages refused

@@ -628,7 +628,10 @@ def _layer_container(model: torch.nn.Module) -> tuple[str, int] | None:
 def shallow_copy(m: torch.nn.Module) -> torch.nn.Module:
     """``m`` copied with child, parameter and buffer dicts of its own (the tensors and children shared), so what
     export swaps in and out on the copy -- or what the caller puts in its dicts -- never reaches ``m``."""
-    c = copy.copy(m)
+    # as copy.copy makes it, without the pickling protocol it goes through: a parametrized module (weight_norm,
+    # spectral_norm, orthogonal: ``torch.nn.utils.parametrize``) refuses that ("only supported through state_dict()")
+    c = object.__new__(type(m))
+    c.__dict__.update(m.__dict__)
     for key in ("_modules", "_parameters", "_buffers"):
         c.__dict__[key] = dict(m.__dict__[key])
     c.__dict__["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)

@@ -414,6 +414,36 @@ def test_a_mode_the_traced_program_cannot_act_is_refused():
         assert autopar.parallelize(NormDrop(), autopar.Mesh({"dp": 2}), inputs).eval().training is False
 
 
+class _WeightNormed(torch.nn.Module):
+    def __init__(self, spectral: bool):
+        super().__init__()
+        self.fc = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(16, 16))
+        # spectral_norm's power-iteration vectors are buffers, updated in place by each training forward
+        self.out = (torch.nn.utils.parametrizations.spectral_norm if spectral else torch.nn.utils.parametrizations.weight_norm)(torch.nn.Linear(16, 16))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.out(torch.tanh(self.fc(x))), y)
+
+
+@pytest.mark.parametrize("mp", [False, True], ids=["fp32", "fp32-in-fp64"])
+def test_parametrized_modules_train_as_on_one_device(mp):
+    """weight_norm / spectral_norm (``torch.nn.utils.parametrize``) modules refuse copy.copy, which the trace's
+    shallow copies used: parallelize failed with torch's "Serialization of parametrized modules is only supported
+    through state_dict()". Their parametrizations are traced as ops; the user's model keeps its own. (Under mixed
+    precision spectral_norm's fp64 buffers meet its fp32 compute weight, as under FSDP2's policy, which casts
+    parameters alone: weight_norm only there.)"""
+    torch.manual_seed(0)
+    dtype = torch.float64 if mp else torch.float32
+    model = _WeightNormed(spectral=not mp).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(8, 16, generator=g, dtype=dtype), torch.randn(8, 16, generator=g, dtype=dtype))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    r = parity(model, inputs, {"dp": 2}, mixed_precision=autopar.MixedPrecision(torch.float32, torch.float64) if mp else None)
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+    assert model.state_dict().keys() == before.keys()
+    assert torch.nn.utils.parametrize.is_parametrized(model.fc, "weight")
+
+
 def test_data_parallel_splits_the_batch_and_returns_share_means():
     r = parity(_model("gpt"), _inputs(batch=8), {"dp": 4}, hardware="h100-80gb")
     plan = r["plan"]

@@ -218,6 +218,30 @@ def live_peak(fn) -> int:
     return peak[0]
 
 
+def written_in_place(node) -> list:
+    """The fx nodes an op node writes in place (its schema's mutable arguments: ``embedding_renorm_``'s weight)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            if hasattr(v, "op"):
+                out.append(v)
+    return out
+
+
+def aliased_input(node):
+    """The fx node an op node's output is a view or alias of (its first argument: ``detach``, ``view``, ``t``), else
+    None."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    first = node.args[0] if node.args else None
+    return first if hasattr(first, "op") else None
+
+
 def fsdp2_replicate(module, mesh, mp_policy):
     """FSDP2's ``replicate`` (data parallel on FSDP2's runtime, taking DTensor parameters), which torch 2.13 exposes
     only from ``torch.distributed._composable.replicate_with_fsdp`` (``torch.distributed.fsdp`` exports

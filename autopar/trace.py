@@ -178,6 +178,15 @@ def _module_frames(exc: BaseException, model: torch.nn.Module) -> list[tuple[str
     return out
 
 
+def _traceback_files(exc: BaseException) -> list[str]:
+    """The file of every frame in ``exc``'s traceback, outermost first."""
+    out, tb = [], exc.__traceback__
+    while tb is not None:
+        out.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return out
+
+
 def _export(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
     try:
         return torch.export.export(model, args, strict=False)
@@ -194,7 +203,10 @@ def _export(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
         else:
             where = f"in {type(model).__name__}"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        data_dependent = "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
+        # (a guard on a value can also fail inside torch's symbolic shapes with a message of its own, such as
+        # "unsupported operand type(s) for -: 'Equality' and 'Equality'": its frames say what it was)
+        data_dependent = ("data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
+                          or any(f.endswith(("sym_node.py", "symbolic_shapes.py")) for f in _traceback_files(e)))
         fix = (
             "Python control flow that depends on tensor values (if/while on a tensor) cannot be captured: "
             "express it with torch.cond or torch.where, or make it depend on shapes only."
@@ -1258,6 +1270,15 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
 
     for n in gm.graph.nodes:  # a shape only the data decides (boolean-mask indexing, nonzero): nothing to plan by
         val = n.meta.get("val")
+        for w in _compat.written_in_place(n):  # a parameter changed in place by forward (through a view of it)
+            while _compat.aliased_input(w) is not None:
+                w = _compat.aliased_input(w)
+            if w.op == "placeholder" and kinds.get(w.name) == PARAM:
+                raise TraceError(
+                    f"the model's forward changes parameter {fqns[w.name]!r} in place: {where(n)} (nn.Embedding's "
+                    "max_norm renormalises the rows it reads so). Each rank holds its own copy or shard of a parameter, "
+                    "which such a write would leave out of step: drop max_norm and renormalise the weight outside forward "
+                    "(under torch.no_grad(), e.g. after optimizer.step()), or compute the renormalised rows as a new tensor")
         if n.op == "call_function" and isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise TraceError(  # .item() on a tensor: export keeps it as a number the data decides
                 f"the model's forward turns a tensor's value into a Python number: {where(n)}. autopar plans tensor "

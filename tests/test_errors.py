@@ -274,6 +274,41 @@ def test_a_data_dependent_shape_and_keyword_inputs_are_explained():
             autopar.plan(_KeywordOnly(), autopar.Mesh({"dp": 2}), inputs)
 
 
+class _Renormed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16, max_norm=1.0)
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, ids, targets):
+        return torch.nn.functional.cross_entropy(self.head(self.emb(ids)).flatten(0, 1), targets.flatten())
+
+
+class _DroppedBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = torch.nn.Linear(16, 16), torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.drop(self.lin(x))
+        if h.sum() > 0:  # control flow on a value, after a random op
+            h = h * 2
+        return h.sum()
+
+
+def test_a_parameter_changed_in_place_by_forward_is_refused_and_a_value_branch_is_named():
+    """nn.Embedding(max_norm=...) renormalises its weight's rows in place as forward reads them: on tp it trained to
+    other numbers (loss 4.216 against 4.158) and on dp it failed inside the gradient sync ("a view ... modified
+    inplace"), naming nothing. It is refused at the trace, naming the parameter, the module and the fix. A branch on a
+    value that torch's shape guard fails on with a message of its own ("unsupported operand type(s) for -:
+    'Equality' and 'Equality'") gets the control-flow hint as the others do."""
+    ids = torch.randint(0, 64, (4, 8))
+    with pytest.raises(autopar.TraceError, match=r"changes parameter 'emb.weight' in place: node embedding_renorm_ .*in module 'emb'.*drop max_norm"):
+        autopar.plan(_Renormed(), autopar.Mesh({"dp": 2}), (ids, ids))
+    with pytest.raises(autopar.TraceError, match=r"_DroppedBranch.*\n.*control flow that depends on tensor values"):
+        autopar.plan(_DroppedBranch(), autopar.Mesh({"dp": 2}), (torch.randn(4, 16),))
+
+
 def test_a_weight_pinned_split_over_a_data_axis_points_to_zero():
     """Data axes split the batch and nothing else: a pin splitting a parameter over one says so, and what does what
     the user meant (ZeroPin, or a tensor-parallel axis)."""

@@ -726,6 +726,8 @@ def _allowed(tg: TracedGraph, problem: Problem, mesh: Mesh, pins: list[Pin]) -> 
         spec = Strategy.parse(pin.spec) if whole else Spec.parse(pin.spec)
         gives = (lambda st: st == spec) if whole else (lambda st: st.output == spec)  # noqa: E731
         hits = _pin_nodes(keys, pin)
+        if not hits and pin.target in tg.aliases:  # a tied parameter's other name (a head tied to the embedding)
+            hits = _pin_nodes(keys, dataclasses.replace(pin, target=tg.aliases[pin.target]))
         if not hits:
             sample = ", ".join(list(tg.fqns.values())[:3] + [tg.path(n) for n in problem.order if n not in tg.fqns][:3])
             raise AutoparError(f"pin {pin.target!r} matches no parameter, buffer or node; names look like: {sample}")
@@ -740,8 +742,11 @@ def _allowed(tg: TracedGraph, problem: Problem, mesh: Mesh, pins: list[Pin]) -> 
             rn = problem.root[name]
             ok = {s for s in range(len(problem.cands[rn])) if gives(problem.strategy(name, s))}
             if not ok:
+                can = ", ".join(dict.fromkeys(str(problem.strategy(name, s) if whole else problem.strategy(name, s).output)
+                                              for s in range(len(problem.cands[rn]))))
                 raise ShardingError(
-                    f"{tg.path(name)}: its layout follows {tg.path(rn)}, and no strategy of that gives {spec}; pin {tg.path(rn)} instead"
+                    f"{tg.path(name)}: its layout follows {tg.path(rn)}, whose strategies give it as {can} on mesh {mesh}, "
+                    f"not {spec}; pin one of those, or pin {tg.path(rn)}"
                 )
             allowed[r] = allowed.get(r, set(range(len(problem.cands[r])))) & ok
             if not allowed[r]:

@@ -292,6 +292,13 @@ def test_pins_are_obeyed_and_bad_pins_explained():
         autopar.plan(_meta(GPT, cfg, torch.float32), mesh, (x, x), constraints=[("nope.weight", "R")])
     with pytest.raises(autopar.ShardingError, match="one per axis"):
         autopar.plan(_meta(GPT, cfg, torch.float32), mesh, (x, x), constraints=[("wte.weight", "RR")])
+    # a tied parameter is pinned by either of its names (GPT's lm_head.weight is wte.weight: it matched nothing)
+    tied = autopar.plan(_meta(GPT, cfg, torch.float32), mesh, (x, x), constraints=[("lm_head.weight", "S(1)")])
+    assert str(tied.spec_of("wte.weight")) == "S(1)"
+    # a parameter whose layout follows its one reader says which Specs that reader can give it (an untied embedding
+    # has no vocabulary-parallel strategy: it said "no strategy of that gives S(0)" and nothing more)
+    with pytest.raises(autopar.ShardingError, match=r"wpe.weight: its layout follows .*embedding.*, whose strategies give it as R, S\(1\) on mesh .*not S\(0\); pin one of those"):
+        autopar.plan(_meta(GPT, cfg, torch.float32), mesh, (x, x), constraints=[("wpe.weight", "S(0)")])
 
 
 def test_plans_are_byte_identical_across_processes():

@@ -431,7 +431,8 @@ class Plan:
         op with the views and elementwise ops that follow its layout and the parameters it reads in the Specs that
         option takes them, the redistributions into and out of them with the rest of the plan as chosen (the plan
         with only that choice changed; one pinned to it, ``Pin(node, strategy)`` with the text as listed, and solved
-        again pays about that), summed over the op's tied copies. Followers and parameters decided with the op that reads them name that op instead."""
+        again pays about that), summed over the op's tied copies. Only the options the plan's pins leave are listed.
+        Followers and parameters decided with the op that reads them name that op instead."""
         hits = [n for n in self.nodes.values() if name in (n.name, n.path) or n.path.startswith(name + ".") and n.op == "param"
                 or n.path.split(":")[0] == name]
         if not hits:

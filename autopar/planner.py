@@ -478,7 +478,10 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         follows = tg.path(problem.root[name]) if problem.kind.get(name) == FOLLOWER else ""
         if rep == name and not follows and problem.kind.get(name) != FOLDED:
             scored = []
+            ok = choice.allowed.get(name)  # the options the pins leave: another would contradict them
             for si in range(len(problem.cands[name])):
+                if ok is not None and si not in ok:
+                    continue
                 # tied copies take one strategy: each priced with its own neighbours (the first block's input
                 # comes from the embedding, the others' from the block before), summed
                 t = mem = 0.0

@@ -857,6 +857,7 @@ class Choice:
     objective: float
     status: str
     zero: dict = field(default_factory=dict)  # parameter group -> ZeroOption
+    allowed: dict = field(default_factory=dict)  # decision -> the strategy indices the pins leave (absent: all)
 
 
 def solve(
@@ -1382,4 +1383,4 @@ def solve(
     zero = {g: zopts[pick(zs_g)] for g, zs_g in zvar.items()}
     status_s = {"": "optimal", "nodes": f"feasible (stopped at {NODE_LIMIT} branch-and-bound nodes)",
                 "time": f"feasible (stopped by the {time_limit_s:g} s wall-clock limit: another run may plan differently)"}[sol.limit]
-    return Choice(strategy, index, out_specs, sol.objective / US, status_s, zero)
+    return Choice(strategy, index, out_specs, sol.objective / US, status_s, zero, allowed)

@@ -250,3 +250,24 @@ def test_explain_prices_each_alternative_as_the_plan_that_pins_it_would_pay_at_m
         assert str(pinned.nodes[n.name].strategy) == other
         grew = pinned.cost.step_time - base.cost.step_time
         assert -1e-12 <= grew <= t - chosen + 1e-9, (n.path, other, grew, t - chosen)
+
+
+def test_explain_lists_only_the_options_the_plans_pins_leave():
+    """A pinned op's alternatives are the strategies its pins leave: with its weight's Spec pinned, explain listed the
+    linear's every strategy, and pinning a listed one beside the plan's own pin was refused ("the pins contradict")."""
+    from models.gpt import GPT, GPTConfig
+    from autopar.spec import Strategy
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    x = torch.randint(0, 64, (4, 16))
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, hardware="h100-80gb")
+    free = autopar.plan(model, mesh, (x, x))
+    pin = autopar.Pin("h.0.mlp.c_fc.weight", "RS(0)")
+    plan = autopar.plan(model, mesh, (x, x), constraints=[pin])
+    listed = [s for s, _t, _m in plan.nodes["linear_2"].alternatives]
+    assert len(listed) > 1 and all(str(Strategy.parse(s).inputs[1]) == "RS(0)" for s in listed), listed
+    assert len(free.nodes["linear_2"].alternatives) > len(listed)
+    for s in listed:  # each one the plan can be pinned to beside its own pin
+        again = autopar.plan(model, mesh, (x, x), constraints=[pin, autopar.Pin("h.0.mlp.c_fc:linear_2", s)])
+        assert str(again.nodes["linear_2"].strategy) == s

@@ -20,7 +20,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
-from autopar.solver import (FOLDED, FOLLOWER, Choice, Pin, Problem, _storage_root, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients,
+from autopar.solver import (FOLDED, FOLLOWER, Choice, Pin, Problem, _storage_root, build_problem, gc_paused, held_output, kept_values, loss_gradient_bytes, loss_gradients,
                             solve, zero_groups)
 from autopar.zero import (ZeroOption, bucket_latency, effective, frozen, gather_priced, grad_bucket, linear_weight_users, param_cost,
                           scatter_priced, shard_factor, zero3_uses)
@@ -178,6 +178,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     zgroups = zero_groups(tg, problem.order)
     state = grad = 0.0
     act = sum(kb for _, kb in kept_values(problem, strategy, cost).values())  # redistributed values backward keeps
+    # and the outputs the caller holds into backward (a model's logits, read by a loss computed outside it)
+    act += sum(held_output(problem, k, spec, mesh.sizes) for k, spec in enumerate(choice.output_specs))
     transient = t_act = 0.0  # one-at-a-time buffers of the gradient peak, and of the activation peak
     busy_time = 0.0  # memory-bound work on the compute stream: the runtime's copies around gradient and parameter
     # communication, and the optimizer's step (``ZeroCost.memory_bound``)

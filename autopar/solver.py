@@ -46,7 +46,9 @@ nodes v, strategies s:
 - Tied inputs: user inputs of equal rank take the same Spec (a sampler splits all of them alike).
 - Memory: ``sum_v m_v sum_s mem[v, s] x[v, s] <= budget`` (mem includes the followers and folded parameters),
   plus, in the activation peak, what backward keeps of each redistributed value, on the same y / r as its time
-  (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather).
+  (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather),
+  and each output as handed out, ``sum_spec held[k, spec] z[k, spec]``, where no op of the graph keeps it (the
+  logits a loss computed outside the model reads: ``held_output``).
   A third peak, the optimizer's step (unless it is fused: then never above the gradients'): the state, the
   gradients a rank stores and steps, ``S(v) = sum_{s,k} stepped[v, s, k] ind[v, s, g, k]`` (``ZeroCost.stepped``,
   on the (strategy, option) indicators ``ind`` below), and the step's temporaries (``cost.step_temporaries``):
@@ -379,6 +381,17 @@ def _loss_backward(problem: Problem, nodes: dict[str, fx.Node], rg: dict[str, bo
             peak = 0
         out[n] = max(1.0, peak / first) if first else 1.0
     return out
+
+
+def held_output(problem: Problem, k: int, spec: Spec, sizes: tuple[int, ...]) -> float:
+    """Bytes per device of graph output k handed out in ``spec`` that the caller holds into backward (its loss keeps
+    the logits it reads) beyond what the graph counts: all of it, unless the op making it keeps it for its own
+    backward already (then counted as an activation, where the output is not redistributed). A scalar (the loss):
+    none counted, its few bytes beside the activations' megabytes."""
+    u, m = problem.outputs[k]
+    if m.ndim == 0 or problem.saved.get(u, (False, 0))[0]:
+        return 0.0
+    return float(math.prod(spec.local_shape(m.shape, sizes)) * itemsize(m.dtype))
 
 
 def kept_values(problem: Problem, strategy: dict, cost: CostModel) -> dict[tuple[str, str], tuple[str, float]]:
@@ -1015,6 +1028,10 @@ def solve(
         z = [model.binary(relax) for _ in specs]
         add_row(1.0, 1.0, [(1.0, zv) for zv in z])
         zs.append(z)
+        for zv, spec in zip(z, specs):  # what the caller holds of it into backward (the logits its loss reads)
+            held = held_output(P_, k, spec, mesh.sizes)
+            if held:
+                mem_a.append((held * MB, zv))
         for a in range(mesh.ndim):
             partial = [zv for zv, s in zip(z, specs) if isinstance(s[a], Partial)]
             if not partial:

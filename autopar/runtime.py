@@ -63,6 +63,18 @@ def distribute(full: torch.Tensor, spec: Spec, mesh: Mesh, zero_axes: tuple[int,
     return shard_of(full, spec, mesh, _this_rank(), zero_axes)
 
 
+def _check_state_dict(where: str, state, made_by: str = "full_state_dict()") -> None:
+    """A state dict a loader is handed is a dict keyed by names (a path or a file's bytes is not: torch.load it)."""
+    import os
+
+    if isinstance(state, (str, bytes, os.PathLike)):
+        raise AutoparError(f"{where}: got {type(state).__name__} {str(state)[:80]!r}, not a state dict; load the file "
+                           "first: torch.load(path, weights_only=True)")
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise AutoparError(f"{where}: got a {type(state).__name__}, not a dict of names to values; pass what {made_by} "
+                           "returned (saved with torch.save, read back with torch.load(path, weights_only=True))")
+
+
 class ParallelModule(nn.Module):
     def __init__(self, tg: TracedGraph, plan: Plan, gm: fx.GraphModule, mesh: Mesh, model: nn.Module, modes: dict | None = None):
         super().__init__()
@@ -382,6 +394,7 @@ class ParallelModule(nn.Module):
         buffer must be there, and nothing else. Every entry is checked before any is copied: a refused state dict
         leaves the shards as they were. Returns the missing and unexpected keys (as ``nn.Module.load_state_dict``).
         Its optimizer state is not loaded (a new optimizer starts afresh)."""
+        _check_state_dict("load_full_state_dict", state)
         tg = self._tg
         node_of, names = self._state_names((PARAM, BUFFER))
         wanted = {fqn for fqn, n in node_of.items() if tg.kinds[n] == PARAM or fqn in self._persistent}
@@ -408,6 +421,12 @@ class ParallelModule(nn.Module):
             if tuple(full.shape) != shape:
                 raise AutoparError(f"load_full_state_dict: {key} has shape {list(full.shape)}, but the model's is "
                                    f"{list(shape)}; nothing was loaded. Load a checkpoint of this model")
+            # (copying fails on these after the entries before them are copied: refused here, before any is)
+            dtype = tg.nodes[node_of[fqn]].meta["val"].dtype
+            if full.is_meta or full.is_complex() != dtype.is_complex:
+                what = "is on the meta device (it has no values)" if full.is_meta else f"is {full.dtype}, the model's {dtype}"
+                raise AutoparError(f"load_full_state_dict: {key} {what}; nothing was loaded. Load a state dict of the "
+                                   "model's values (torch.load(path, weights_only=True), or full_state_dict())")
         held = {fqn for kind, fqn in self._order if kind in (PARAM, BUFFER)}
         for key, full in state.items():
             fqn = names.get(key)
@@ -457,13 +476,21 @@ class ParallelModule(nn.Module):
         """Put ``full_optimizer_state_dict``'s dict (saved under any plan) into ``optimizer``'s state for this
         rank's pieces, and its groups' hyperparameters into ``optimizer``'s groups (in order); with
         ``load_full_state_dict`` a run resumes where it stopped, under this plan."""
+        _check_state_dict("load_full_optimizer_state_dict", full, "full_optimizer_state_dict(optimizer)")
+        if not isinstance(full.get("state", {}), dict) or not isinstance(full.get("param_groups", []), list) \
+                or not all(isinstance(g, dict) for g in full.get("param_groups", [])):
+            raise AutoparError("load_full_optimizer_state_dict: the dict's 'state' is not a dict or its 'param_groups' not "
+                               "a list of dicts; pass full_optimizer_state_dict()'s dict")
         node_of, names = self._state_names((PARAM,))
         saved = {names.get(k, k): v for k, v in full.get("state", {}).items()}
         unknown = sorted(k for k in saved if k not in node_of)
         if unknown or len(full.get("param_groups", [])) != len(optimizer.param_groups):
+            by_index = unknown and all(isinstance(k, int) for k in unknown)
             raise AutoparError(f"load_full_optimizer_state_dict: the dict does not match this model and optimizer "
                                f"(unknown parameters {unknown[:5]}, {len(full.get('param_groups', []))} groups saved for "
-                               f"{len(optimizer.param_groups)}); pass full_optimizer_state_dict()'s dict of this model")
+                               f"{len(optimizer.param_groups)}); pass full_optimizer_state_dict()'s dict of this model"
+                               + (" (this one is keyed by index, as a torch optimizer's own state_dict() is: it names no "
+                                  "parameter; save full_optimizer_state_dict(optimizer) instead)" if by_index else ""))
         for fqn, state in saved.items():  # every entry checked before anything is loaded: a refused dict changes nothing
             if not isinstance(state, dict):
                 raise AutoparError(f"load_full_optimizer_state_dict: {fqn}'s state is a {type(state).__name__}, not a dict "
@@ -473,6 +500,17 @@ class ParallelModule(nn.Module):
                 if isinstance(v, torch.Tensor) and v.ndim > 0 and tuple(v.shape) != shape:
                     raise AutoparError(f"load_full_optimizer_state_dict: {fqn}'s {key} has shape {list(v.shape)}, "
                                        f"the parameter {list(shape)}; nothing was loaded. Load a state of this model")
+        for i, (group, g) in enumerate(zip(optimizer.param_groups, full["param_groups"])):
+            for k, v in g.items():  # a hyperparameter keeps its kind: a number stays a number (lr "oops" was taken)
+                now = group.get(k)
+                number = (int, float, torch.Tensor)
+                if k == "params" or now is None or v is None:
+                    continue
+                same = isinstance(v, number) and not isinstance(v, bool) if isinstance(now, number) and not isinstance(now, bool) \
+                    else isinstance(v, type(now)) or isinstance(now, (tuple, list)) and isinstance(v, (tuple, list))
+                if not same:
+                    raise AutoparError(f"load_full_optimizer_state_dict: group {i}'s {k} is {v!r} ({type(v).__name__}), the "
+                                       f"optimizer's {now!r}; nothing was loaded. Pass full_optimizer_state_dict()'s dict")
         for group, g in zip(optimizer.param_groups, full["param_groups"]):
             group.update({k: v for k, v in g.items() if k != "params"})
         for fqn, p in self.named_parameters():

@@ -262,8 +262,11 @@ def test_a_full_checkpoint_resumes_under_another_plan(tmp_path):
         last, kept = list(state)[-1], second.full_state_dict()
         with ltm.disable():
             shifted = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+        with ltm.disable():  # (a meta entry failed only while it was copied: after every entry before it was)
+            meta = torch.empty(state[last].shape, device="meta")
         for bad, why in ((shifted | {last: shifted[last][:1]}, f"{last} has shape .* nothing was loaded"),
-                         (shifted | {last: shifted[last].tolist()}, f"{last} is a list, not a tensor")):
+                         (shifted | {last: shifted[last].tolist()}, f"{last} is a list, not a tensor"),
+                         (shifted | {last: meta}, f"{last} is on the meta device .*nothing was loaded")):
             with pytest.raises(autopar.AutoparError, match=why):
                 second.load_full_state_dict(bad)
             now = second.full_state_dict()
@@ -281,6 +284,16 @@ def test_a_full_checkpoint_resumes_under_another_plan(tmp_path):
             second.load_full_optimizer_state_dict(opt2, bad)
         assert opt2.param_groups[0]["lr"] != 7.0
         assert all(all(v is before[id(p)][k] or torch.equal(v, before[id(p)][k]) for k, v in st.items()) for p, st in opt2.state.items())
+        # a path, or a dict that is no state dict, is refused with what to pass (a path's characters were read as
+        # keys; a group's hyperparameter of another kind was taken: lr "oops")
+        with pytest.raises(autopar.AutoparError, match=r"got str 'ckpt.pt', not a state dict; load the file first: torch.load"):
+            second.load_full_state_dict("ckpt.pt")
+        with pytest.raises(autopar.AutoparError, match=r"got a list, not a dict .*full_optimizer_state_dict\(optimizer\)"):
+            second.load_full_optimizer_state_dict(opt2, [ostate])
+        oops = dict(ostate, param_groups=[dict(g, lr="oops") for g in ostate["param_groups"]])
+        with pytest.raises(autopar.AutoparError, match=r"group 0's lr is 'oops' \(str\).*nothing was loaded"):
+            second.load_full_optimizer_state_dict(opt2, oops)
+        assert opt2.param_groups[0]["lr"] != "oops"
         keys = second.load_full_state_dict({k: v for k, v in state.items() if k != "ln_f.weight"} | {"extra": state[last]}, strict=False)
         assert keys.missing_keys == ["ln_f.weight"] and keys.unexpected_keys == ["extra"]
 

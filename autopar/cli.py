@@ -39,15 +39,26 @@ OPTIMIZER_HELP = ("how the AdamW that trains the model steps, which sets what it
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16}
 
 
+MAX_DEVICES = 2**24  # a mesh or cluster larger than any machine: a typo (and a default batch too large to allocate)
+
+
+def _count(text: str) -> bool:
+    """Plain decimal digits (str.isdigit also takes superscripts such as "²", which int() refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 def _parse_mesh(text: str) -> dict[str, int]:
     axes = {}
     for part in text.split(","):
         name, _, size = part.partition("=")
-        if not size.strip().isdigit():
+        if not _count(size.strip()):
             raise SystemExit(f"autopar: --mesh wants name=size pairs like dp=8,tp=8; got {text!r}")
         if name.strip() in axes:
             raise SystemExit(f"autopar: --mesh names axis {name.strip()!r} twice ({text!r}); give each axis once")
         axes[name.strip()] = int(size)
+    if math.prod(axes.values()) > MAX_DEVICES:
+        raise SystemExit(f"autopar: --mesh {text!r} has {math.prod(axes.values()):,} devices, more than autopar plans for "
+                         f"({MAX_DEVICES:,}); check the sizes")
     return axes
 
 
@@ -124,9 +135,56 @@ def _handwritten_for(mesh) -> list:
 
 def _parse_cluster(text: str) -> tuple[int, int]:
     nodes, _, gpus = text.lower().partition("x")
-    if not (nodes.strip().isdigit() and gpus.strip().isdigit()):
+    if not (_count(nodes.strip()) and _count(gpus.strip())):
         raise SystemExit(f"autopar: --cluster wants NODESxGPUS_PER_NODE like 192x8; got {text!r}")
+    if int(nodes) * int(gpus) > MAX_DEVICES:
+        raise SystemExit(f"autopar: --cluster {text!r} has {int(nodes) * int(gpus):,} devices, more than autopar plans for "
+                         f"({MAX_DEVICES:,}); check the sizes")
     return int(nodes), int(gpus)
+
+
+def _json_target(path: str) -> None:
+    """Refuse a --json path before planning (a bad one would fail only after it): a folder, a folder that is not
+    there or cannot be written, or a file that is not an autopar plan (replacing a plan is what --json is for;
+    anything else the user had there is not autopar's to overwrite)."""
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise SystemExit(f"autopar: --json {path}: the folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise SystemExit(f"autopar: --json {path} is a folder; give a file name in it, e.g. {os.path.join(path, 'plan.json')}")
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                head = f.read(4096)
+        except (OSError, UnicodeDecodeError):
+            head = None
+        if head is None or (head.strip() and '"format": "autopar.plan"' not in head):
+            raise SystemExit(f"autopar: --json {path} exists and is not an autopar plan; nothing was planned. Give "
+                             "another file name, or move that file away")
+    try:  # can a file be made beside it (the plan is written there first, then renamed over the path)?
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".autopar-", suffix=".json")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise SystemExit(f"autopar: --json {path}: cannot write in {folder} ({e.strerror}); give a path you can write") from None
+
+
+def _write_json(path: str, text: str) -> None:
+    """Write the plan beside ``path`` and rename it over it: a run stopped midway leaves the old file whole."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".autopar-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    print(f"plan written to {path}")
 
 
 def cmd_plan_cluster(args) -> int:
@@ -146,9 +204,7 @@ def cmd_plan_cluster(args) -> int:
     print("\nscreened (best first):")
     print(search_table(plan))
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(plan.to_json())
-        print(f"plan written to {args.json}")
+        _write_json(args.json, plan.to_json())
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -160,7 +216,7 @@ def _shape(args, batch) -> str:
         return f"global batch {args.batch}"
     if first.ndim == 2 and first.is_floating_point():  # rows of features (an MLP's), no sequence: --seq is not read
         return f"global batch {first.shape[0]} x {first.shape[1]} features"
-    capped = f" (--seq {args.seq}: the model's context)" if args.seq and first.shape[1] != args.seq else ""
+    capped = f" (--seq {args.seq}, capped at the model's context)" if args.seq and first.shape[1] != args.seq else ""
     return f"global batch {first.shape[0]} x seq {first.shape[1]}{capped}"
 
 
@@ -190,13 +246,11 @@ def cmd_plan(args) -> int:
         plan, tg = _plan_verbose(twin, priced, cast, budget)
     plan = stamped(plan, mesh, mp)
     print(plan.table())
+    if args.json:  # (before explain: a name it does not know loses no plan)
+        _write_json(args.json, plan.to_json())
     if args.explain:
         print()
         print(plan.explain(args.explain))
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(plan.to_json())
-        print(f"plan written to {args.json}")
     others = _handwritten_for(mesh) if not getattr(args, "no_compare", False) else []
     if others:
         print("\ncompared with hand-written strategies on the same mesh (predicted):")
@@ -259,13 +313,20 @@ def cmd_main(_args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="autopar", description="a compiler for distributed training")
+    from autopar.demo import DEMO_BATCH
+    from autopar.hardware import PRESETS
+
+    ap = argparse.ArgumentParser(prog="autopar", description="a compiler for distributed training. With no command: the main "
+                                 "job (plan Llama-3-8B on one node of 8 x H100, then train a small GPT on 4 local gloo "
+                                 "ranks beside single-device training)")
+    model_help = "a registry name (gpt-tiny, gpt2-small, llama3-8b, mixtral-8x7b, mlp, ...) or module:callable returning (model, inputs(batch, seq))"
+    hw_help = f"the devices' preset: {', '.join(sorted(PRESETS))} (default h100-80gb)"
     sub = ap.add_subparsers(dest="cmd")
     p = sub.add_parser("plan", help="plan a model on a mesh (no devices needed)")
-    p.add_argument("model")
+    p.add_argument("model", help=model_help)
     p.add_argument("--mesh", default=None, help="axes outermost first, e.g. dp=8,tp=8")
     p.add_argument("--cluster", default=None, help="NODESxGPUS, e.g. 192x8: search the mesh too (instead of --mesh)")
-    p.add_argument("--hardware", default="h100-80gb")
+    p.add_argument("--hardware", default="h100-80gb", help=hw_help)
     p.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per data-parallel (or expert-parallel) rank; with pp, 8 x pp per rank)")
     p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {DEFAULT_SEQ}, or the model's context if shorter; longer than a known model's context, it extends it)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="the model's parameters (default bf16; fp32 with --mixed-precision)")
@@ -273,23 +334,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="train under autopar.MixedPrecision: compute in PARAM, reduce gradients in REDUCE (default PARAM), e.g. bf16/fp32")
     p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's memory)")
     p.add_argument("--optimizer", default=None, choices=OPTIMIZER_KERNELS, help=OPTIMIZER_HELP)
-    p.add_argument("--json", default=None, help="write the plan as JSON to this file")
+    p.add_argument("--json", default=None, help="write the plan as JSON to this file (it replaces a plan there, no other file)")
     p.add_argument("--explain", default=None, help="explain the choice for this parameter, module or node")
     c = sub.add_parser("compare", help="autopar's plan next to hand-written strategies (predicted; measured under torchrun)")
-    c.add_argument("model")
-    c.add_argument("--mesh", required=True)
-    c.add_argument("--hardware", default="h100-80gb")
-    c.add_argument("--batch", type=int, default=None)
-    c.add_argument("--seq", type=int, default=None)
+    c.add_argument("model", help=model_help)
+    c.add_argument("--mesh", required=True, help="axes outermost first, e.g. dp=8,tp=8")
+    c.add_argument("--hardware", default="h100-80gb", help=hw_help)
+    c.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per data-parallel rank)")
+    c.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {DEFAULT_SEQ}, or the model's context if shorter)")
     c.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="the model's parameters (default bf16; fp32 with --mixed-precision)")
     c.add_argument("--mixed-precision", default=None, metavar="PARAM[/REDUCE]",
                    help="train under autopar.MixedPrecision: compute in PARAM, reduce gradients in REDUCE (default PARAM), e.g. bf16/fp32")
-    c.add_argument("--memory-budget", type=float, default=None)
+    c.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's memory)")
     c.add_argument("--optimizer", default=None, choices=OPTIMIZER_KERNELS, help=OPTIMIZER_HELP)
-    c.add_argument("--plans", default=None, help="comma-separated: auto, ddp, fsdp, megatron, ... (default: those that apply)")
+    c.add_argument("--plans", default=None, help="comma-separated: auto, ddp, fsdp, megatron, ..., torch:fsdp, torch:megatron "
+                   "(torch's own API: measured only, under torchrun) (default: those that apply)")
     d = sub.add_parser("demo", help="train a small GPT on local gloo ranks next to single-device training")
-    d.add_argument("--nproc", type=int, default=4)
-    d.add_argument("--steps", type=int, default=5)
+    d.add_argument("--nproc", type=int, default=4, help=f"local gloo processes, a divisor of the demo's global batch of {DEMO_BATCH} (default 4)")
+    d.add_argument("--steps", type=int, default=5, help="AdamW steps (default 5)")
     args = ap.parse_args(argv)
     from autopar.errors import AutoparError
 
@@ -303,13 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "memory_budget", None) is not None and not 0 < args.memory_budget < math.inf:
         raise SystemExit(f"autopar: --memory-budget wants a positive number of GiB per device; got {args.memory_budget}")
     if getattr(args, "json", None):  # before the planning: a path it cannot write would fail only after it
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):
-            raise SystemExit(f"autopar: --json {args.json}: the folder {folder} does not exist")
+        _json_target(args.json)
     if getattr(args, "cluster", None) and getattr(args, "explain", None):
         raise SystemExit("autopar plan: --explain reads a plan on one mesh (--mesh); with --cluster, plan the chosen mesh with --mesh to explain it")
     if args.cmd == "demo" and args.nproc < 1:
         raise SystemExit(f"autopar demo: --nproc wants a positive number of processes; got {args.nproc}")
+    if args.cmd == "demo" and DEMO_BATCH % args.nproc:
+        raise SystemExit(f"autopar demo: --nproc {args.nproc} does not divide the demo's global batch of {DEMO_BATCH}: give "
+                         f"one of {', '.join(str(n) for n in range(1, DEMO_BATCH + 1) if DEMO_BATCH % n == 0)}")
+    if args.cmd == "demo" and args.steps < 1:
+        raise SystemExit(f"autopar demo: --steps wants a positive number of steps; got {args.steps}")
     for flag in ("batch", "seq"):  # a zero-row or zero-token example would fail deep in tracing, or plan nothing
         value = getattr(args, flag, None)
         if value is not None and value < 1:

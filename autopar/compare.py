@@ -83,7 +83,15 @@ def _check_entry(entry) -> None:
     that does not fit this mesh is one)."""
     from autopar.handwritten import STRATEGIES, handwritten
 
-    if isinstance(entry, Plan) or entry == "auto" or (isinstance(entry, str) and entry.startswith("torch:")):
+    if isinstance(entry, str) and entry.startswith("torch:"):
+        from autopar.peers import STRATEGIES as TORCH
+
+        name = entry.split(":", 1)[1]
+        if name.removesuffix("+sp") not in TORCH or (name.endswith("+sp") and not name.startswith("megatron")):
+            raise AutoparError(f"plan entry {entry!r}: torch's own API realises {', '.join('torch:' + t for t in TORCH)} "
+                               "(a megatron one with +sp: sequence parallel)")
+        return
+    if isinstance(entry, Plan) or entry == "auto":
         return
     if not (isinstance(entry, str) or (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
                                        and isinstance(entry[1], dict))):
@@ -157,7 +165,8 @@ def compare(model, mesh, example_inputs, plans=("auto", "megatron", "fsdp"), *, 
     traces = {} if traces is None else traces  # microbatch traces shared by the pipeline plans
     for entry in plans:
         if isinstance(entry, str) and entry.startswith("torch:"):
-            rows.append(Row(entry))
+            rows.append(Row(entry) if measure else Row(entry, error="measured only: run compare under torchrun, one process "
+                                                                   "per device (torch's own strategies have no prediction)"))
             continue
         try:
             name, p = _make_plan(entry, model, mesh, inputs, memory_budget, traced, traces, mp)
@@ -196,7 +205,7 @@ def _measure(row: Row, model, mesh: Mesh, inputs: tuple, steps: int, warmup: int
 
         strategy = row.name.split(":", 1)[1]
         dm = mesh.to_device_mesh()
-        pm = peers.torch_peer(model, dm, strategy, sequence_parallel=strategy.endswith("+sp"), mixed_precision=mp)
+        pm = peers.torch_peer(model, dm, strategy.removesuffix("+sp"), sequence_parallel=strategy.endswith("+sp"), mixed_precision=mp)
         local = tuple(peers.peer_local_inputs(dm, *inputs))
         grads_of = lambda: {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()  # noqa: E731
                             for k, p in pm.named_parameters() if p.grad is not None}

@@ -20,12 +20,13 @@ import autopar
 from models.gpt import GPT, GPTConfig
 
 DEMO_GPT = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128)
+DEMO_BATCH = 16  # global batch: every --nproc the command takes divides it
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="autopar.demo")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=DEMO_BATCH)
     args = ap.parse_args(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -549,8 +549,16 @@ class Plan:
         if not isinstance(text, (str, bytes, bytearray)):
             raise AutoparError(f"Plan.from_json takes the JSON text (plan.to_json()'s); got a {type(text).__name__}: "
                                "pass open(path).read()")
+        if isinstance(text, (bytes, bytearray)):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError:  # a pickle's or torch.save's bytes: never unpickled, refused
+                raise AutoparError("not a plan: binary data, not JSON text (a pickle or a torch.save file?); pass the "
+                                   "text of a file plan.to_json() wrote") from None
         try:
             d = json.loads(text)
+        except RecursionError:
+            raise AutoparError("not a plan: JSON nested too deeply to be one") from None
         except json.JSONDecodeError as e:
             path = text.strip() if isinstance(text, str) and "\n" not in text.strip() and text.strip().endswith(".json") else None
             hint = f"; {path!r} looks like a file name: pass its text, open({path!r}).read()" if path else ""

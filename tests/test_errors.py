@@ -154,6 +154,19 @@ def test_a_plan_for_another_model_or_mesh_is_refused():
             autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), _ids(), plan=plan.to_json())
         with pytest.raises(autopar.AutoparError, match=r"'plan.json' looks like a file name: pass its text, open\('plan.json'\).read\(\)"):
             autopar.Plan.from_json("plan.json")
+        # a pickle's or torch.save's bytes, or JSON nested past the parser's depth: refused, never unpickled (a
+        # UnicodeDecodeError and a RecursionError)
+        import io
+        import pickle
+
+        saved = io.BytesIO()
+        torch.save({"w": torch.zeros(2)}, saved)
+        for data in (pickle.dumps({"format": "autopar.plan"}), saved.getvalue()):
+            with pytest.raises(autopar.AutoparError, match=r"not a plan: binary data, not JSON text"):
+                autopar.Plan.from_json(data)
+        with pytest.raises(autopar.AutoparError, match="nested too deeply"):
+            autopar.Plan.from_json("[" * 100_000)
+        assert autopar.Plan.from_json(plan.to_json().encode()).graph_hash == plan.graph_hash  # (UTF-8 bytes of one: fine)
         with _compat.local_tensor_mode(2):
             pm = autopar.parallelize(_gpt(), autopar.Mesh({"tp": 2}), _ids(), plan=plan)
             for again in (autopar.plan, autopar.parallelize):

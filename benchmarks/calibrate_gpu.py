@@ -279,6 +279,28 @@ def _runtime_subprocess(dev) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _read(path: str) -> dict:
+    """A measurement file this script wrote, or a clear exit: not JSON (a pickle, a truncated write), or JSON of
+    something else."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        sys.exit(f"calibrate_gpu.py: {path} is not a measurement this script wrote ({type(e).__name__}: {e})")
+    if not isinstance(m, dict) or not {"device", "torch", "cuda", "date"} <= set(m):
+        sys.exit(f"calibrate_gpu.py: {path} is JSON but not a measurement (no device, torch, cuda and date); give the file "
+                 "--measure --json wrote")
+    return m
+
+
+def _write(path: str, result: dict) -> None:
+    """Write beside ``path`` and rename over it: a run stopped while writing leaves the last whole file."""
+    tmp = f"{path}.partial"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
 def measure(path: str, sections: "list[str] | None" = None) -> dict:
     """Measure ``sections`` (all by default) and write them to ``path``; measuring some of them into an existing
     file replaces those there and keeps the rest."""
@@ -286,8 +308,7 @@ def measure(path: str, sections: "list[str] | None" = None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False  # torch's default: fp32 matmuls at the fp32 peak
     result = {}
     if sections and os.path.exists(path):
-        with open(path) as f:
-            result = json.load(f)
+        result = _read(path)
     result.update({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
                    "date": time.strftime("%Y-%m-%d")})
     for name, fn in (("elementwise", _elementwise), ("matmul", _matmuls), ("attention", _attention),
@@ -302,8 +323,7 @@ def measure(path: str, sections: "list[str] | None" = None) -> dict:
         except Exception as e:  # one section failing still leaves the others' numbers
             result[name + "_error"] = f"{type(e).__name__}: {e}"
         print(f"{name}: {time.time() - t:.1f} s", flush=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        _write(path, result)  # after each section: a run cut short keeps the sections done
     return result
 
 
@@ -402,8 +422,7 @@ def main(argv=None) -> None:
     path = a.json or STORED.get(a.hardware)
     if not path or not os.path.exists(path):
         sys.exit(f"no measurement for {a.hardware!r}: run with --measure --json FILE on such a GPU, then --json FILE")
-    with open(path) as f:
-        compare(json.load(f), a.hardware)
+    compare(_read(path), a.hardware)
 
 
 if __name__ == "__main__":

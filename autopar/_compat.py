@@ -232,14 +232,15 @@ def written_in_place(node) -> list:
     return out
 
 
-def aliased_input(node):
-    """The fx node an op node's output is a view or alias of (its first argument: ``detach``, ``view``, ``t``), else
-    None."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.returns or schema.returns[0].alias_info is None:
+def storage_id(val) -> "int | None":
+    """An id of the storage a (fake) tensor's data lives in: the same for a tensor and its views, another for a copy
+    (``to``, ``contiguous`` and ``reshape`` may do either); None for what has none."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    try:
+        return StorageWeakRef(val.untyped_storage()).cdata
+    except (AttributeError, RuntimeError, NotImplementedError):
         return None
-    first = node.args[0] if node.args else None
-    return first if hasattr(first, "op") else None
 
 
 def fsdp2_replicate(module, mesh, mp_policy):

@@ -164,7 +164,7 @@ def _json_target(path: str) -> None:
             raise SystemExit(f"autopar: --json {path} exists and is not an autopar plan; nothing was planned. Give "
                              "another file name, or move that file away")
     try:  # can a file be made beside it (the plan is written there first, then renamed over the path)?
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".autopar-", suffix=".json")
+        fd, probe = tempfile.mkstemp(dir=os.path.dirname(os.path.realpath(path)), prefix=".autopar-", suffix=".json")
         os.close(fd)
         os.remove(probe)
     except OSError as e:
@@ -172,14 +172,23 @@ def _json_target(path: str) -> None:
 
 
 def _write_json(path: str, text: str) -> None:
-    """Write the plan beside ``path`` and rename it over it: a run stopped midway leaves the old file whole."""
+    """Write the plan beside ``path`` and rename it over it: a run stopped midway leaves the old file whole. Through
+    a symbolic link to its target; with the old file's permissions, or a new file's (the umask's)."""
     import tempfile
 
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".autopar-", suffix=".json")
+    target = os.path.realpath(path)
+    if os.path.exists(target):
+        mode = os.stat(target).st_mode & 0o777
+    else:
+        mask = os.umask(0)
+        os.umask(mask)
+        mode = 0o666 & ~mask
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".autopar-", suffix=".json")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.replace(tmp, path)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -97,7 +97,7 @@ class Solution:
     status: str  # optimal / feasible / infeasible / failed
     values: tuple[float, ...]  # by column; empty unless optimal or feasible
     objective: float
-    limit: str = ""  # what stopped a "feasible" search: "nodes" (deterministic) or "time" (the wall clock: not)
+    limit: str = ""  # what stopped a "feasible" or "failed" search: "nodes" (deterministic) or "time" (the wall clock: not)
 
 
 def backends() -> list[str]:
@@ -231,11 +231,11 @@ class Model:
             status = "feasible"
         else:
             status = "failed"
+        # the node limit ends the search as kSolutionLimit, the clock as kTimeLimit
+        limit = {S.kSolutionLimit: "nodes", S.kTimeLimit: "time"}.get(ms, "")
         if status in ("optimal", "feasible"):
-            # the node limit ends the search as kSolutionLimit; anything else short of the optimum is the clock's
-            limit = "" if status == "optimal" else ("nodes" if ms == S.kSolutionLimit else "time")
-            return Solution(status, tuple(h.getSolution().col_value), info.objective_function_value, limit)
-        return Solution(status, (), math.nan)
+            return Solution(status, tuple(h.getSolution().col_value), info.objective_function_value, "" if status == "optimal" else limit)
+        return Solution(status, (), math.nan, limit if status == "failed" else "")
 
     def _ortools(self, time_limit_s: float, node_limit: int) -> Solution:
         from ortools.linear_solver import pywraplp

@@ -470,8 +470,9 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         for name, (uu, sg, local, axes, _n) in uc.params.items():
             if any(i <= u < j for u in uu):
                 state += sg
-                if r not in ranks_of.setdefault(name, set()):
-                    stepped[r] += uc.step.get(name, 0.0)
+                if r in ranks_of.setdefault(name, set()):
+                    continue  # (another of this rank's stages holds it too: its step and sync are the rank's, once)
+                stepped[r] += uc.step.get(name, 0.0)
                 ranks_of[name].add(r)
                 if name in uc.zero:
                     acc = zero_bytes[r].setdefault(uc.zero[name], [0.0, 0.0])

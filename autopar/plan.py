@@ -550,8 +550,8 @@ class Plan:
             raise AutoparError(f"Plan.from_json takes the JSON text (plan.to_json()'s); got a {type(text).__name__}: "
                                "pass open(path).read()")
         if isinstance(text, (bytes, bytearray)):
-            try:
-                text = bytes(text).decode("utf-8")
+            try:  # (UTF-8, with or without its BOM, UTF-16 or -32: as json.loads reads bytes)
+                text = bytes(text).decode(json.detect_encoding(bytes(text)))
             except UnicodeDecodeError:  # a pickle's or torch.save's bytes: never unpickled, refused
                 raise AutoparError("not a plan: binary data, not JSON text (a pickle or a torch.save file?); pass the "
                                    "text of a file plan.to_json() wrote") from None

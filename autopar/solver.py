@@ -198,6 +198,7 @@ class Problem:
     # loss op (``loss_gradients``) -> what its backward holds at its peak over the gradients it makes first (a
     # cross-entropy: 2, its log-probabilities' gradient beside its logits'); 1 where absent
     loss_backward: dict[str, float] = field(default_factory=dict)
+    output_roots: list[str] = field(default_factory=list)  # per output, the node owning its storage
 
     def index(self, node: str, root_index: int) -> int:
         """The strategy index of ``node`` when its root runs strategy ``root_index``."""
@@ -386,10 +387,14 @@ def _loss_backward(problem: Problem, nodes: dict[str, fx.Node], rg: dict[str, bo
 def held_output(problem: Problem, k: int, spec: Spec, sizes: tuple[int, ...]) -> float:
     """Bytes per device of graph output k handed out in ``spec`` that the caller holds into backward (its loss keeps
     the logits it reads) beyond what the graph counts: all of it, unless the op making it keeps it for its own
-    backward already (then counted as an activation, where the output is not redistributed). A scalar (the loss):
-    none counted, its few bytes beside the activations' megabytes."""
+    backward already (then counted as an activation; handed out in another Spec, its copy is not counted: a model
+    that computes its loss inside and returns its logits too), or an earlier output holds the same storage
+    (``return y, y.view(-1)``: one tensor). A scalar (the loss): none counted, its few bytes beside the
+    activations' megabytes."""
     u, m = problem.outputs[k]
-    if m.ndim == 0 or problem.saved.get(u, (False, 0))[0]:
+    root = problem.output_roots[k] if k < len(problem.output_roots) else u
+    if m.ndim == 0 or problem.saved.get(u, (False, 0))[0] or problem.saved.get(root, (False, 0))[0] \
+            or root in problem.output_roots[:k]:
         return 0.0
     return float(math.prod(spec.local_shape(m.shape, sizes)) * itemsize(m.dtype))
 
@@ -516,6 +521,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     main_slot: dict[str, int] = {}
     edges: list[tuple[str, str, int, TensorMeta]] = []
     outputs: list[tuple[str, TensorMeta]] = []
+    output_roots: list[str] = []  # per output, the node owning its storage (``_storage_root``)
     uses: dict[str, list[tuple[str, int]]] = {}
     graph_nodes = list(tg.gm.graph.nodes)
     for n in graph_nodes:
@@ -544,6 +550,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
             for a in n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]:
                 if isinstance(a, fx.Node):
                     outputs.append((source.get(a.name, a.name), _tmeta(a.meta["val"])))
+                    output_roots.append(_storage_root(a).name)
             continue
         val = n.meta.get("val")
         if n.op == "call_function" and n.target is operator.getitem:
@@ -632,7 +639,8 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     first_meta, first_specs = (meta[first], cands[first]) if first is not None else (None, None)
     problem = Problem(order, kind, root, cands, costs, {}, meta, rg, source, edges, outputs,
                       [_output_specs(m, sizes, first_meta, first_specs) for _, m in outputs], tg.rep, main_slot, folded_use,
-                      direct_use, saved={n: (saved_out.get(n, False), internal.get(n, 0)) for n in order}, saved_in=saved_in)
+                      direct_use, saved={n: (saved_out.get(n, False), internal.get(n, 0)) for n in order}, saved_in=saved_in,
+                      output_roots=output_roots)
     if "loss_backward" not in tg.memo:  # the graph's own fact, like what its ops keep
         tg.memo["loss_backward"] = _loss_backward(problem, {n.name: n for n in graph_nodes}, rg)
     problem.loss_backward = tg.memo["loss_backward"]
@@ -1387,6 +1395,10 @@ def solve(
                     "none: Hardware.optimizer_kernel='fused', or --optimizer fused)" if step_rows else ""),
                 smallest_budget=need,
             )
+        if sol.limit:
+            stop = f"its {NODE_LIMIT} branch-and-bound nodes" if sol.limit == "nodes" else f"its {time_limit_s:g} s wall-clock limit"
+            raise InfeasibleError(f"the solver stopped at {stop} before it found any plan; pin more of the plan (a mesh "
+                                  "axis's layout, ZeRO stages) to make the search smaller, or plan a smaller mesh first")
         raise InfeasibleError(f"the solver found no plan (status {sol.status}); check the pins for conflicts")
 
     def pick(columns) -> int:  # the chosen option: the column at 1 (the largest, with the relaxation's fractions)

@@ -1268,14 +1268,16 @@ def trace(model: torch.nn.Module, example_inputs: tuple, full: bool = False) -> 
         return f"node {n.name} ({n.target}) in module '{_module_of(n) or '<root>'}'" + (
             f", at {frame[-2].strip()}: {frame[-1].strip()}" if len(frame) >= 2 else "")
 
+    param_storage = {_compat.storage_id(n.meta.get("val")): fqns[n.name] for n in gm.graph.nodes
+                     if n.op == "placeholder" and kinds.get(n.name) == PARAM}
+    param_storage.pop(None, None)
     for n in gm.graph.nodes:  # a shape only the data decides (boolean-mask indexing, nonzero): nothing to plan by
         val = n.meta.get("val")
         for w in _compat.written_in_place(n):  # a parameter changed in place by forward (through a view of it)
-            while _compat.aliased_input(w) is not None:
-                w = _compat.aliased_input(w)
-            if w.op == "placeholder" and kinds.get(w.name) == PARAM:
+            fqn = param_storage.get(_compat.storage_id(w.meta.get("val")))
+            if fqn is not None:
                 raise TraceError(
-                    f"the model's forward changes parameter {fqns[w.name]!r} in place: {where(n)} (nn.Embedding's "
+                    f"the model's forward changes parameter {fqn!r} in place: {where(n)} (nn.Embedding's "
                     "max_norm renormalises the rows it reads so). Each rank holds its own copy or shard of a parameter, "
                     "which such a write would leave out of step: drop max_norm and renormalise the weight outside forward "
                     "(under torch.no_grad(), e.g. after optimizer.step()), or compute the renormalised rows as a new tensor")

@@ -309,6 +309,24 @@ class _DroppedBranch(torch.nn.Module):
         return h.sum()
 
 
+class _Writes(torch.nn.Module):
+    """Writes in place to a copy of its weight (``contiguous`` of a transpose copies), or to a view of it."""
+
+    def __init__(self, view: bool):
+        super().__init__()
+        self.w, self.view = torch.nn.Parameter(torch.randn(16, 16)), view
+
+    def forward(self, x):
+        if self.view:
+            with torch.no_grad():
+                self.w.t().clamp_(-1, 1)  # the weight itself, through a view
+            w = self.w
+        else:
+            w = self.w.t().contiguous()
+            w.mul_(2.0)  # a copy: the weight is left as it is
+        return (x @ w).sum()
+
+
 def test_a_parameter_changed_in_place_by_forward_is_refused_and_a_value_branch_is_named():
     """nn.Embedding(max_norm=...) renormalises its weight's rows in place as forward reads them: on tp it trained to
     other numbers (loss 4.216 against 4.158) and on dp it failed inside the gradient sync ("a view ... modified
@@ -318,6 +336,10 @@ def test_a_parameter_changed_in_place_by_forward_is_refused_and_a_value_branch_i
     ids = torch.randint(0, 64, (4, 8))
     with pytest.raises(autopar.TraceError, match=r"changes parameter 'emb.weight' in place: node embedding_renorm_ .*in module 'emb'.*drop max_norm"):
         autopar.plan(_Renormed(), autopar.Mesh({"dp": 2}), (ids, ids))
+    x = torch.randn(4, 16)
+    with pytest.raises(autopar.TraceError, match=r"changes parameter 'w' in place: node clamp_"):
+        autopar.plan(_Writes(view=True), autopar.Mesh({"dp": 2}), (x,))
+    autopar.plan(_Writes(view=False), autopar.Mesh({"dp": 2}), (x,))  # (a copy's write: planned as before)
     with pytest.raises(autopar.TraceError, match=r"_DroppedBranch.*\n.*control flow that depends on tensor values"):
         autopar.plan(_DroppedBranch(), autopar.Mesh({"dp": 2}), (torch.randn(4, 16),))
 

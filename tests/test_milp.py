@@ -80,6 +80,21 @@ def test_a_search_stopped_at_its_node_limit_returns_the_same_plan_every_time():
     assert best.status == "optimal" and best.limit == "" and best.objective <= first.objective
 
 
+def test_a_search_the_node_limit_stops_before_any_plan_says_so():
+    """Even weights summing to an odd target: no plan, which the search cannot show within 5 nodes; the solution says
+    the node limit stopped it (the solver's error names the limit, not conflicting pins)."""
+    import random
+
+    rng = random.Random(0)
+    m = Model()
+    xs = [m.binary() for _ in range(40)]
+    w = [2.0 * rng.randint(1000, 9999) for _ in xs]
+    m.row(sum(w) // 2 + 1, sum(w) // 2 + 1, list(zip(w, xs)))
+    m.minimize([(1.0, x) for x in xs])
+    sol = m.solve(presolve=False, node_limit=5)
+    assert (sol.status, sol.limit, sol.values) == ("failed", "nodes", ())
+
+
 def test_an_unknown_backend_is_refused_with_the_ones_there_are():
     m, _, _ = _knapsack()
     with pytest.raises(autopar.AutoparError, match="'gurobi' is not installed here .*highs"):

@@ -786,14 +786,37 @@ class _StageModule(nn.Module):
     __call__ = forward
 
 
+def _counted_mean(tg: TracedGraph) -> "tuple[int, int] | None":
+    """(user input, ignore_index) where the graph's loss is one cross-entropy's mean over the tokens its targets
+    count -- the trace's rewrite, ``sum / (targets != ignore_index).sum()`` -- with the targets a user input read
+    through views that keep every element; else None."""
+    out = next(n for n in tg.gm.graph.nodes if n.op == "output")
+    loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+    if not isinstance(loss, fx.Node) or loss.target != _aten.div.Tensor or not isinstance(loss.args[1], fx.Node):
+        return None
+    count = loss.args[1]
+    ne = count.args[0] if count.target == _aten.sum.default else None
+    if not isinstance(ne, fx.Node) or ne.target != _aten.ne.Scalar:
+        return None
+    t = ne.args[0]
+    while t.op == "call_function" and t.target in (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,
+                                                    _aten.flatten.using_ints):
+        t = t.args[0]
+    if t.op != "placeholder" or t.name not in tg.user_inputs:
+        return None
+    return tg.user_inputs.index(t.name), ne.args[1]
+
+
 class _PipelineRun:
     """Runs a pipeline plan on this rank (``plan.pipeline``; ``gm`` from passes/split_stages.py).
 
     Under torch.distributed with a real process group: this rank's stages (s with s % p == its pp coordinate)
     become ``torch.distributed.pipelining.PipelineStage``s driven by the plan's schedule class (ScheduleGPipe,
     Schedule1F1B, ScheduleInterleaved1F1B), with static shapes from the split. Each microbatch's loss is the
-    loss of its rows, so the step's loss is their mean: the loss function divides by m (and grads are not rescaled
-    again). After the schedule: the loss is broadcast from the last stage over pp, and ``loss.backward()`` sums
+    loss of its rows, so the step's loss is their mean: the loss function weighs each by 1/m (and grads are not
+    rescaled again) -- or, where the loss is a cross-entropy's mean over the tokens its targets count
+    (``ignore_index``), by its share of the step's counted tokens (``_weights``): a microbatch of mostly ignored
+    tokens weighs less, as one device's mean over the whole batch counts it. After the schedule: the loss is broadcast from the last stage over pp, and ``loss.backward()`` sums
     the gradients over the plan's buckets (dp / tp axes) and, for parameters held on several pp ranks (tied
     embeddings), over those ranks.
     ZeRO-1 (``plan.zero_buckets``; Megatron's distributed optimizer): the parameters are stored as flat shards (the
@@ -814,6 +837,7 @@ class _PipelineRun:
         self.axis = mesh.names.index(pp.axis)
         self.p = mesh.sizes[self.axis]
         self.ios = gm.stage_io
+        self.counted = _counted_mean(owner._tg)
         self.sequential = not dist.is_initialized() or _compat.in_local_tensor_mode() or dist.get_world_size() == 1
         S = len(self.ios)
         if self.sequential:
@@ -865,7 +889,9 @@ class _PipelineRun:
                                                         output_args=example(io.output_metas), group=self.pp_group))
         m = self.m
         cls = getattr(pipelining, self.SCHEDULES[self.plan.pipeline.schedule])
-        loss_fn = lambda out, _target: out / m  # noqa: E731  (a microbatch's loss is its rows' mean)
+        # a microbatch's loss is its rows' mean: weighed by its share of the step (the "target" the schedule hands
+        # each microbatch is its weight, ``_weights``)
+        loss_fn = lambda out, weight: out * weight.reshape(()).to(out.dtype)  # noqa: E731
         stage_arg = self.stages if self.plan.pipeline.schedule == "interleaved" else self.stages[0]
         self.schedule = cls(stage_arg, m, loss_fn=loss_fn, scale_grads=False)
         self.last_rank = self._rank_at((S - 1) % self.p)
@@ -1024,25 +1050,45 @@ class _PipelineRun:
         loss = _PipelineLoss.apply(total, anchor, finish, lambda: (pending.clear(), whole.clear(), main.clear()))
         return pytree.tree_unflatten([loss], owner._tg.out_spec)
 
+    def _weights(self, flat: list) -> torch.Tensor:
+        """Each microbatch's weight in the step's loss (m of them, fp64): 1/m, or where the loss is a mean over
+        counted tokens (``_counted_mean``) its share of the step's, counted on every rank's rows (summed over the
+        axes that split the inputs: each microbatch's count as its graph takes it, over those axes too)."""
+        m = self.m
+        if self.counted is None:
+            return torch.full((m,), 1.0 / m, dtype=torch.float64)
+        i, ignore = self.counted
+        counts = torch.stack([(rows != ignore).sum() for rows in flat[i].chunk(m, dim=0)]).to(torch.float64)
+        dm = self.mesh.to_device_mesh()
+        for a, pl in enumerate(self.plan.input_spec.placements):
+            if isinstance(pl, Shard) and a != self.axis:
+                counts = _compat.all_reduce_sum(counts, dm.get_group(self.mesh.names[a]).group_name)
+        total = counts.sum()
+        # (no token counted: one device's mean is 0/0; each microbatch's own then, 1/m of it)
+        return torch.where(total > 0, counts / total.clamp(min=1.0), torch.full_like(counts, 1.0 / m))
+
     def _run(self, flat: list, backward: bool) -> torch.Tensor:
         """The step's microbatches (each input's rows in m chunks) through the stages, forward and, with
         ``backward``, backward (the schedule's ``step``; without, its ``eval``): the step's loss, the microbatches'
         mean, on every pp rank."""
         owner, m = self.owner, self.m
+        weights = self._weights(flat)
         if self.sequential:
             chunks = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim > 0 else [t] * m for t in flat]
             total = None
             for k in range(m):
                 params = [self._read(kind, f) for kind, f in owner._order]
-                loss = self.gm.forward(*params, *[c[k] for c in chunks])[0] / m
+                loss = self.gm.forward(*params, *[c[k] for c in chunks])[0]
+                loss = loss * weights[k].to(loss.dtype)
                 if backward:
                     loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
             return total
         losses: list = []
-        dummy = torch.zeros(m, device=self.device)  # the loss is in the last stage's graph; targets ride along
         run = self.schedule.step if backward else self.schedule.eval
-        run(*(flat if 0 in self.mine else ()), target=dummy, losses=losses, return_outputs=False)
+        # (the loss is in the last stage's graph, the targets ride along: the schedule's "target" is each
+        # microbatch's weight)
+        run(*(flat if 0 in self.mine else ()), target=weights.to(self.device), losses=losses, return_outputs=False)
         # (the other stages receive it in the last stage's output dtype: under mixed precision bf16, whose bytes a
         # float32 buffer misread as ~2e-41)
         loss_dtype = self.ios[-1].output_metas[0][1]

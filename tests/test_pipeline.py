@@ -415,6 +415,22 @@ def test_the_split_program_trains_like_one_device_in_one_process(name, axes, pin
     assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
 
 
+@pytest.mark.parametrize("axes,pin", [({"pp": 2}, PipelinePin("gpipe", 4)), ({"dp": 2, "pp": 2}, PipelinePin("1f1b", 2))])
+def test_a_pipeline_weighs_each_microbatch_by_the_tokens_its_loss_counts(axes, pin):
+    """A cross-entropy's mean over the tokens its targets count (ignore_index) is one device's mean over the whole
+    batch: a microbatch of mostly ignored rows weighs less. The schedule averaged the microbatches' own means
+    (loss 1.7e-2 and gradients 1.3e-1 off one device's with a row almost all -100)."""
+    torch.manual_seed(0)
+    model = Llama(dataclasses.replace(LlamaConfig.tiny(), n_layer=4))
+    x, y = _batch(8)
+    y = y.clone()
+    y[0, 1:] = -100  # one token counted in row 0, half of row 1, two of row 2: the microbatches count unevenly
+    y[1, 8:] = -100
+    y[2, :14] = -100
+    r = parity(model, (x, y), axes, constraints=[pin])
+    assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
+
+
 @pytest.mark.parametrize("name,axes,pin", [
     ("gpt", {"dp": 2, "pp": 2}, PipelinePin("1f1b", 2)),
     ("llama", {"dp": 2, "pp": 2, "tp": 2}, PipelinePin("interleaved", 4, 2)),

@@ -849,7 +849,12 @@ def _zero_allowed(zgroups, zopts: list[ZeroOption], mesh: Mesh, pins) -> dict[st
             continue
         hits = [g for g in groups if fnmatch.fnmatchcase(g, pin.group)]
         if not hits:
-            raise AutoparError(f"ZeRO pin {pin.group!r} matches no parameter group; the groups are: {', '.join(groups) or 'none'}")
+            # a copy of a repeated block (h.1) is in its first copy's group (h.0): the copies take one plan
+            numbered = re.fullmatch(r"(.+)\.(\d+)", pin.group)
+            first = next((g for g in groups if numbered and re.fullmatch(re.escape(numbered.group(1)) + r"\.\d+", g)), None)
+            hint = (f"; repeated blocks are one group, named after their first copy: ZeroPin({first!r}, ...) sets every "
+                    f"copy, {pin.group} too" if first else "")
+            raise AutoparError(f"ZeRO pin {pin.group!r} matches no parameter group; the groups are: {', '.join(groups) or 'none'}{hint}")
         ok = set()
         for k, o in enumerate(zopts):
             if o.stage != pin.stage:

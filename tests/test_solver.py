@@ -297,6 +297,9 @@ def test_pins_are_obeyed_and_bad_pins_explained():
     assert str(tied.spec_of("wte.weight")) == "S(1)"
     # a parameter whose layout follows its one reader says which Specs that reader can give it (an untied embedding
     # has no vocabulary-parallel strategy: it said "no strategy of that gives S(0)" and nothing more)
+    # a ZeRO pin on a repeated block's later copy names the group it is in (it listed the groups and nothing more)
+    with pytest.raises(autopar.AutoparError, match=r"ZeRO pin 'h.1' matches no parameter group.*ZeroPin\('h.0', \.\.\.\) sets every copy, h.1 too"):
+        autopar.plan(_meta(GPT, cfg, torch.float32), autopar.Mesh({"dp": 2}), (x, x), constraints=[autopar.ZeroPin("h.1", 3)])
     with pytest.raises(autopar.ShardingError, match=r"wpe.weight: its layout follows .*embedding.*, whose strategies give it as R, S\(1\) on mesh .*not S\(0\); pin one of those"):
         autopar.plan(_meta(GPT, cfg, torch.float32), mesh, (x, x), constraints=[("wpe.weight", "S(0)")])
 

@@ -786,25 +786,62 @@ class _StageModule(nn.Module):
     __call__ = forward
 
 
-def _counted_mean(tg: TracedGraph) -> "tuple[int, int] | None":
-    """(user input, ignore_index) where the graph's loss is one cross-entropy's mean over the tokens its targets
-    count -- the trace's rewrite, ``sum / (targets != ignore_index).sum()`` -- with the targets a user input read
-    through views that keep every element; else None."""
+_SAME_ELEMENTS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.flatten.using_ints,
+                  _aten.alias.default, _aten.to.dtype, _aten.clone.default, _aten.contiguous.default, _aten.t.default,
+                  _aten.transpose.int, _aten.permute.default)
+
+
+def _counted_mean(tg: TracedGraph) -> "tuple | None":
+    """Where the graph's loss is one cross-entropy's mean over the tokens its targets count -- the trace's rewrite,
+    ``sum / (t != ignore_index).sum()``, perhaps scaled by a constant (``/ accumulation steps``) -- with ``t`` made
+    from user inputs alone (a view, a shift ``targets[:, 1:]``, a cast): (the program that makes ``t`` from those
+    inputs, their positions, their traced shapes, ``ignore_index``, whether that program keeps every element
+    where it was: views and casts alone); else None. A program that slices rows (dim 0) is not taken: a rank's
+    rows are counted with the other ranks' rows as ignored ones (``_PipelineRun._weights``)."""
     out = next(n for n in tg.gm.graph.nodes if n.op == "output")
     loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+    while isinstance(loss, fx.Node) and loss.target in (_aten.div.Tensor, _aten.mul.Tensor) \
+            and not isinstance(loss.args[1], fx.Node):
+        loss = loss.args[0]  # (a constant scale: the same on every microbatch)
     if not isinstance(loss, fx.Node) or loss.target != _aten.div.Tensor or not isinstance(loss.args[1], fx.Node):
         return None
     count = loss.args[1]
     ne = count.args[0] if count.target == _aten.sum.default else None
-    if not isinstance(ne, fx.Node) or ne.target != _aten.ne.Scalar:
+    if not isinstance(ne, fx.Node) or ne.target != _aten.ne.Scalar or not isinstance(ne.args[0], fx.Node):
         return None
-    t = ne.args[0]
-    while t.op == "call_function" and t.target in (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,
-                                                    _aten.flatten.using_ints):
-        t = t.args[0]
-    if t.op != "placeholder" or t.name not in tg.user_inputs:
-        return None
-    return tg.user_inputs.index(t.name), ne.args[1]
+    needed, todo = {}, [ne.args[0]]
+    while todo:  # everything ``t`` is made of: user inputs and ops on them alone
+        n = todo.pop()
+        if n.name in needed:
+            continue
+        if n.op == "placeholder" and n.name not in tg.user_inputs or n.op not in ("placeholder", "call_function"):
+            return None
+        if n.target == _aten.slice.Tensor and (n.args[1] if len(n.args) > 1 else 0) == 0:
+            return None
+        needed[n.name] = n
+        todo.extend(n.all_input_nodes)
+    g = fx.Graph()
+    env: dict = {}
+    inputs = []
+    for n in tg.gm.graph.nodes:  # (graph order: each node after its inputs)
+        if n.name not in needed:
+            continue
+        if n.op == "placeholder":
+            env[n] = g.placeholder(n.name)
+            inputs.append(tg.user_inputs.index(n.name))
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[ne.args[0]])
+    shapes = tuple(tuple(needed[tg.user_inputs[i]].meta["val"].shape) for i in inputs)
+    same = all(n.op == "placeholder" or n.target in _SAME_ELEMENTS for n in needed.values())
+    return fx.GraphModule(tg.gm, g), tuple(inputs), shapes, ne.args[1], same
+
+
+def _weighed(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A microbatch's loss times its weight; 0 where the weight is 0: a microbatch that counts no token has the
+    mean 0/0, which weighs nothing in the step's loss (a product would carry its nan into it)."""
+    w = weight.to(loss.dtype)
+    return torch.where(w == 0, torch.zeros_like(loss), loss * w)
 
 
 class _PipelineRun:
@@ -891,7 +928,7 @@ class _PipelineRun:
         cls = getattr(pipelining, self.SCHEDULES[self.plan.pipeline.schedule])
         # a microbatch's loss is its rows' mean: weighed by its share of the step (the "target" the schedule hands
         # each microbatch is its weight, ``_weights``)
-        loss_fn = lambda out, weight: out * weight.reshape(()).to(out.dtype)  # noqa: E731
+        loss_fn = lambda out, weight: _weighed(out, weight.reshape(()))  # noqa: E731
         stage_arg = self.stages if self.plan.pipeline.schedule == "interleaved" else self.stages[0]
         self.schedule = cls(stage_arg, m, loss_fn=loss_fn, scale_grads=False)
         self.last_rank = self._rank_at((S - 1) % self.p)
@@ -1057,8 +1094,23 @@ class _PipelineRun:
         m = self.m
         if self.counted is None:
             return torch.full((m,), 1.0 / m, dtype=torch.float64)
-        i, ignore = self.counted
-        counts = torch.stack([(rows != ignore).sum() for rows in flat[i].chunk(m, dim=0)]).to(torch.float64)
+        targets, at, shapes, ignore, same = self.counted
+        split = {pl.dim for a, pl in enumerate(self.plan.input_spec.placements) if isinstance(pl, Shard) and a != self.axis}
+        if split - {0} and not same:  # a shift along a split sequence counts at each rank's edge: not taken
+            return torch.full((m,), 1.0 / m, dtype=torch.float64)
+
+        def traced(rows: torch.Tensor, shape: tuple) -> torch.Tensor:
+            # a rank's part of a microbatch, in the traced microbatch's shape: the other ranks' rows (or tokens) as
+            # ignored ones, which count nothing; the counts are then summed over the axes that split the inputs
+            if tuple(rows.shape) == shape:
+                return rows
+            whole = rows.new_full(shape, ignore)
+            whole[tuple(slice(0, n) for n in rows.shape)] = rows
+            return whole
+
+        chunks = [flat[i].chunk(m, dim=0) for i in at]  # (each microbatch's rows, as the stages take them)
+        counts = torch.stack([(targets(*[traced(c[k], sh) for c, sh in zip(chunks, shapes)]) != ignore).sum()
+                              for k in range(m)]).to(torch.float64)
         dm = self.mesh.to_device_mesh()
         for a, pl in enumerate(self.plan.input_spec.placements):
             if isinstance(pl, Shard) and a != self.axis:
@@ -1079,7 +1131,7 @@ class _PipelineRun:
             for k in range(m):
                 params = [self._read(kind, f) for kind, f in owner._order]
                 loss = self.gm.forward(*params, *[c[k] for c in chunks])[0]
-                loss = loss * weights[k].to(loss.dtype)
+                loss = _weighed(loss, weights[k])
                 if backward:
                     loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()

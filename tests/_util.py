@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import socket
 import subprocess
@@ -45,6 +46,12 @@ def fsdp2_h100(float8: bool = True, **fields):
     return dataclasses.replace(get_hardware("h100-500w"), **{**runtime, **fields})
 
 
+def _worst(so_far: float, diff: float) -> float:
+    """The larger difference; a nan one is infinite (max(0.0, nan) is 0.0: a nan loss or gradient passed every
+    check)."""
+    return math.inf if math.isnan(diff) else max(so_far, diff)
+
+
 def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(), steps: int = 3, lr: float = 1e-4,
            hardware: str = "cpu-gloo", plan=None, clip: float | None = 0.5, mixed_precision=None) -> dict:
     """Train ``model`` with autopar on simulated ranks and a copy on one device; return the largest differences.
@@ -80,15 +87,15 @@ def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(),
                 if clip is not None:
                     ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip))
                     for v in _compat.local_values(norm).values():
-                        out["grad"] = max(out["grad"], abs(float(v) - ref_norm) / max(ref_norm, 1.0))
+                        out["grad"] = _worst(out["grad"], abs(float(v) - ref_norm) / max(ref_norm, 1.0))
                 shares = _compat.local_values(loss.detach())
                 mean = sum(float(v) for v in shares.values()) / len(shares)
-                out["loss"] = max(out["loss"], abs(mean - ref_loss.item()))
+                out["loss"] = _worst(out["loss"], abs(mean - ref_loss.item()))
                 for k, p in reference.named_parameters():
                     if p.grad is None:  # a frozen parameter: autopar must not give it a gradient either
                         assert k not in grads, f"{k} has no gradient on one device but one under autopar"
                         continue
-                    out["grad"] = max(out["grad"], float((grads[k] - p.grad).abs().max()))
+                    out["grad"] = _worst(out["grad"], float((grads[k] - p.grad).abs().max()))
             opt.step()
             opt.zero_grad()
             with ltm.disable():
@@ -97,7 +104,7 @@ def parity(model: torch.nn.Module, inputs: tuple, axes: dict, *, constraints=(),
         full = pm.full_state_dict()
         with ltm.disable():
             for k, p in reference.named_parameters():
-                out["param"] = max(out["param"], float((full[k] - p.detach()).abs().max()))
+                out["param"] = _worst(out["param"], float((full[k] - p.detach()).abs().max()))
     return out
 
 

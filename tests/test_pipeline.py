@@ -415,18 +415,39 @@ def test_the_split_program_trains_like_one_device_in_one_process(name, axes, pin
     assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
 
 
-@pytest.mark.parametrize("axes,pin", [({"pp": 2}, PipelinePin("gpipe", 4)), ({"dp": 2, "pp": 2}, PipelinePin("1f1b", 2))])
-def test_a_pipeline_weighs_each_microbatch_by_the_tokens_its_loss_counts(axes, pin):
+class _ShiftedLoss(torch.nn.Module):
+    """A causal LM's loss as Hugging Face's computes it: logits[:, :-1] against targets[:, 1:], over accumulation
+    steps (a constant scale)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, targets):
+        logits = self.model(tokens)[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1)) / 2
+
+
+@pytest.mark.parametrize("axes,pin,form", [({"pp": 2}, PipelinePin("gpipe", 4), "plain"),
+                                           ({"dp": 2, "pp": 2}, PipelinePin("1f1b", 2), "plain"),
+                                           ({"pp": 2}, PipelinePin("gpipe", 4), "shifted")])
+def test_a_pipeline_weighs_each_microbatch_by_the_tokens_its_loss_counts(axes, pin, form):
     """A cross-entropy's mean over the tokens its targets count (ignore_index) is one device's mean over the whole
     batch: a microbatch of mostly ignored rows weighs less. The schedule averaged the microbatches' own means
-    (loss 1.7e-2 and gradients 1.3e-1 off one device's with a row almost all -100)."""
+    (loss 1.7e-2 and gradients 1.3e-1 off one device's with a row almost all -100). The targets may be shifted and
+    the loss scaled (Hugging Face's form); a microbatch that counts no token weighs nothing (its 0/0 made the step's
+    loss nan)."""
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(LlamaConfig.tiny(), n_layer=4))
+    if form == "shifted":
+        model = _ShiftedLoss(model)
     x, y = _batch(8)
     y = y.clone()
     y[0, 1:] = -100  # one token counted in row 0, half of row 1, two of row 2: the microbatches count unevenly
     y[1, 8:] = -100
     y[2, :14] = -100
+    if form == "shifted":
+        y[4:6] = -100  # gpipe(4)'s third microbatch counts nothing
     r = parity(model, (x, y), axes, constraints=[pin])
     assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
 

@@ -174,20 +174,14 @@ def _json_target(path: str) -> None:
 def _write_json(path: str, text: str) -> None:
     """Write the plan beside ``path`` and rename it over it: a run stopped midway leaves the old file whole. Through
     a symbolic link to its target; with the old file's permissions, or a new file's (the umask's)."""
-    import tempfile
-
     target = os.path.realpath(path)
-    if os.path.exists(target):
-        mode = os.stat(target).st_mode & 0o777
-    else:
-        mask = os.umask(0)
-        os.umask(mask)
-        mode = 0o666 & ~mask
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".autopar-", suffix=".json")
+    tmp = f"{target}.autopar-{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # (a new file's permissions: the umask's)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, mode)
+        if os.path.exists(target):
+            os.chmod(tmp, os.stat(target).st_mode & 0o777)
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):

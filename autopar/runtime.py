@@ -500,15 +500,15 @@ class ParallelModule(nn.Module):
                 if isinstance(v, torch.Tensor) and v.ndim > 0 and tuple(v.shape) != shape:
                     raise AutoparError(f"load_full_optimizer_state_dict: {fqn}'s {key} has shape {list(v.shape)}, "
                                        f"the parameter {list(shape)}; nothing was loaded. Load a state of this model")
+        def kind(v) -> object:  # a hyperparameter keeps its kind: a number stays a number (lr "oops" was taken)
+            if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool):
+                return "number"
+            return "sequence" if isinstance(v, (tuple, list)) else type(v)
+
         for i, (group, g) in enumerate(zip(optimizer.param_groups, full["param_groups"])):
-            for k, v in g.items():  # a hyperparameter keeps its kind: a number stays a number (lr "oops" was taken)
+            for k, v in g.items():
                 now = group.get(k)
-                number = (int, float, torch.Tensor)
-                if k == "params" or now is None or v is None:
-                    continue
-                same = isinstance(v, number) and not isinstance(v, bool) if isinstance(now, number) and not isinstance(now, bool) \
-                    else isinstance(v, type(now)) or isinstance(now, (tuple, list)) and isinstance(v, (tuple, list))
-                if not same:
+                if k != "params" and now is not None and v is not None and kind(v) != kind(now):
                     raise AutoparError(f"load_full_optimizer_state_dict: group {i}'s {k} is {v!r} ({type(v).__name__}), the "
                                        f"optimizer's {now!r}; nothing was loaded. Pass full_optimizer_state_dict()'s dict")
         for group, g in zip(optimizer.param_groups, full["param_groups"]):
@@ -853,7 +853,8 @@ class _PipelineRun:
     loss of its rows, so the step's loss is their mean: the loss function weighs each by 1/m (and grads are not
     rescaled again) -- or, where the loss is a cross-entropy's mean over the tokens its targets count
     (``ignore_index``), by its share of the step's counted tokens (``_weights``): a microbatch of mostly ignored
-    tokens weighs less, as one device's mean over the whole batch counts it. After the schedule: the loss is broadcast from the last stage over pp, and ``loss.backward()`` sums
+    tokens weighs less, as one device's mean over the whole batch counts it. After the schedule: the loss is
+    broadcast from the last stage over pp, and ``loss.backward()`` sums
     the gradients over the plan's buckets (dp / tp axes) and, for parameters held on several pp ranks (tied
     embeddings), over those ranks.
     ZeRO-1 (``plan.zero_buckets``; Megatron's distributed optimizer): the parameters are stored as flat shards (the

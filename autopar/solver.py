@@ -392,7 +392,7 @@ def held_output(problem: Problem, k: int, spec: Spec, sizes: tuple[int, ...]) ->
     (``return y, y.view(-1)``: one tensor). A scalar (the loss): none counted, its few bytes beside the
     activations' megabytes."""
     u, m = problem.outputs[k]
-    root = problem.output_roots[k] if k < len(problem.output_roots) else u
+    root = problem.output_roots[k]
     if m.ndim == 0 or problem.saved.get(u, (False, 0))[0] or problem.saved.get(root, (False, 0))[0] \
             or root in problem.output_roots[:k]:
         return 0.0

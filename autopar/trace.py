@@ -67,6 +67,7 @@ import itertools
 import operator
 import os
 import re
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -178,15 +179,6 @@ def _module_frames(exc: BaseException, model: torch.nn.Module) -> list[tuple[str
     return out
 
 
-def _traceback_files(exc: BaseException) -> list[str]:
-    """The file of every frame in ``exc``'s traceback, outermost first."""
-    out, tb = [], exc.__traceback__
-    while tb is not None:
-        out.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    return out
-
-
 def _export(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
     try:
         return torch.export.export(model, args, strict=False)
@@ -206,7 +198,7 @@ def _export(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
         # (a guard on a value can also fail inside torch's symbolic shapes with a message of its own, such as
         # "unsupported operand type(s) for -: 'Equality' and 'Equality'": its frames say what it was)
         data_dependent = ("data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
-                          or any(f.endswith(("sym_node.py", "symbolic_shapes.py")) for f in _traceback_files(e)))
+                          or any(f.filename.endswith(("sym_node.py", "symbolic_shapes.py")) for f in traceback.extract_tb(e.__traceback__)))
         fix = (
             "Python control flow that depends on tensor values (if/while on a tensor) cannot be captured: "
             "express it with torch.cond or torch.where, or make it depend on shapes only."

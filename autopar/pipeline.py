@@ -54,8 +54,8 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, fmt_bytes
 from autopar.solver import (Pin, ZeroPin, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients, solve,
                             zero_groups)
-from autopar.spec import Replicate, Spec, Strategy
-from autopar.trace import INPUT, PARAM, TracedGraph, trace
+from autopar.spec import Replicate, Shard, Spec, Strategy
+from autopar.trace import INPUT, PARAM, CountedTokens, TracedGraph, counted_tokens, trace
 from autopar.zero import ZeroOption, effective, optimizer_time, param_cost, pipeline_held, pipeline_sync_priced, shard_factor
 
 MAX_MICROBATCH_CANDIDATES = 6
@@ -128,8 +128,15 @@ def _inner_pins(pins: list, mesh: Mesh, axis: int) -> list:
                 raise ShardingError(f"pin {pin.target} -> {pin.spec}: tensors are never split on the pipeline axis {mesh.names[axis]}; use R there")
             inner = [Spec(tuple(q for a, q in enumerate(sp.placements) if a != axis) or (Replicate(),)) for sp in parts]
             out.append(Pin(pin.target, str(Strategy(tuple(inner[:-1]), inner[-1])) if specs is not None else str(inner[0])))
-        else:
+        elif all(len(sp.placements) == max(mesh.ndim - 1, 1) for sp in parts):
             out.append(pin)
+        else:  # (said here once: the search would say it for every microbatch count, as if the count were why)
+            rest = [n for a, n in enumerate(mesh.names) if a != axis]
+            if not rest:
+                raise ShardingError(f"pin {pin.target} -> {pin.spec}: {mesh} has one axis, the pipeline's, on which tensors are "
+                                    "never split: write R")
+            raise ShardingError(f"pin {pin.target} -> {pin.spec}: write one placement per axis of {mesh} ({', '.join(mesh.names)}; "
+                                f"R on {mesh.names[axis]}), or of the mesh a stage runs on ({', '.join(rest)})")
     return out
 
 
@@ -846,6 +853,20 @@ def _schedules(pin: PipelinePin, p: int, m: int, L: int, U: int) -> tuple[list[t
     return out, why
 
 
+def token_count_axes(input_spec: Spec, counted: CountedTokens | None, skip: int | None = None) -> tuple[int, ...] | None:
+    """The axes over which a pipeline all-reduces its microbatches' counts of tokens each step (m fp64 numbers):
+    those that split the inputs (but ``skip``, the pp axis), where the loss is a mean over the tokens its targets
+    count (``trace.counted_tokens``); None where the microbatches weigh 1/m: another loss, or a shifted target on a
+    split sequence (a shift counts at each rank's edge). The runtime weighs (``runtime._PipelineRun._weights``) and
+    the plan prices (``plan_pipeline``) from this one answer."""
+    if counted is None:
+        return None
+    axes = tuple(a for a, pl in enumerate(input_spec.placements) if isinstance(pl, Shard) and a != skip)
+    if {input_spec.placements[a].dim for a in axes} - {0} and not counted.same:
+        return None
+    return axes
+
+
 def slice_batch(args: tuple, rows: int) -> tuple:
     """The first ``rows`` rows of every batched input; rows repeated where the batch has fewer (the cluster screen
     profiles two and four rows whatever the global batch)."""
@@ -1128,6 +1149,13 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
     for pname, rs, nbytes in ev.tied:  # a tied parameter's gradient summed over the pp ranks holding it (``tied_sync``)
         cols.append(Collective("all_reduce", mesh.names[axis], int(nbytes), "backward", f"grads[{tg.fqns[pname]}]({mesh.names[axis]})",
                                collective_time("all_reduce", nbytes, len(rs), link)))
+    # a loss that is a mean over counted tokens: each step counts its microbatches' tokens (m fp64 numbers) summed over
+    # the axes splitting the inputs, before the schedule starts (``runtime._PipelineRun._weights``)
+    counts = []
+    for a in token_count_axes(inner_plan.input_spec, counted_tokens(tg)) or ():
+        t = collective_time("all_reduce", 8 * m, inner.sizes[a], inner.link(a))
+        counts.append(Collective("all_reduce", inner.names[a], 8 * m, "forward", "token counts", t))
+    cols.extend(counts)
     for st in ev.stages[:-1]:
         if st.send_bytes:
             cols.append(Collective("send", mesh.names[axis], st.send_bytes, "forward", f"stage {st.index} -> {st.index + 1}", send_time(st.send_bytes, link)))
@@ -1140,7 +1168,7 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
         for r in rs:
             per_rank[r] += wire_bytes("all_reduce", nbytes, len(rs))
     c = inner_plan.cost
-    step = ev.total
+    step = ev.total + sum(col.seconds for col in counts)
     # bytes each device sends: a collective runs on the ranks of the stage holding the op it serves (per
     # microbatch; a gradient bucket once per step, on the rank holding its block; the parameters outside the
     # blocks sit with the embedding's and the head's stages)
@@ -1174,6 +1202,9 @@ def _assemble(inner_plan: Plan, tg: TracedGraph, mesh: Mesh, axis: int, inner: M
             if tb:
                 cols.append(Collective("reduce_scatter", ax, nbytes, "backward", f"stage {st.index} gathers {value}", tb))
                 sent[st.rank][ax] += wire_bytes("reduce_scatter", nbytes, n) * m
+    for col in counts:  # (every rank counts)
+        for r in range(p):
+            sent[r][col.axis] += wire_bytes("all_reduce", col.bytes, inner.sizes[inner.names.index(col.axis)])
     comm_bytes = {n: max(sent[r][n] for r in range(p)) for n in mesh.names}
     comm_bytes[mesh.names[axis]] = max(per_rank)
     flops = c.model_flops * m

@@ -41,12 +41,13 @@ def _whole(axes) -> str:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective of a training step. ``where`` names what it serves, in one of four forms (the plan's JSON
+    """One collective of a training step. ``where`` names what it serves, in one of five forms (the plan's JSON
     keeps the text; the properties below are the one place that reads it): an edge ``consumer <- producer`` (a
     redistribution), a bucket ``grads[block](axes)`` or ``zeroN[block](axes)`` (data-parallel communication of a
     block's parameters; block ``rest`` / ``all`` for those outside the blocks, or a parameter's FQN), a pipeline
-    transfer ``stage i -> j``, or a node's name (what the op sends inside itself: a balanced causal attention's
-    swaps, ``CostModel.op_priced``)."""
+    transfer ``stage i -> j``, a node's name (what the op sends inside itself: a balanced causal attention's
+    swaps, ``CostModel.op_priced``), or ``token counts`` (a pipeline's counts of the tokens its loss averages over,
+    summed before the schedule: ``pipeline.token_count_axes``)."""
 
     kind: str
     axis: str

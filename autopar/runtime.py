@@ -31,7 +31,8 @@ from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.precision import cast_inputs
 from autopar.spec import Shard, Spec
-from autopar.trace import BUFFER, CONSTANT, INPUT, PARAM, TracedGraph
+from autopar.pipeline import token_count_axes
+from autopar.trace import BUFFER, CONSTANT, INPUT, PARAM, TracedGraph, counted_tokens
 
 
 def shard_of(full: torch.Tensor, spec: Spec, mesh: Mesh, rank: int, zero_axes: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -786,57 +787,6 @@ class _StageModule(nn.Module):
     __call__ = forward
 
 
-_SAME_ELEMENTS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.flatten.using_ints,
-                  _aten.alias.default, _aten.to.dtype, _aten.clone.default, _aten.contiguous.default, _aten.t.default,
-                  _aten.transpose.int, _aten.permute.default)
-
-
-def _counted_mean(tg: TracedGraph) -> "tuple | None":
-    """Where the graph's loss is one cross-entropy's mean over the tokens its targets count -- the trace's rewrite,
-    ``sum / (t != ignore_index).sum()``, perhaps scaled by a constant (``/ accumulation steps``) -- with ``t`` made
-    from user inputs alone (a view, a shift ``targets[:, 1:]``, a cast): (the program that makes ``t`` from those
-    inputs, their positions, their traced shapes, ``ignore_index``, whether that program keeps every element
-    where it was: views and casts alone); else None. A program that slices rows (dim 0) is not taken: a rank's
-    rows are counted with the other ranks' rows as ignored ones (``_PipelineRun._weights``)."""
-    out = next(n for n in tg.gm.graph.nodes if n.op == "output")
-    loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
-    while isinstance(loss, fx.Node) and loss.target in (_aten.div.Tensor, _aten.mul.Tensor) \
-            and not isinstance(loss.args[1], fx.Node):
-        loss = loss.args[0]  # (a constant scale: the same on every microbatch)
-    if not isinstance(loss, fx.Node) or loss.target != _aten.div.Tensor or not isinstance(loss.args[1], fx.Node):
-        return None
-    count = loss.args[1]
-    ne = count.args[0] if count.target == _aten.sum.default else None
-    if not isinstance(ne, fx.Node) or ne.target != _aten.ne.Scalar or not isinstance(ne.args[0], fx.Node):
-        return None
-    needed, todo = {}, [ne.args[0]]
-    while todo:  # everything ``t`` is made of: user inputs and ops on them alone
-        n = todo.pop()
-        if n.name in needed:
-            continue
-        if n.op == "placeholder" and n.name not in tg.user_inputs or n.op not in ("placeholder", "call_function"):
-            return None
-        if n.target == _aten.slice.Tensor and (n.args[1] if len(n.args) > 1 else 0) == 0:
-            return None
-        needed[n.name] = n
-        todo.extend(n.all_input_nodes)
-    g = fx.Graph()
-    env: dict = {}
-    inputs = []
-    for n in tg.gm.graph.nodes:  # (graph order: each node after its inputs)
-        if n.name not in needed:
-            continue
-        if n.op == "placeholder":
-            env[n] = g.placeholder(n.name)
-            inputs.append(tg.user_inputs.index(n.name))
-        else:
-            env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(env[ne.args[0]])
-    shapes = tuple(tuple(needed[tg.user_inputs[i]].meta["val"].shape) for i in inputs)
-    same = all(n.op == "placeholder" or n.target in _SAME_ELEMENTS for n in needed.values())
-    return fx.GraphModule(tg.gm, g), tuple(inputs), shapes, ne.args[1], same
-
-
 def _weighed(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A microbatch's loss times its weight; 0 where the weight is 0: a microbatch that counts no token has the
     mean 0/0, which weighs nothing in the step's loss (a product would carry its nan into it)."""
@@ -875,7 +825,8 @@ class _PipelineRun:
         self.axis = mesh.names.index(pp.axis)
         self.p = mesh.sizes[self.axis]
         self.ios = gm.stage_io
-        self.counted = _counted_mean(owner._tg)
+        self.counted = counted_tokens(owner._tg)
+        self.count_axes = token_count_axes(plan.input_spec, self.counted, self.axis)
         self.sequential = not dist.is_initialized() or _compat.in_local_tensor_mode() or dist.get_world_size() == 1
         S = len(self.ios)
         if self.sequential:
@@ -1090,15 +1041,13 @@ class _PipelineRun:
 
     def _weights(self, flat: list) -> torch.Tensor:
         """Each microbatch's weight in the step's loss (m of them, fp64): 1/m, or where the loss is a mean over
-        counted tokens (``_counted_mean``) its share of the step's, counted on every rank's rows (summed over the
+        counted tokens (``trace.counted_tokens``) its share of the step's, counted on every rank's rows (summed over the
         axes that split the inputs: each microbatch's count as its graph takes it, over those axes too)."""
         m = self.m
-        if self.counted is None:
+        if self.count_axes is None:
             return torch.full((m,), 1.0 / m, dtype=torch.float64)
-        targets, at, shapes, ignore, same = self.counted
-        split = {pl.dim for a, pl in enumerate(self.plan.input_spec.placements) if isinstance(pl, Shard) and a != self.axis}
-        if split - {0} and not same:  # a shift along a split sequence counts at each rank's edge: not taken
-            return torch.full((m,), 1.0 / m, dtype=torch.float64)
+        ct = self.counted
+        targets, at, shapes, ignore = ct.program, ct.inputs, ct.shapes, ct.ignore
 
         def traced(rows: torch.Tensor, shape: tuple) -> torch.Tensor:
             # a rank's part of a microbatch, in the traced microbatch's shape: the other ranks' rows (or tokens) as
@@ -1113,9 +1062,8 @@ class _PipelineRun:
         counts = torch.stack([(targets(*[traced(c[k], sh) for c, sh in zip(chunks, shapes)]) != ignore).sum()
                               for k in range(m)]).to(torch.float64)
         dm = self.mesh.to_device_mesh()
-        for a, pl in enumerate(self.plan.input_spec.placements):
-            if isinstance(pl, Shard) and a != self.axis:
-                counts = _compat.all_reduce_sum(counts, dm.get_group(self.mesh.names[a]).group_name)
+        for a in self.count_axes:
+            counts = _compat.all_reduce_sum(counts, dm.get_group(self.mesh.names[a]).group_name)
         total = counts.sum()
         # (no token counted: one device's mean is 0/0; each microbatch's own then, 1/m of it)
         return torch.where(total > 0, counts / total.clamp(min=1.0), torch.full_like(counts, 1.0 / m))

@@ -148,6 +148,69 @@ def requires_grad(tg: TracedGraph) -> dict[str, bool]:
     return rg
 
 
+# ops that leave every element of a tensor where it was (up to its shape and dtype): a count of its elements equal
+# to a value is the same on a rank's rows as on the traced microbatch's
+_SAME_ELEMENTS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                  aten.alias.default, aten.to.dtype, aten.clone.default, aten.contiguous.default, aten.t.default,
+                  aten.transpose.int, aten.permute.default)
+
+
+@dataclass(frozen=True)
+class CountedTokens:
+    """How a loss that is a mean over the tokens its targets count finds that count from the user's inputs."""
+
+    program: fx.GraphModule  # the user inputs ``inputs`` -> the tensor the loss compares with ``ignore``
+    inputs: tuple[int, ...]  # positions among the user's inputs
+    shapes: tuple[tuple[int, ...], ...]  # their traced shapes
+    ignore: int  # the ignore_index: elements equal to it are not counted
+    same: bool  # the program keeps every element where it was (views and casts alone: no shift)
+
+
+def counted_tokens(tg: TracedGraph) -> CountedTokens | None:
+    """Where the graph's loss is one cross-entropy's mean over the tokens its targets count -- the trace's rewrite,
+    ``sum / (t != ignore_index).sum()``, perhaps scaled by a constant (``/ accumulation steps``) -- with ``t`` made
+    from user inputs alone (a view, a shift ``targets[:, 1:]``, a cast): how to count them; else None. A program that
+    slices rows (dim 0) is not taken: a pipeline counts a rank's rows with the other ranks' rows as ignored ones
+    (``runtime._PipelineRun._weights``), and prices the counts' all-reduce (``pipeline.token_count_axes``)."""
+    out = next(n for n in tg.gm.graph.nodes if n.op == "output")
+    loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+    while isinstance(loss, fx.Node) and loss.target in (aten.div.Tensor, aten.mul.Tensor) \
+            and not isinstance(loss.args[1], fx.Node):
+        loss = loss.args[0]  # (a constant scale: the same on every microbatch)
+    if not isinstance(loss, fx.Node) or loss.target != aten.div.Tensor or not isinstance(loss.args[1], fx.Node):
+        return None
+    count = loss.args[1]
+    ne = count.args[0] if count.target == aten.sum.default else None
+    if not isinstance(ne, fx.Node) or ne.target != aten.ne.Scalar or not isinstance(ne.args[0], fx.Node):
+        return None
+    needed, todo = {}, [ne.args[0]]
+    while todo:  # everything ``t`` is made of: user inputs and ops on them alone
+        n = todo.pop()
+        if n.name in needed:
+            continue
+        if n.op == "placeholder" and n.name not in tg.user_inputs or n.op not in ("placeholder", "call_function"):
+            return None
+        if n.target == aten.slice.Tensor and (n.args[1] if len(n.args) > 1 else 0) == 0:
+            return None
+        needed[n.name] = n
+        todo.extend(n.all_input_nodes)
+    g = fx.Graph()
+    env: dict = {}
+    inputs = []
+    for n in tg.gm.graph.nodes:  # (graph order: each node after its inputs)
+        if n.name not in needed:
+            continue
+        if n.op == "placeholder":
+            env[n] = g.placeholder(n.name)
+            inputs.append(tg.user_inputs.index(n.name))
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[ne.args[0]])
+    shapes = tuple(tuple(needed[tg.user_inputs[i]].meta["val"].shape) for i in inputs)
+    same = all(n.op == "placeholder" or n.target in _SAME_ELEMENTS for n in needed.values())
+    return CountedTokens(fx.GraphModule(tg.gm, g), tuple(inputs), shapes, ne.args[1], same)
+
+
 def _grad_flags(gm: fx.GraphModule, trainable: set[str]) -> dict[str, bool]:
     """Node name -> whether its value needs a gradient: a trainable parameter, or a floating-point value computed
     from one other than through a detach (what a ``torch.no_grad()`` block computes: ``_inline_grad_regions``)."""

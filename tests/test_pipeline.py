@@ -452,6 +452,48 @@ def test_a_pipeline_weighs_each_microbatch_by_the_tokens_its_loss_counts(axes, p
     assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
 
 
+class _SummedLoss(torch.nn.Module):
+    """A loss that counts no tokens: a sum over a constant."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, targets):
+        logits = self.model(tokens)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / 1000
+
+
+def test_a_pipeline_prices_the_counts_its_loss_weighting_sums(monkeypatch):
+    """What the token weighting sends, the plan lists and prices: each step's m counts (fp64), all-reduced over each
+    axis that splits the inputs before the schedule starts (it ran unlisted and unpriced); none where the
+    microbatches weigh 1/m, as they do for a loss that counts no tokens."""
+    from autopar.cost import collective_time, wire_bytes
+    from autopar.pipeline import token_count_axes
+    from autopar.trace import counted_tokens, trace
+
+    mesh = autopar.Mesh({"pp": 2, "dp": 2, "tp": 2}, hardware="h100-80gb")
+    plans = {name: autopar.handwritten(model, mesh, _batch(8), "megatron-3d", microbatch_size=1) for name, model
+             in (("mean", _gpt(2)), ("sum", _SummedLoss(_gpt(2))))}
+    assert plans["mean"].pipeline.microbatches == 4
+    counts = [c for c in plans["mean"].collectives() if c.where == "token counts"]
+    dp = mesh.names.index("dp")
+    assert [(c.kind, c.axis, c.bytes, c.phase) for c in counts] == [("all_reduce", "dp", 8 * 4, "forward")], counts
+    assert counts[0].seconds == collective_time("all_reduce", 32, 2, mesh.link(dp)) > 0
+    assert not [c for c in plans["sum"].collectives() if c.where == "token counts"]
+    with monkeypatch.context() as mp:  # the same plan, its loss taken for one that counts nothing
+        mp.setattr(autopar.pipeline, "counted_tokens", lambda tg: None)
+        unweighted = autopar.handwritten(_gpt(2), mesh, _batch(8), "megatron-3d", microbatch_size=1)
+    assert plans["mean"].cost.step_time == pytest.approx(unweighted.cost.step_time + counts[0].seconds, rel=1e-12)
+    assert plans["mean"].cost.comm_bytes["dp"] == unweighted.cost.comm_bytes["dp"] + wire_bytes("all_reduce", 32, 2)
+    # the runtime asks the same function: a sequence split counts too, unless the targets are shifted along it
+    plain, shifted = counted_tokens(trace(_gpt(2), _batch(8))), counted_tokens(trace(_ShiftedLoss(_gpt(2)), _batch(8)))
+    seq = autopar.Spec.parse("S(0)RS(1)")
+    assert token_count_axes(seq, plain, skip=1) == (0, 2) and token_count_axes(seq, shifted, skip=1) is None
+    assert token_count_axes(autopar.Spec.parse("S(0)RR"), shifted, skip=1) == (0,)
+    assert counted_tokens(trace(_SummedLoss(_gpt(2)), _batch(8))) is None and token_count_axes(seq, None) is None
+
+
 @pytest.mark.parametrize("name,axes,pin", [
     ("gpt", {"dp": 2, "pp": 2}, PipelinePin("1f1b", 2)),
     ("llama", {"dp": 2, "pp": 2, "tp": 2}, PipelinePin("interleaved", 4, 2)),
@@ -858,3 +900,15 @@ def test_a_pipeline_plan_takes_a_strategy_pinned_as_explain_lists_it():
     other = next(s for s, _t, _m in n.alternatives if s != str(n.strategy) and "->" in s)
     pinned = autopar.plan(model, mesh, x, constraints=[autopar.Pin(n.path, other)])
     assert str(pinned.nodes[n.name].strategy) == other
+
+
+def test_a_pin_with_the_wrong_number_of_placements_is_refused_once_with_both_forms():
+    """A pin on a pipeline mesh takes one placement per axis of the whole mesh (R on pp) or of the mesh a stage runs
+    on. Any other length was refused inside the search, for each microbatch count, under a hint about microbatch
+    rows that had nothing to do with it."""
+    mesh = autopar.Mesh({"pp": 2, "dp": 2, "tp": 2}, hardware="h100-80gb")
+    with pytest.raises(autopar.ShardingError, match=r"^pin h\.0\.mlp\.\* -> R: write one placement per axis of pp=2 x dp=2 x tp=2 .*"
+                                                    r"\(pp, dp, tp; R on pp\), or of the mesh a stage runs on \(dp, tp\)$"):
+        autopar.plan(_gpt(2), mesh, _batch(8), constraints=[PipelinePin("1f1b", 4), autopar.Pin("h.0.mlp.*", "R")])
+    with pytest.raises(autopar.ShardingError, match="has one axis, the pipeline's, on which tensors are never split: write R$"):
+        autopar.plan(_gpt(2), autopar.Mesh({"pp": 2}), _batch(8), constraints=[autopar.Pin("h.0.mlp.*", "RR")])

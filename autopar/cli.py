@@ -315,7 +315,30 @@ def cmd_main(_args) -> int:
     return cmd_demo(argparse.Namespace(nproc=4, steps=5))
 
 
+class Refused(SystemExit):
+    """Bad command-line input, refused before anything ran: the message is printed to stderr, the exit status is 2,
+    as for argparse's own refusals and autopar's errors (``SystemExit(message)`` alone exits 1)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line: 0 done, 2 refused (bad input: the message says what and how to fix it)."""
+    try:
+        return _main(argv)
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            raise Refused(e.code) from None
+        raise
+
+
+def _main(argv: list[str] | None) -> int:
     from autopar.demo import DEMO_BATCH
     from autopar.hardware import PRESETS
 

@@ -42,6 +42,9 @@ def test_bad_command_line_input_is_a_clear_message_not_a_traceback(capsys):
         with pytest.raises(SystemExit) as e:
             main(["plan", "gpt-tiny", *argv])
         assert says in str(e.value), (argv, str(e.value))
+        # exit status 2 as argparse's refusals and autopar's errors (a SystemExit with a message exited 1), the
+        # message on stderr
+        assert e.value.code == 2 and says in capsys.readouterr().err
     for spec, says in (("autopar_no_such_module:make", "ModuleNotFoundError"), ("os:no_such_callable", "AttributeError")):
         with pytest.raises(SystemExit) as e:
             main(["plan", spec, "--mesh", "dp=2"])

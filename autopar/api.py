@@ -8,6 +8,7 @@ Out: a Plan, or a ParallelModule ready to train on this rank. The user's model i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 import warnings
@@ -150,6 +151,20 @@ def _split_pins(constraints) -> tuple[list, PipelinePin | None]:
     return _pins(dict(rest) if isinstance(constraints, dict) else rest), (pipes[0] if pipes else None)
 
 
+def _device_mesh(model: torch.nn.Module, mesh: Mesh) -> None:
+    """Build the mesh's DeviceMesh on the device the model's weights are on (by default the process group's:
+    ``mesh.backend_device_type``), refusing a model on a device its backend cannot move."""
+    import torch.distributed as dist
+
+    devices = {t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
+    device = next(iter(devices)) if len(devices) == 1 else None
+    if dist.is_initialized() and device == "cpu" and str(dist.get_backend()).lower() == "nccl":
+        raise AutoparError("the model's weights are on the cpu, but the process group's backend is nccl, which moves CUDA "
+                           f"tensors alone (rank {dist.get_rank()}): move the model to this rank's GPU before parallelize "
+                           "(model.to(f\"cuda:{os.environ['LOCAL_RANK']}\")), or init_process_group(\"gloo\") to run on the cpu")
+    mesh.to_device_mesh(device)
+
+
 def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory_budget: float | None = None, constraints=(),
                 recompute: str = "none", mixed_precision: MixedPrecision | None = None) -> ParallelModule:
     """Plan (or take ``plan``), rewrite the model into this rank's program, and wrap it in a ParallelModule.
@@ -179,9 +194,9 @@ def parallelize(model, mesh, example_inputs, *, plan: Plan | None = None, memory
                           "hides data-parallel communication); autopar's runtime does none of these, so a plan priced "
                           "with them would not be what runs. Plan with it (autopar.plan) to price that runtime, or "
                           "parallelize on hardware.autopar_runtime()")
-    mesh.to_device_mesh()  # checks the process group and its world size before any work
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AutoparError("parallelize needs the model's real weights (it is on the meta device); build it on cpu, or use autopar.plan to plan only")
+    _device_mesh(model, mesh)  # checks the process group and its world size before any work
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     user_model, model, args = model, compute_twin(model, mp), cast_inputs(args, mp)
     pins, pipe = _split_pins(constraints)

@@ -169,8 +169,9 @@ class Mesh:
         mesh._device_mesh = device_mesh
         return mesh
 
-    def to_device_mesh(self, device_type: str = "cpu"):
-        """The torch DeviceMesh of this mesh (built once, on the default process group)."""
+    def to_device_mesh(self, device_type: str | None = None):
+        """The torch DeviceMesh of this mesh (built once, on the default process group), on ``device_type``; by
+        default the one the process group's backend moves (``backend_device_type``)."""
         if self._device_mesh is not None:
             return self._device_mesh
         import torch.distributed as dist
@@ -187,5 +188,15 @@ class Mesh:
                 f"mesh {self} has {self.size} device{'s' if self.size != 1 else ''} but the process group has world size {world} "
                 f"(rank {dist.get_rank()}); launch {self.size} processes or change the axis sizes so they multiply to {world}"
             )
-        self._device_mesh = init_device_mesh(device_type, self.sizes, mesh_dim_names=self.names)
+        self._device_mesh = init_device_mesh(device_type or backend_device_type(), self.sizes, mesh_dim_names=self.names)
         return self._device_mesh
+
+
+def backend_device_type() -> str:
+    """The device type the default process group's collectives move: cuda where its backend has NCCL (alone, or
+    beside gloo as ``init_process_group()`` makes it on a machine with GPUs) and a GPU is there; else cpu (gloo, the
+    fake backend). NCCL takes CUDA tensors alone: a DeviceMesh on cpu would send it CPU tensors."""
+    import torch
+    import torch.distributed as dist
+
+    return "cuda" if "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available() else "cpu"

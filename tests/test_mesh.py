@@ -60,3 +60,38 @@ def test_device_mesh_both_ways():
         assert back == m
         with pytest.raises(autopar.MeshError, match="world size 4"):
             autopar.Mesh({"tp": 8}).to_device_mesh()
+
+
+def test_the_device_mesh_is_on_the_device_the_backend_and_the_model_use(monkeypatch):
+    """NCCL moves CUDA tensors alone: under an nccl process group (alone, or beside gloo as init_process_group()
+    makes it on a machine with GPUs) the DeviceMesh is on cuda, where it was always on cpu (the runtime's plan check
+    and pipeline stages then handed NCCL CPU tensors); parallelize puts it on the model's device, and refuses a model
+    on the cpu under NCCL alone, saying what to move."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    from autopar.mesh import backend_device_type
+
+    made = []
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda device_type, sizes, mesh_dim_names: made.append(device_type) or object())
+    with fake_world(2):
+        assert backend_device_type() == "cpu"  # (the fake backend, as gloo)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        for backend, device in (("cpu:gloo,cuda:nccl", "cuda"), ("nccl", "cuda"), ("gloo", "cpu")):
+            monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+            assert backend_device_type() == device
+            autopar.Mesh({"dp": 2}).to_device_mesh()
+            assert made.pop() == device
+        autopar.Mesh({"dp": 2}).to_device_mesh("cpu")  # the caller's choice stands
+        assert made.pop() == "cpu"
+        model = torch.nn.Linear(4, 4)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        with pytest.raises(autopar.AutoparError, match=r"the model's weights are on the cpu, but the process group's "
+                                                       r"backend is nccl.*rank 0\): move the model to this rank's GPU"):
+            autopar.parallelize(model, autopar.Mesh({"dp": 2}), (torch.randn(4, 4),))
+        assert not made
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+        with pytest.raises(Exception):  # (the DeviceMesh stub builds nothing: what matters is which it was asked for)
+            autopar.parallelize(model, autopar.Mesh({"dp": 2}), (torch.randn(4, 4),))
+        assert made == ["cpu"]

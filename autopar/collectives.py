@@ -774,13 +774,16 @@ class _Zero3BlockLinear(torch.autograd.Function):
     """``linear(x, w, b)`` with ``w`` the bucket's gathered weight ``i``, not saved: backward reads it from the
     bucket, which gathers the bucket's weights again for the first of its linears there. In a recomputed block
     (``keep``) the weight is saved: the checkpoint drops it after forward, and the block's recomputation -- which
-    finds the bucket gathered again (``before_backward``) -- saves it for backward."""
+    finds the bucket gathered again (``before_backward``) -- saves it for backward. As aten's linear, it keeps
+    ``x`` only for a weight that takes a gradient, and the weight only for an ``x`` that does (fine-tuning's
+    frozen layers kept every input: the cost model, pricing aten's, left them out)."""
 
     @staticmethod
     def forward(ctx, x, token, b, block, i, keep, last):
         w = block.weight(i, "forward")
         ctx.block, ctx.i, ctx.keep, ctx.has_b = block, i, keep, b is not None
-        ctx.save_for_backward(*((x, w) if keep else (x,)))
+        ctx.wgrad = block.shards[i].requires_grad  # a frozen weight takes no gradient
+        ctx.save_for_backward(x if ctx.wgrad else None, w if keep and ctx.needs_input_grad[0] else None)
         out = torch.nn.functional.linear(x, w, b)
         if last:
             block.release()
@@ -788,13 +791,13 @@ class _Zero3BlockLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        x, *kept = ctx.saved_tensors
+        x, kept = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:  # (a linear whose input needs no gradient reads no weight in backward)
-            w = kept[0] if ctx.keep else ctx.block.weight(ctx.i, "backward")
+            w = kept if ctx.keep else ctx.block.weight(ctx.i, "backward")
             gx = g @ w
         g2 = g.reshape(-1, g.shape[-1])
-        if ctx.block.shards[ctx.i].requires_grad:  # a frozen weight takes no gradient
+        if ctx.wgrad and ctx.block.shards[ctx.i].requires_grad:
             ctx.block.add_grad(ctx.i, g2.t() @ x.reshape(-1, x.shape[-1]))
         gb = g2.sum(0) if ctx.has_b and ctx.needs_input_grad[2] else None
         return gx, g.new_zeros(0), gb, None, None, None, None

@@ -117,8 +117,27 @@ def test_frozen_parameters_are_sharded_by_zero3_alone_and_reduce_nothing(case, s
     with fake_world(mesh.size), _compat.local_tensor_mode(mesh.size):
         pm = autopar.parallelize(model(), mesh, _inputs(), constraints=[autopar.ZeroPin("*", stage)])
         with collectives.record() as log:
-            pm(*pm.local_inputs(*_inputs())).backward()
+            loss = pm(*pm.local_inputs(*_inputs()))
+            # what a ZeRO-3 linear keeps for backward, as aten's linear keeps it: its input only for a weight that
+            # takes a gradient (a frozen layer's every input was kept, unpriced), its weight only for an input that does
+            kept, todo, seen = [], [loss.grad_fn], set()
+            while todo:
+                fn = todo.pop()
+                if fn is None or fn in seen:
+                    continue
+                seen.add(fn)
+                if type(fn).__name__ == "_Zero3BlockLinearBackward":
+                    x, w = fn.saved_tensors
+                    kept.append((fn.block.shards[fn.i].requires_grad, x is not None, fn.needs_input_grad[0], w is not None))
+                todo.extend(f for f, _ in fn.next_functions)
+            loss.backward()
         held = {k: (p.numel(), p.requires_grad, p.grad) for k, p in pm.named_parameters()}
+    if stage == 3:
+        # (no recomputation here: no weight is kept, backward gathers it again)
+        assert kept and all(x == trained and not w for trained, x, _needs, w in kept), kept
+        # (llama-first's frozen layer has no backward: its linears are not in the graph; gpt-layers' head is tied to
+        # its trained embedding)
+        assert {trained for trained, *_ in kept} == ({True} if case == "llama-first" else {False, True}), kept
     for k, (numel, trainable, grad) in held.items():
         assert trainable == (not frozen(k)) and (grad is None) == frozen(k), k
         assert numel == (full[k] if frozen(k) and stage == 1 else full[k] // 4), (k, stage)

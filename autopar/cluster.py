@@ -423,10 +423,12 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         regen = max(regen, held)
     temps = step_temporaries(stepped, mesh.hardware.optimizer_kernel, stepped_copies)
     stepped_all = sum(s * c for s, c in zip(stepped, stepped_copies))  # the gradients the step reads
+    if c.recompute == "full" and L:  # a recomputed block's bucket, gathered again beside its recomputation (``planner``)
+        bucket3[True] += regen * bool(bucket3[True])
     transient = max(transient, *bucket3.values(), *bucket0.values())
     step = step_time(compute, comm, deferred, mesh.hardware)
     # (as backward starts, the loss's gradient: ``solver.loss_gradients``)
-    memory = peak_memory(state, grad, act, transient, max(transient, regen, sum(uc.start)), stepped_all + temps)
+    memory = peak_memory(state, grad, act, max(transient, regen), max(transient, regen, sum(uc.start)), stepped_all + temps)
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
 
 

@@ -77,7 +77,8 @@ nodes v, strategies s:
   ``Problem.sync_weight[g]`` (a pipeline's stage problem prices one microbatch: 1 / (m + p - 1), p times that for
   the embedding's and head's group, which one rank syncs whole).
 - Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
-  block's backward runs its activations are back: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``.
+  block's backward runs its activations are back -- the last block's beside the kept activations, the first's
+  beside the gradients: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``, and ``transient_g >=`` the same.
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
   (time includes followers, their forced redistributions, folded parameters, and the runtime's gradient and
   parameter copies and the optimizer's step, which run on the compute stream; times in milliseconds, memory in MB) + D, the data-parallel
@@ -125,7 +126,7 @@ from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph, requires_grad
 from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, deferred_latency, effective, grad_bucket, grad_spec, frozen, group_latency, param_cost,
-                          zero3_traffic, zero3_transient, zero3_uses, zero_axes, zero_options)
+                          linear_weight_users, zero3_traffic, zero3_transient, zero3_uses, zero_axes, zero_options)
 
 
 def gc_paused(fn):
@@ -1265,6 +1266,7 @@ def solve(
     # are freed), and so does a ZeRO-3 bucket gathered again in backward (both peaks)
     top_g = model.var(0.0, inf)  # transient_g
     top_a = model.var(0.0, inf)  # transient_a
+    zero3_rows: dict[str, list] = {}  # group -> its ZeRO-3 transients' (peak, form)s: a recomputed block's meet its regen
     for g in zvar:
         for kind in (0, 1, 2):
             expr = [(buck[k][kind] * MB, ind[(r, s, gg, k)]) for (r, s, gg), buck in tbucket.items() if gg == g and x[r][s] is not None
@@ -1272,10 +1274,28 @@ def solve(
             if expr:
                 form = [(-c * cf, v) for c, f in expr for cf, v in f]
                 add_row(0.0, inf, [(1.0, top_a if kind == 2 else top_g)] + form)
+            three = [(buck[k][kind] * MB, ind[(r, s, gg, k)]) for (r, s, gg), buck in tbucket.items() if gg == g and x[r][s] is not None
+                     for k in range(len(zopts)) if zopts[k].stage == 3 and buck[k][kind] and (r, s, gg, k) in ind]
+            if kind and three:
+                zero3_rows.setdefault(g, []).append((top_a if kind == 2 else top_g, [(-c * cf, v) for c, f in three for cf, v in f]))
+    graph_nodes = tg.nodes if zero3_rows else {}
+
+    def recomputed_group(g: str) -> bool:
+        users = [u.name for n, (gg, _c) in zgroups.items() if gg == g for u in linear_weight_users(graph_nodes[n])
+                 if P_.requires_grad.get(u.name)]
+        return bool(users) and all(u in cost.recompute for u in users)
     # recomputation: while one block's backward runs, what its forward kept not is alive again (blocks are tied:
     # the first stands for all)
-    if any(any(row) for row in regen.values()):
-        add_row(0.0, inf, [(1.0, top_a)] + [(-regen[r][s] * MB, xv) for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]])
+    if any(any(row) for row in regen.values()):  # the last block's as backward starts, the first's as it ends
+        form = [(-regen[r][s] * MB, xv) for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]]
+        add_row(0.0, inf, [(1.0, top_a)] + form)
+        add_row(0.0, inf, [(1.0, top_g)] + form)
+        # a recomputed block's ZeRO-3 bucket, gathered again as its backward starts, beside what its recomputation
+        # brings back (``price``: a bucket whose linears with a backward are all recomputed)
+        for g, bucket_rows in zero3_rows.items():
+            if recomputed_group(g):
+                for top, bform in bucket_rows:
+                    add_row(0.0, inf, [(1.0, top)] + bform + form)
     # the optimizer's step, after backward (the buckets gone): the gradients a rank stores (what it steps) and the
     # step's temporaries (``cost.step_temporaries``), one list of all it steps ("foreach"), or per parameter two of
     # it beside the one before's ("for-loop"), on the (strategy, option) indicators; tied copies' terms merge on

@@ -261,7 +261,7 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
         if 0 < first < U - 2:
             continue  # a parameter of a proxy block other than the template (the last): the template stands for all
         unit = 0 if first == 0 else 1 if first == U - 2 else 2
-        params[n] = (unit, problem.grad_spec(n, choice.strategy.__getitem__), problem.meta[n], zero3_uses(tg, n))
+        params[n] = (unit, problem.grad_spec(n, choice.strategy.__getitem__), problem.meta[n], zero3_uses(tg, n, problem.zero3_kept))
     template = tg.blocks[-1].fqn + "." if tg.blocks else None
     attention = []
     nodes = tg.nodes

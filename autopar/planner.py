@@ -197,7 +197,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         """A parameter's (gradient Spec, frozen, ZeRO option, ZeroCost) under its group's ZeRO stage, the
         strategies given by ``strategy_of`` (the solver's options price parameters at ZeRO-0)."""
         spec = problem.grad_spec(name, strategy_of)  # whole where its gradient is
-        uses = zero3_uses(tg, name)
+        uses = zero3_uses(tg, name, problem.zero3_kept)
         cold = frozen(uses)  # no gradient: ZeRO-3 shards it, nothing else touches it
         opt = effective(choice.zero.get(zgroups[name][0], ZeroOption(0)), spec, mesh, cold)
         return spec, cold, opt, param_cost(opt, spec, problem.meta[name], mesh, uses=uses)

@@ -188,6 +188,9 @@ class Problem:
     timings: dict[str, float] = field(default_factory=dict)
     saved: dict[str, tuple[bool, int]] = field(default_factory=dict)  # op -> (a backward keeps its output, bytes it keeps itself)
     saved_in: frozenset = frozenset()  # (op, tensor input slot) whose value the op's backward keeps
+    # parameters whose whole value an op not recomputed keeps for its backward, other than as a linear's weight
+    # (``zero3_kept``): gathered once under ZeRO-3, that copy lives to backward (``zero.param_cost``)
+    zero3_kept: frozenset = frozenset()
     # parameter group (``zero_groups``) -> the weight of its gradient and ZeRO communication (and the runtime's
     # copies around it) against the graph's compute (1 where absent). A pipeline's stage problem prices one
     # microbatch, and its groups sync once a step
@@ -514,6 +517,23 @@ def expert_dims(tg: TracedGraph) -> dict[str, int]:
     return out
 
 
+def zero3_kept(tg: TracedGraph, nodes: list[fx.Node], saved_in: frozenset, cost: CostModel) -> frozenset:
+    """The parameters whose whole value some op keeps for its backward (``saved_in``, through views) other than a
+    linear taking it as its weight (ZeRO-3 runs those keeping nothing: ``collectives.zero3_block_linear``), where
+    that op is not recomputed (a recomputed block's checkpoint drops what it kept): a bmm over a stack of experts,
+    a norm's weight. Under ZeRO-3 the copy such a parameter is gathered into lives from forward to backward."""
+    by_name = {n.name: n for n in nodes}
+    out = set()
+    for op, i in saved_in:
+        node = by_name.get(op)
+        if node is None or cost.recompute.get(op, "none") != "none":  # (in a checkpointed block)
+            continue
+        root = _storage_root(tensor_inputs(node)[i])
+        if root.op == "placeholder" and tg.kinds.get(root.name) == "param" and node not in linear_weight_users(root):
+            out.add(root.name)
+    return frozenset(out)
+
+
 def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     t0 = time.perf_counter()
     sizes = mesh.sizes
@@ -642,6 +662,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
                       [_output_specs(m, sizes, first_meta, first_specs) for _, m in outputs], tg.rep, main_slot, folded_use,
                       direct_use, saved={n: (saved_out.get(n, False), internal.get(n, 0)) for n in order}, saved_in=saved_in,
                       output_roots=output_roots)
+    problem.zero3_kept = zero3_kept(tg, graph_nodes, saved_in, cost)
     if "loss_backward" not in tg.memo:  # the graph's own fact, like what its ops keep
         tg.memo["loss_backward"] = _loss_backward(problem, {n.name: n for n in graph_nodes}, rg)
     problem.loss_backward = tg.memo["loss_backward"]
@@ -985,7 +1006,7 @@ def solve(
             zfacts[key] = (base.memory_bound, base.comm, base.deferred, b, bool(grad_sync_axes(spec, mesh)) and not cold, per)
         return zfacts[key]
 
-    zuses = {n: zero3_uses(tg, n) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
+    zuses = {n: zero3_uses(tg, n, P_.zero3_kept) for n in zgroups}  # how ZeRO-3 would gather each parameter, as the plan emits it
     hides = reduction_hides(tg, P_.order)
     sync_w = lambda g: P_.sync_weight.get(g, 1.0)  # noqa: E731
     # (decision, strategy, group, option) -> the gradient buckets its parameters land in (``grad_bucket``)

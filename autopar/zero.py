@@ -185,7 +185,7 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
         n = shard_factor(opt, mesh)
         gathers, _ = zero3_traffic(uses)  # each gather writes the whole parameter once
         comm = sum(gathers * bw("all_gather", b, a) for a in opt.shard_axes)
-        return ZeroCost(m * e / n, 0.0, 0.0, zero3_transient(b, copies, uses), comm, gathers * b / hbm)
+        return ZeroCost(m * e / n, b * zero3_held(uses), 0.0, zero3_transient(b, copies, uses), comm, gathers * b / hbm)
 
     # the runtime's own copies, at memory bandwidth: a bucket is flattened and its gradients cut out again (stage
     # 0); gathered buckets are cut into parameters, and reduce-scattered ones flattened (stages 1-2); a ZeRO-3
@@ -215,7 +215,16 @@ def param_cost(opt: ZeroOption, spec: Spec, meta: TensorMeta, mesh: Mesh, copies
     # one bucket (a group copy) at a time: its gathered weights and their gradients, or those and the flat buffer
     # they are reduce-scattered from once the weights are dropped; and, a linear's weight of a group of several
     # copies, the copy before's gathered ahead for its backward (``ZeroBucket.prefetch``)
-    return ZeroCost(3 * m * e / n, 0.0, m * e / n, zero3_transient(b, copies, uses, rf), comm, busy, step, stepped=m * e / n)
+    # (and a gathered copy that lives to backward: ``zero3_held``)
+    return ZeroCost(3 * m * e / n, b * zero3_held(uses), m * e / n, zero3_transient(b, copies, uses, rf), comm, busy, step,
+                    stepped=m * e / n)
+
+
+def zero3_held(uses: tuple[str, ...]) -> bool:
+    """Whether a ZeRO-3 parameter's gathered copy lives from forward to backward (``zero3_uses``): the head's weight
+    its bucket keeps ("kept"), or one an op keeps for its backward ("saved": a stack of experts a bmm reads, a
+    norm's weight). Left out, the Mixtral's peak on 2 gloo ranks was 10% over its price."""
+    return "kept" in uses or "saved" in uses
 
 
 def zero3_transient(b: float, copies: int, uses: tuple[str, ...], rf: float = 1.0) -> float:
@@ -378,28 +387,30 @@ def linear_weight_users(node) -> list:
     return [u for u in node.users if u.target == linear and len(u.args) > 1 and u.args[1] is node and u.args[0] is not node]
 
 
-def zero3_uses(tg, name: str) -> tuple[str, ...]:
+def zero3_uses(tg, name: str, kept: frozenset = frozenset()) -> tuple[str, ...]:
     """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's weight, ``linear_weight_users``:
     gathered for the op and again in backward, never kept), "kept" (such a linear outside the repeated blocks, when
     forward's last linear-weight use is one: ``kept_to_backward``), "forward" (such a linear with no backward: a
-    frozen weight whose input needs no gradient, as in a frozen first layer) or "other" (gathered once; autograd may
-    keep it); led by "frozen" for a parameter that takes no gradient (``requires_grad`` False: nothing to reduce,
-    no optimizer state). Read off the graph once per traced graph (``tg.memo``): the solver asks for every parameter
-    of every ILP it builds."""
+    frozen weight whose input needs no gradient, as in a frozen first layer), "saved" (gathered once, and autograd
+    keeps the gathered copy to backward: a parameter in ``kept``, ``solver.zero3_kept``) or "other" (gathered once);
+    led by "frozen" for a parameter that takes no gradient (``requires_grad`` False: nothing to reduce, no
+    optimizer state). Read off the graph once per traced graph and ``kept`` (``tg.memo``): the solver asks for
+    every parameter of every ILP it builds."""
     from autopar.trace import requires_grad
 
-    table = tg.memo.get("zero3_uses")
+    table = tg.memo.get(("zero3_uses", kept))
     if table is None:
         table = {}
-        kept = kept_to_backward(tg)
+        head = kept_to_backward(tg)
         rg = requires_grad(tg)
         for node in tg.gm.graph.nodes:
             if node.op == "placeholder":
                 weights = linear_weight_users(node)
-                linear = "kept" if node.name in kept else "linear"
-                uses = tuple((linear if rg.get(u.name) else "forward") if u in weights else "other" for u in node.users)
+                linear = "kept" if node.name in head else "linear"
+                other = "saved" if node.name in kept else "other"
+                uses = tuple((linear if rg.get(u.name) else "forward") if u in weights else other for u in node.users)
                 table[node.name] = uses if node.name in tg.trainable or tg.kinds.get(node.name) != "param" else ("frozen",) + uses
-        tg.memo["zero3_uses"] = table
+        tg.memo["zero3_uses", kept] = table
     return table[name]
 
 

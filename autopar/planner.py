@@ -179,8 +179,12 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     state = grad = 0.0
     act = sum(kb for _, kb in kept_values(problem, strategy, cost).values())  # redistributed values backward keeps
     # and the outputs the caller holds into backward (a model's logits, read by a loss computed outside it)
-    act += sum(held_output(problem, k, spec, mesh.sizes) for k, spec in enumerate(choice.output_specs))
-    transient = t_act = 0.0  # one-at-a-time buffers of the gradient peak, and of the activation peak
+    held = sum(held_output(problem, k, spec, mesh.sizes) for k, spec in enumerate(choice.output_specs))
+    act += held
+    # one-at-a-time buffers of the gradient peak, and of the activation peak: the caller's loss starts backward with
+    # two gradients of what it read (a cross-entropy's: of its log-probabilities and of the logits, as the graph's
+    # own loss does, ``solver.loss_gradients``; left out, a GPT's logits handed out peaked at twice their price)
+    transient, t_act = 0.0, 2 * held
     busy_time = 0.0  # memory-bound work on the compute stream: the runtime's copies around gradient and parameter
     # communication, and the optimizer's step (``ZeroCost.memory_bound``)
     optimizer_time = 0.0  # the step alone, as the plan reports it

@@ -48,7 +48,8 @@ nodes v, strategies s:
   plus, in the activation peak, what backward keeps of each redistributed value, on the same y / r as its time
   (``CostModel.kept_redistribution``: e.g. the gathered input a matmul keeps after a sequence-parallel gather),
   and each output as handed out, ``sum_spec held[k, spec] z[k, spec]``, where no op of the graph keeps it (the
-  logits a loss computed outside the model reads: ``held_output``).
+  logits a loss computed outside the model reads: ``held_output``), and ``transient_a >= sum 2 held[k, spec]
+  z[k, spec]`` (the two gradients that loss starts backward with, as a cross-entropy's).
   A third peak, the optimizer's step (unless it is fused: then never above the gradients'): the state, the
   gradients a rank stores and steps, ``S(v) = sum_{s,k} stepped[v, s, k] ind[v, s, g, k]`` (``ZeroCost.stepped``,
   on the (strategy, option) indicators ``ind`` below), and the step's temporaries (``cost.step_temporaries``):
@@ -1059,6 +1060,7 @@ def solve(
                     add_row(0.0, 0.0, [(1.0, va), (-1.0, vb)])
     # outputs
     zs = []
+    caller_loss = []  # the gradients the caller's loss starts backward with: two of each held output (``price``)
     for k, ((u, m), specs) in enumerate(zip(P_.outputs, P_.output_specs)):
         z = [model.binary(relax) for _ in specs]
         add_row(1.0, 1.0, [(1.0, zv) for zv in z])
@@ -1067,6 +1069,7 @@ def solve(
             held = held_output(P_, k, spec, mesh.sizes)
             if held:
                 mem_a.append((held * MB, zv))
+                caller_loss.append((-2 * held * MB, zv))
         for a in range(mesh.ndim):
             partial = [zv for zv, s in zip(z, specs) if isinstance(s[a], Partial)]
             if not partial:
@@ -1307,6 +1310,8 @@ def solve(
         return bool(users) and all(u in cost.recompute for u in users)
     # recomputation: while one block's backward runs, what its forward kept not is alive again (blocks are tied:
     # the first stands for all)
+    if caller_loss:
+        add_row(0.0, inf, [(1.0, top_a)] + caller_loss)
     if any(any(row) for row in regen.values()):  # the last block's as backward starts, the first's as it ends
         form = [(-regen[r][s] * MB, xv) for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]]
         add_row(0.0, inf, [(1.0, top_a)] + form)

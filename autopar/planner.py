@@ -23,7 +23,7 @@ from autopar.errors import AutoparError
 from autopar.solver import (FOLDED, FOLLOWER, Choice, Pin, Problem, _storage_root, build_problem, gc_paused, held_output, kept_values, loss_gradient_bytes, loss_gradients,
                             solve, zero_groups)
 from autopar.zero import (ZeroOption, bucket_latency, effective, frozen, gather_priced, grad_bucket, linear_weight_users, param_cost,
-                          scatter_priced, shard_factor, zero3_uses)
+                          regathered_for_recompute, scatter_priced, shard_factor, zero3_uses)
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info, tensor_inputs
 from autopar.trace import INPUT, PARAM, TracedGraph
@@ -319,7 +319,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     for key, (members, linear_b, users, _g) in per_block.items():
         again = [u in cost.recompute for u in users]
         kept = any("kept" in zero3_uses(tg, n) for n, _ in members)  # the head's: forward's last linear weight
-        weights_of[key] = ("recompute" if users and all(again) else "keep" if any(again) or kept
+        weights_of[key] = ("recompute" if regathered_for_recompute(users, cost.recompute) else "keep" if any(again) or kept
                            else "forward" if linear_b and not users else "regather")
     dropped = sorted((max(position[u] for u in users), key) for key, (_m, _b, users, _g) in per_block.items()
                      if users and weights_of[key] != "keep")

@@ -127,7 +127,7 @@ from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph, requires_grad
 from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, deferred_latency, effective, grad_bucket, grad_spec, frozen, group_latency, param_cost,
-                          linear_weight_users, zero3_traffic, zero3_transient, zero3_uses, zero_axes, zero_options)
+                          linear_weight_users, regathered_for_recompute, zero3_traffic, zero3_transient, zero3_uses, zero_axes, zero_options)
 
 
 def gc_paused(fn):
@@ -1293,21 +1293,20 @@ def solve(
     zero3_rows: dict[str, list] = {}  # group -> its ZeRO-3 transients' (peak, form)s: a recomputed block's meet its regen
     for g in zvar:
         for kind in (0, 1, 2):
-            expr = [(buck[k][kind] * MB, ind[(r, s, gg, k)]) for (r, s, gg), buck in tbucket.items() if gg == g and x[r][s] is not None
+            expr = [(k, buck[k][kind] * MB, ind[(r, s, gg, k)]) for (r, s, gg), buck in tbucket.items() if gg == g and x[r][s] is not None
                     for k in range(len(zopts)) if buck[k][kind] and (r, s, gg, k) in ind]
+            top = top_a if kind == 2 else top_g
             if expr:
-                form = [(-c * cf, v) for c, f in expr for cf, v in f]
-                add_row(0.0, inf, [(1.0, top_a if kind == 2 else top_g)] + form)
-            three = [(buck[k][kind] * MB, ind[(r, s, gg, k)]) for (r, s, gg), buck in tbucket.items() if gg == g and x[r][s] is not None
-                     for k in range(len(zopts)) if zopts[k].stage == 3 and buck[k][kind] and (r, s, gg, k) in ind]
+                add_row(0.0, inf, [(1.0, top)] + [(-c * cf, v) for _k, c, f in expr for cf, v in f])
+            three = [(-c * cf, v) for k, c, f in expr if zopts[k].stage == 3 for cf, v in f]
             if kind and three:
-                zero3_rows.setdefault(g, []).append((top_a if kind == 2 else top_g, [(-c * cf, v) for c, f in three for cf, v in f]))
+                zero3_rows.setdefault(g, []).append((top, three))
     graph_nodes = tg.nodes if zero3_rows else {}
 
     def recomputed_group(g: str) -> bool:
         users = [u.name for n, (gg, _c) in zgroups.items() if gg == g for u in linear_weight_users(graph_nodes[n])
                  if P_.requires_grad.get(u.name)]
-        return bool(users) and all(u in cost.recompute for u in users)
+        return regathered_for_recompute(users, cost.recompute)
     # recomputation: while one block's backward runs, what its forward kept not is alive again (blocks are tied:
     # the first stands for all)
     if caller_loss:

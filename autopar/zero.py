@@ -387,6 +387,13 @@ def linear_weight_users(node) -> list:
     return [u for u in node.users if u.target == linear and len(u.args) > 1 and u.args[1] is node and u.args[0] is not node]
 
 
+def regathered_for_recompute(users: list[str], recompute) -> bool:
+    """Whether a ZeRO-3 bucket whose linears with a backward are ``users`` is gathered again as its block's backward
+    starts, for the recomputation to read (``ZeroBucket.weights`` "recompute"): it has such linears and all are
+    recomputed (``CostModel.recompute``). The planner's buckets and the solver's rows ask the same."""
+    return bool(users) and all(u in recompute for u in users)
+
+
 def zero3_uses(tg, name: str, kept: frozenset = frozenset()) -> tuple[str, ...]:
     """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's weight, ``linear_weight_users``:
     gathered for the op and again in backward, never kept), "kept" (such a linear outside the repeated blocks, when

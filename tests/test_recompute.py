@@ -157,17 +157,7 @@ def test_recomputation_lowers_the_measured_peak_as_predicted():
         with fake_world(1):
             pm = autopar.parallelize(model, mesh, inputs, recompute=mode.split("/")[0])
             del model
-            opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)
-            lx = pm.local_inputs(*inputs)
-            tracker = _compat.mem_tracker()
-            tracker.track_external(pm, opt)
-            with tracker:
-                for _ in range(2):
-                    pm(*lx).backward()
-                    opt.step()
-                    opt.zero_grad()
-                    tracker.reset_mod_stats()
-            measured[mode] = _compat.mem_tracker_peak(tracker)["total"]
+            measured[mode] = _measured_peak(pm, pm.local_inputs(*inputs), torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False), 2)
         predicted[mode] = pm.plan.cost.memory_per_device
     assert measured["full"] < 0.6 * measured["selective"] and measured["selective"] < 0.9 * measured["none"], measured
     assert measured["full"] < measured["selective/2"] < 0.95 * measured["selective"], measured
@@ -231,16 +221,20 @@ def test_full_recomputation_prices_a_block_brought_back_beside_the_gradients():
     mesh = autopar.Mesh({"dp": 1})
     with fake_world(1):
         pm = autopar.parallelize(model, mesh, inputs, recompute="full")
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, **mesh.hardware.adamw_kwargs())
-        tracker = _compat.mem_tracker()
-        tracker.track_external(pm, opt)
-        with tracker:
-            for _ in range(3):
-                pm(*inputs).backward()
-                opt.step()
-                opt.zero_grad()
-                tracker.reset_mod_stats()
-    measured = _compat.mem_tracker_peak(tracker)["total"]
+        measured = _measured_peak(pm, inputs, torch.optim.AdamW(pm.parameters(), lr=1e-4, **mesh.hardware.adamw_kwargs()), 3)
     cost = pm.plan.cost
     assert cost.memory_breakdown["gradients"] + cost.memory_breakdown["transient"] > cost.memory_breakdown["activations"]
     assert 0.93 <= cost.memory_per_device / measured <= 1.07, (cost.memory_per_device / 2**20, measured / 2**20)
+
+
+def _measured_peak(pm, inputs: tuple, opt, steps: int) -> float:
+    """Bytes torch's MemTracker measures at the peak of ``steps`` training steps of ``pm`` on this process."""
+    tracker = _compat.mem_tracker()
+    tracker.track_external(pm, opt)
+    with tracker:
+        for _ in range(steps):
+            pm(*inputs).backward()
+            opt.step()
+            opt.zero_grad()
+            tracker.reset_mod_stats()
+    return _compat.mem_tracker_peak(tracker)["total"]

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from autopar import schedule as sched
-from autopar.cost import (CostModel, collective_time, flat_copy_time, grad_sync_axes, itemsize, send_time, step_temporaries,
-                          wire_bytes)
+from autopar.cost import (CostModel, collective_time, flat_copy_time, grad_sync_axes, itemsize, master_bytes, send_time,
+                          step_temporaries, wire_bytes)
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, fmt_bytes
@@ -247,6 +247,10 @@ class UnitCosts:
     # a stage [i, j) gathers those it reads (``evaluate``). Empty when nothing is scattered
     gathers: list = dataclasses.field(default_factory=list)
     plain_cross: list = dataclasses.field(default_factory=list)  # ``cross`` with nothing scattered (with ``gathers``)
+    # parameter -> the bytes of its accumulated gradient, part of its ``params`` state: it exists from the rank's
+    # first backward on (``opt.zero_grad()`` sets gradients to None), so not while GPipe keeps every microbatch in
+    # flight (``_held``)
+    grads: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def unscattered(self) -> "UnitCosts":
         """These costs with every value sent whole: the scatter saves send time where it is exposed, and the schedule
@@ -323,7 +327,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         bwd[unit(v)] += sum(c.seconds for c in priced if c.phase != "forward")
     for v, kb in kept_values(problem, strategy, cost).values():  # redistributed values backward keeps
         act[unit(v)] += kb
-    params, zero, grad_wire, step = {}, {}, {}, {}
+    params, zero, grad_wire, step, grads = {}, {}, {}, {}, {}
     buckets: dict[tuple, float] = {}  # (unit, sync axes) -> local bytes of its ZeRO-0 gradients
     cast = [0.0] * U
     stepped: list[list[float]] = [[] for _ in range(U)]  # per unit, its parameters' stepped bytes, in step order
@@ -344,6 +348,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
             held = pipeline_held(opt, spec, meta, inner)
             zero[n] = (opt, tuple(a for a in axes if a not in opt.shard_axes))
         params[n] = (uu, held, float(local), axes, math.prod(meta.shape))
+        # (``pipeline_held``: its gradient, e m, whatever the stage)
+        grads[n] = 0.0 if cold else local / itemsize(meta.dtype) * master_bytes(meta.dtype)
         if opt.stage == 0 and nc.act:  # its compute copy (``CostModel.placeholder``), cast once a step
             for u in uu:  # (read by several units: counted in each, as its state is)
                 cast[u] += nc.act
@@ -418,7 +424,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum,
                      frozenset(n for n in params if n not in tg.trainable), cast,
                      [step_temporaries(x, kernel) for x in stepped], kernel == "foreach", start,
-                     gathers if scattered else [], plain_cross)
+                     gathers if scattered else [], plain_cross, grads)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -448,7 +454,9 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     link = mesh.link(axis)
     stages, p2p = [], []
     flights = sched.in_flight(schedule, p, m, v)
+    beside = sched.in_flight_beside_grads(schedule, p, m, v)
     rank_state = [0.0] * p
+    rank_grad = [0.0] * p  # the accumulated gradients within its state (``UnitCosts.grads``)
     rank_act = [0.0] * p
     rank_back = [0.0] * p  # what one unit's backward brings (``UnitCosts.back``), alive while it runs
     back = uc.back()
@@ -477,6 +485,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         for name, (uu, sg, local, axes, _n) in uc.params.items():
             if any(i <= u < j for u in uu):
                 state += sg
+                rank_grad[r] += uc.grads.get(name, 0.0)
                 if r in ranks_of.setdefault(name, set()):
                     continue  # (another of this rank's stages holds it too: its step and sync are the rank's, once)
                 stepped[r] += uc.step.get(name, 0.0)
@@ -501,8 +510,10 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         rank_cast[r] += sum(cast[i:j])
         rank_temp[r] = rank_temp[r] + sum(temp[i:j]) if uc.temp_adds else max(rank_temp[r], max(temp[i:j], default=0.0))
     # activations peak in the schedule (beside the compute copies), the sync's flat copy once they are gone, then the
-    # optimizer step's temporaries (``cost.peak_memory``)
-    memory = tuple(rank_state[r] + max(flights[r] * rank_act[r] + rank_back[r] + rank_cast[r], rank_flat[r], rank_temp[r])
+    # optimizer step's temporaries (``cost.peak_memory``); before the rank's first backward its gradients do not
+    # exist yet (``_in_schedule``)
+    memory = tuple(rank_state[r] + max(_in_schedule(flights[r], beside[r], rank_act[r], rank_grad[r]) + rank_back[r] + rank_cast[r],
+                                       rank_flat[r], rank_temp[r])
                    for r in range(p))
     sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) + copied[r] + stepped[r] for r in range(p)]
     tied = []
@@ -545,6 +556,28 @@ def tied_sync(wire: float, opt: "ZeroOption | None", ranks: int, inner: Mesh, li
     return collective_time("all_reduce", nbytes, ranks, link) + flat_copy_time(nbytes, inner.hardware)
 
 
+def _in_schedule(flight: int, beside: int, act: float, grad: float) -> float:
+    """A rank's bytes beyond its state (which holds its accumulated gradients, ``grad`` bytes) from its microbatches'
+    activations (``act`` each): ``flight`` of them in flight before its first backward, when no gradient exists yet,
+    and ``beside`` (``schedule.in_flight_beside_grads``) once gradients do. They differ where every forward runs
+    before any backward (GPipe: m, then m - 1); elsewhere the gradients are there at the peak."""
+    early = flight * act - grad
+    late = beside * act
+    return early if early > late else late
+
+
+def unit_grads(uc: UnitCosts, U: int) -> list[float]:
+    """Per unit, the bytes of the accumulated gradients within ``unit_state`` (counted in each unit reading the
+    parameter, as its state is). Memoised on ``uc``."""
+    if ("grads", U) not in uc.memo:
+        g = [0.0] * U
+        for n, (uu, *_r) in uc.params.items():
+            for u in uu:
+                g[u] += uc.grads.get(n, 0.0)
+        uc.memo["grads", U] = g
+    return uc.memo["grads", U]
+
+
 def unit_state(uc: UnitCosts, U: int) -> list[float]:
     """Per unit, the bytes its parameters hold all step (a parameter read by several units counted in each:
     conservative). Memoised on ``uc``: read it, do not change it."""
@@ -567,13 +600,16 @@ def analytic_step(ts: list[float], p: int, m: int, v: int) -> float:
     return m * max(per_rank) + (p - 1) * max(ts)
 
 
-def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: int, budget: float) -> tuple[int, ...] | None:
-    """Starts of S stages minimising the slowest stage's seconds under each stage's memory bound (see module)."""
+def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: int, budget: float,
+            beside: list[int]) -> tuple[int, ...] | None:
+    """Starts of S stages minimising the slowest stage's seconds under each stage's memory bound (see module).
+    ``beside``: per rank, the microbatches in flight once its gradients exist (``schedule.in_flight_beside_grads``)."""
     U = len(units.labels)
     if U < S:
         return None
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
+    gr = unit_grads(uc, U)
     back = uc.back()
     flat = uc.flat or [0.0] * U
     cast = uc.cast or [0.0] * U
@@ -586,15 +622,15 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
         for k in range(S):
             r = k % p
             cap = budget / v
-            j, tt, mm_state, mm_act, mm_back, mm_flat, mm_cast, mm_temp = i, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+            j, tt, mm_state, mm_act, mm_back, mm_flat, mm_cast, mm_temp, mm_grad = i, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
             last = U - (S - k - 1)  # leave a unit for every later stage
-            fl = flights[r]
+            fl, bs = flights[r], beside[r]
             while j < last:  # (conditionals, not max(): this loop runs for every bisection step of every candidate)
-                nt, ns, na = tt + t[j], mm_state + st[j], mm_act + act[j]
+                nt, ns, na, ng = tt + t[j], mm_state + st[j], mm_act + act[j], mm_grad + gr[j]
                 nr = back[j] if back[j] > mm_back else mm_back
                 nf, nc = mm_flat + flat[j], mm_cast + cast[j]
                 nm = mm_temp + temp[j] if adds else (temp[j] if temp[j] > mm_temp else mm_temp)
-                held = fl * na / v + nr + nc
+                held = _in_schedule(fl, bs, na / v, ng) + nr + nc
                 if nf > held:
                     held = nf
                 held = ns + (nm if nm > held else held)
@@ -602,7 +638,7 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
                     break
                 if j == i and held > cap:
                     return None
-                tt, mm_state, mm_act, mm_back, mm_flat, mm_cast, mm_temp = nt, ns, na, nr, nf, nc, nm
+                tt, mm_state, mm_act, mm_back, mm_flat, mm_cast, mm_temp, mm_grad = nt, ns, na, nr, nf, nc, nm, ng
                 j += 1
             if k == S - 1 and j < U:
                 return None
@@ -630,8 +666,9 @@ def _sums(uc: UnitCosts, st: list[float]) -> tuple:
     """What ``_rank_memory`` reads of a stage in O(1): running sums of the units' state and activations, and the
     largest of a run of units' backward transients (``UnitCosts.back``), the sum of their gradient buckets
     (``flat``: the rank all-reduces its stages' ZeRO-0 gradients through one flat buffer) and of their compute
-    copies (``cast``), and their optimizer step's temporaries (``temp``: the sum or the largest, as
-    ``UnitCosts.temp_adds`` says; the last entry). Memoised on ``uc`` for its own ``unit_state``."""
+    copies (``cast``), their optimizer step's temporaries (``temp``: the sum or the largest, as
+    ``UnitCosts.temp_adds`` says), the running sums of their accumulated gradients (``unit_grads``), and
+    ``temp_adds`` (the last entry). Memoised on ``uc`` for its own ``unit_state``."""
     def made() -> tuple:  # None: no backward transient, no bucket, no compute copy, no temporaries
         back = uc.back()
         flat, cast, temp = _prefix(uc.flat), _prefix(uc.cast), _prefix(uc.temp)
@@ -640,7 +677,8 @@ def _sums(uc: UnitCosts, st: list[float]) -> tuple:
             temps = (lambda i, j: temp[j] - temp[i]) if uc.temp_adds else _range_max(uc.temp)
         return (_prefix(st), _prefix(uc.act), _range_max(back) if any(back) else None,
                 (lambda i, j: flat[j] - flat[i]) if any(uc.flat) else None,
-                (lambda i, j: cast[j] - cast[i]) if any(uc.cast) else None, temps, uc.temp_adds)
+                (lambda i, j: cast[j] - cast[i]) if any(uc.cast) else None, temps,
+                _prefix(unit_grads(uc, len(st))), uc.temp_adds)
 
     if uc.memo.get(("state", len(st))) is not st:
         return made()
@@ -674,38 +712,40 @@ def _prefix(xs: list[float]) -> list[float]:
 
 
 def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, v: int, flights: list[int],
-                 sums: "tuple | None" = None) -> list[float]:
+                 beside: list[int], sums: "tuple | None" = None) -> list[float]:
     """Each pipeline rank's bytes: its stages' parameter state, and the larger of ``flights`` microbatches of their
-    activations with the largest transient one of its units' backward brings (``UnitCosts.back``), and the flat
-    copy its gradient sync makes of its ZeRO-0 gradients after the last backward. ``sums``: ``_sums(uc, st)``, when the caller prices many
-    cuts."""
+    activations (``beside`` of them once its gradients exist: ``_in_schedule``) with
+    the largest transient one of its units' backward brings (``UnitCosts.back``), and the flat copy its gradient
+    sync makes of its ZeRO-0 gradients after the last backward. ``sums``: ``_sums(uc, st)``, when the caller prices
+    many cuts."""
     sums = sums or _sums(uc, st)
-    return [_one_rank(sums, starts, r, U, p, v, flights[r]) for r in range(p)]
+    return [_one_rank(sums, starts, r, U, p, v, flights[r], beside[r]) for r in range(p)]
 
 
-def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int) -> float:
+def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int, beside: int) -> float:
     """Rank r's bytes in ``_rank_memory``: its stages are r, r + p, ..."""
     S = len(starts)
-    return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v) for k in range(r, S, p)], flight, sums[-1])
+    return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v) for k in range(r, S, p)], flight,
+                 sums[-1], beside)
 
 
-def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, float, float, float, float]:
+def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, float, float, float, float, float]:
     """A stage of units i..j-1: its (parameter state, activations / v, largest backward transient, its gradients'
-    flat copy, its parameters' compute copies, its optimizer step's temporaries)."""
-    ps, pa, backs, flat, cast, temps, _adds = sums
+    flat copy, its parameters' compute copies, its optimizer step's temporaries, its accumulated gradients)."""
+    ps, pa, backs, flat, cast, temps, pg, _adds = sums
     return (ps[j] - ps[i], (pa[j] - pa[i]) / v, backs(i, j) if backs is not None else 0.0,
             flat(i, j) if flat is not None else 0.0, cast(i, j) if cast is not None else 0.0,
-            temps(i, j) if temps is not None else 0.0)
+            temps(i, j) if temps is not None else 0.0, pg[j] - pg[i])
 
 
-def _held(stages, flight: int, adds: bool) -> float:
+def _held(stages, flight: int, adds: bool, beside: int) -> float:
     """A rank's bytes from its stages' ``_stage_bytes`` (in stage order): the state, and the largest of ``flight``
-    microbatches of activations with the largest backward transient and the compute copies, its stages'
-    gradients' flat copy (one buffer for the rank), and its optimizer step's temporaries (summed over its stages
-    where ``adds``, else the largest). (Conditionals, not max(): the mesh search runs this for every move of every
-    refined cut.)"""
-    state = act = back = bucket = copies = temp = 0.0
-    for a, b, c, d, e, f in stages:
+    microbatches of activations (``beside`` once its gradients exist: ``_in_schedule``) with the largest backward
+    transient and the compute copies, its stages' gradients' flat copy (one buffer for the rank), and its optimizer
+    step's temporaries (summed over its stages where ``adds``, else the largest). (Conditionals, not max(): the mesh
+    search runs this for every move of every refined cut.)"""
+    state = act = back = bucket = copies = temp = grad = 0.0
+    for a, b, c, d, e, f, g in stages:
         state += a
         act += b
         if c > back:
@@ -716,13 +756,15 @@ def _held(stages, flight: int, adds: bool) -> float:
             temp += f
         elif f > temp:
             temp = f
-    held = flight * act + back + copies
+        grad += g
+    held = _in_schedule(flight, beside, act, grad) + back + copies
     if bucket > held:
         held = bucket
     return state + (temp if temp > held else held)
 
 
-def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:
+def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float,
+           beside: list[int]) -> tuple[int, ...]:
     """Move single cuts by one unit while the schedule's analytic step (``analytic_step``) improves and every rank
     still fits. Balancing the slowest stage is the whole story for one stage per rank; with several per rank it is
     their sum per rank that the steady state runs. From cuts that overflow a rank, moves that shrink the overflow
@@ -743,7 +785,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
         return pt[j] - pt[i], _stage_bytes(sums, i, j, v)
 
     def rank_bytes(mems: list, r: int) -> float:  # ``_one_rank`` from the stages' values
-        return _held([mems[k] for k in range(r, S, p)], flights[r], uc.temp_adds)
+        return _held([mems[k] for k in range(r, S, p)], flights[r], uc.temp_adds, beside[r])
 
     cur = tuple(starts)
     ts, mems = map(list, zip(*(stage(cur, k) for k in range(S))))
@@ -1020,15 +1062,16 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             for order, (name, v) in enumerate(options):
                 S = p * v
                 flights = sched.in_flight(name, p, m, v)
+                beside = sched.in_flight_beside_grads(name, p, m, v)
                 if pin.cuts is None:
                     cands = []
-                    starts = balance(uc, units, S, p, flights, v, budget)
+                    starts = balance(uc, units, S, p, flights, v, budget, beside)
                     if starts is not None:
-                        cands.append(refine(uc, units, starts, p, m, v, flights, budget))
+                        cands.append(refine(uc, units, starts, p, m, v, flights, budget, beside))
                     if L % S == 0:  # Megatron's even cut is always a candidate: the search never does worse
                         cands.append(equal_starts(units, S))
                         if starts is None:  # no balanced cut fits: repair the even one
-                            cands.append(refine(uc, units, cands[-1], p, m, v, flights, budget))
+                            cands.append(refine(uc, units, cands[-1], p, m, v, flights, budget, beside))
                 else:
                     cands = [equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))]
                 fits = False

@@ -94,6 +94,30 @@ def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
     return in_flight_simulated(schedule, p, m, v)
 
 
+def in_flight_beside_grads(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
+    """Per rank, the most forwards whose backward has not run yet once the rank's first backward has run: from then
+    on its accumulated gradients exist (before it, none: ``opt.zero_grad()`` drops them). ``in_flight`` where the
+    rank runs a backward before its last forward; one fewer where every forward comes first (GPipe; 1F1B with no
+    more microbatches than stages after the rank). Closed form, ``min(in flight, m v - 1)``, which
+    ``in_flight_beside_grads_simulated`` confirms over a grid in the tests."""
+    return [min(f, m * v - 1) for f in in_flight(schedule, p, m, v)]
+
+
+def in_flight_beside_grads_simulated(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
+    """``in_flight_beside_grads`` counted on the schedule's own action order."""
+    res = []
+    for seq in actions(schedule, p, m, v):
+        live = peak = 0
+        seen = False
+        for a in seq:
+            seen = seen or a.kind == "B"
+            live += 1 if a.kind == "F" else -1
+            if seen:
+                peak = max(peak, live)
+        res.append(peak)
+    return res
+
+
 def in_flight_simulated(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
     """``in_flight`` counted on the schedule's own action order."""
     res = []

@@ -69,6 +69,11 @@ def test_in_flight_closed_forms_equal_the_simulated_action_order():
                 for v in vs:
                     if schedule.check(name, p, m, v) is None:
                         assert schedule.in_flight(name, p, m, v) == schedule.in_flight_simulated(name, p, m, v), (name, p, m, v)
+                        beside = schedule.in_flight_beside_grads(name, p, m, v)
+                        assert beside == schedule.in_flight_beside_grads_simulated(name, p, m, v), (name, p, m, v)
+    # every forward before any backward: one microbatch fewer once gradients exist; 1F1B's steady state: the same
+    assert schedule.in_flight_beside_grads("gpipe", 2, 4) == [3, 3]
+    assert schedule.in_flight_beside_grads("1f1b", 2, 4) == schedule.in_flight("1f1b", 2, 4) == [2, 1]
 
 
 @pytest.mark.parametrize("name,p,m,v", [("gpipe", 3, 4, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])

@@ -516,7 +516,9 @@ class CostModel:
         kept_anyway = heavy and requires_grad and self.recompute.get(node, "none") == "selective"
         act = (local_out * isz if saved_output or kept_anyway else 0.0) + internal * share
         regen = 0.0
-        if requires_grad and recomputes(self.recompute.get(node, "none"), info.target):
+        # the checkpoint reruns every op of its region, one that takes no gradient too (a mask, a one-hot or an index
+        # cast a later backward reads): what it would keep is made again in backward, at the price of its forward
+        if recomputes(self.recompute.get(node, "none"), info.target):
             bwd += fwd
             kept = local_out * isz if node in self.kept else 0.0
             regen, act = max(act - kept, 0.0), kept

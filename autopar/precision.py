@@ -69,7 +69,10 @@ class MixedPrecision:
 
 
 def check(model: nn.Module, mp: MixedPrecision | None) -> None:
-    """A master copy narrower than the compute dtype would lose what the optimizer adds: refuse it."""
+    """A master copy narrower than the compute dtype would lose what the optimizer adds: refuse it. A batch norm's
+    running statistics (buffers: never cast) must be what torch's kernels take beside an input in the param dtype:
+    that dtype, or float32 beside a 16-bit one (its weight and bias are then read in float32 too:
+    ``passes.mixed_precision``)."""
     if mp is None:
         return
     if not isinstance(mp, MixedPrecision):
@@ -79,6 +82,15 @@ def check(model: nn.Module, mp: MixedPrecision | None) -> None:
             raise AutoparError(f"parameter {fqn} is {p.dtype}, narrower than MixedPrecision's param_dtype {mp.param_dtype}: "
                                "the parameters are the master copy the optimizer steps; keep the model in float32 "
                                "(model.float()) and let MixedPrecision cast for compute")
+    sixteen = mp.param_dtype in (torch.bfloat16, torch.float16)
+    for fqn, m in model.named_modules():
+        stats = getattr(m, "running_mean", None)
+        if isinstance(stats, torch.Tensor) and stats.is_floating_point() and stats.dtype != mp.param_dtype \
+                and not (sixteen and stats.dtype == torch.float32):
+            raise AutoparError(f"{fqn or 'the model'} ({type(m).__name__}) keeps running statistics in {stats.dtype}; under "
+                               f"MixedPrecision(param_dtype={mp.param_dtype}) its input is {mp.param_dtype}, and torch's batch norm "
+                               f"takes {mp.param_dtype} statistics{' or float32 ones' if sixteen else ''} beside it: keep the model in "
+                               "float32 with a 16-bit param_dtype, or plan without mixed_precision")
 
 
 def compute_twin(model: nn.Module, mp: MixedPrecision | None) -> nn.Module:
@@ -128,6 +140,15 @@ class SingleDevice(nn.Module):
 
     def forward(self, *args):
         params = {k: p.to(self.mp.param_dtype) for k, p in self.model.named_parameters()}
+        # a batch norm's weight and bias in its running statistics' dtype, cast from the param dtype's (as the
+        # program reads them: ``passes.mixed_precision``)
+        for fqn, m in self.model.named_modules():
+            stats = getattr(m, "running_mean", None)
+            if isinstance(stats, torch.Tensor) and stats.is_floating_point():
+                for k in ("weight", "bias"):
+                    key = f"{fqn}.{k}" if fqn else k
+                    if key in params:
+                        params[key] = params[key].to(stats.dtype)
         return torch.func.functional_call(self.model, params, cast_inputs(args, self.mp))
 
 

@@ -276,3 +276,39 @@ def test_zero0_prices_the_compute_copy_autograd_keeps_and_a_frozen_parameters_ma
         assert mixed["activations"] - fp32["activations"] / 2 == pytest.approx(2 * numel)  # bf16 activations + copies
         # fp32 masters (and AdamW moments) either way, frozen or not
         assert fp32["state"] - mixed["state"] == pytest.approx(inputs), freeze
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.down = torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 16)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.down(torch.relu(self.norm(self.up(x)))), y)
+
+
+def _normed_inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 16, generator=g, dtype=dtype), torch.randn(8, 16, generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_batchnorm_reads_its_weights_in_its_statistics_dtype_under_a_16_bit_policy(stage):
+    """torch's batch norm takes a bf16 input beside fp32 weight, bias and running statistics, but refuses bf16
+    weights beside fp32 statistics: planned, such a model failed at its first step with torch's dtype error. Its
+    weight and bias are now read cast back to the statistics' dtype (FSDP1 keeps BatchNorm in full precision), as
+    the single-device reference reads them; the running statistics stay fp32 and move as one device's."""
+    torch.manual_seed(0)
+    model = _Normed()
+    r = parity(model, _normed_inputs(), {"dp": 2}, constraints=[autopar.ZeroPin("*", stage)], mixed_precision=BF16)
+    assert r["dtypes"] == {torch.bfloat16, torch.float32}
+    assert r["loss"] <= 1 / 32 and r["grad"] <= 1e-3, r
+    assert model.norm.running_mean.dtype == torch.float32
+
+
+def test_a_batchnorm_whose_statistics_no_kernel_takes_is_refused():
+    """fp64 statistics beside an fp32 input: no torch batch norm kernel takes them (nor fp32 weights with them), so
+    the plan is refused, naming the module and the fixes, instead of failing at the first step."""
+    model = _Normed().double()
+    with pytest.raises(AutoparError, match=r"norm \(BatchNorm1d\) keeps running statistics in torch.float64.*float32"):
+        autopar.plan(model, autopar.Mesh({"dp": 2}), _normed_inputs(torch.float64), mixed_precision=FP32_IN_FP64)

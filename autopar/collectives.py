@@ -803,6 +803,36 @@ class _Zero3BlockLinear(torch.autograd.Function):
         return gx, g.new_zeros(0), gb, None, None, None, None
 
 
+class _Zero3BlockBmm(torch.autograd.Function):
+    """``bmm(x, w)`` (``w.transpose(1, 2)`` where ``transposed``: experts stored as nn.Linear stores a weight) with
+    ``w`` the bucket's gathered stack ``i``, not saved: a mixture's expert stacks, gathered for the op and again for
+    backward (``Zero3Block``), as ``_Zero3BlockLinear`` does a linear's weight -- autograd's bmm kept every layer's
+    whole stacks from forward to backward. ``keep``, and what it saves: as ``_Zero3BlockLinear``."""
+
+    @staticmethod
+    def forward(ctx, x, token, block, i, transposed, keep, last):
+        w = block.weight(i, "forward")
+        ctx.block, ctx.i, ctx.transposed, ctx.keep = block, i, transposed, keep
+        ctx.wgrad = block.shards[i].requires_grad
+        ctx.save_for_backward(x if ctx.wgrad else None, w if keep and ctx.needs_input_grad[0] else None)
+        out = torch.bmm(x, w.transpose(1, 2) if transposed else w)
+        if last:
+            block.release()
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, kept = ctx.saved_tensors
+        gx = None
+        if ctx.needs_input_grad[0]:
+            w = kept if ctx.keep else ctx.block.weight(ctx.i, "backward")
+            gx = torch.bmm(g, w if ctx.transposed else w.transpose(1, 2))
+        if ctx.wgrad and ctx.block.shards[ctx.i].requires_grad:
+            gw = torch.bmm(x.transpose(1, 2), g)  # (the gradient of the stack as bmm reads it)
+            ctx.block.add_grad(ctx.i, gw.transpose(1, 2) if ctx.transposed else gw)
+        return gx, g.new_zeros(0), None, None, None, None, None
+
+
 def zero_gather(shards: tuple, shapes: tuple, levels: tuple, reduce: tuple, pending: Pending | None = None,
                 previous: "Zero3Block | Handoff | None" = None, following: tuple = (), following_levels: tuple = (),
                 dtypes: tuple | None = None):
@@ -851,3 +881,9 @@ def before_backward(blocks: tuple, outs: tuple) -> tuple:
 def zero3_block_linear(x, token, b, block: Zero3Block, i: int, shape: tuple, keep: bool, last: bool):
     """``linear(x, weight i of block, b)`` (``_Zero3BlockLinear``); ``shape``: the weight's, for ``check_local``."""
     return _Zero3BlockLinear.apply(x, token, b, block, i, keep, last)
+
+
+def zero3_block_bmm(x, token, block: Zero3Block, i: int, shape: tuple, transposed: bool, keep: bool, last: bool):
+    """``bmm(x, stack i of block)``, or of its last two dims transposed (``_Zero3BlockBmm``); ``shape``: the
+    stack's, for ``check_local``."""
+    return _Zero3BlockBmm.apply(x, token, block, i, transposed, keep, last)

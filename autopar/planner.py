@@ -22,7 +22,7 @@ from autopar.redistribute import Step
 from autopar.errors import AutoparError
 from autopar.solver import (FOLDED, FOLLOWER, Choice, Pin, Problem, _storage_root, build_problem, gc_paused, held_output, kept_values, loss_gradient_bytes, loss_gradients,
                             solve, zero_groups)
-from autopar.zero import (ZeroOption, bucket_latency, effective, frozen, gather_priced, grad_bucket, linear_weight_users, param_cost,
+from autopar.zero import (ZeroOption, bucket_latency, effective, frozen, gather_priced, grad_bucket, weight_users, param_cost,
                           regathered_for_recompute, scatter_priced, shard_factor, zero3_uses)
 from autopar.spec import Partial, Shard, Spec
 from autopar.strategies import op_info, tensor_inputs
@@ -306,7 +306,7 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
         full = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
         block = tg.block_of(name) or "rest"
         acc = per_block.setdefault((block, opt.shard_axes), [[], 0.0, [], 0.0])
-        linears = [u.name for u in linear_weight_users(nodes_fx[name])]
+        linears = [u.name for u in weight_users(nodes_fx[name])]
         acc[0].append((name, full))
         acc[1] += full * bool(linears)
         acc[2] += [u for u in linears if problem.requires_grad.get(u)]

@@ -127,7 +127,7 @@ from autopar.strategies import TensorMeta, candidates, op_info, tensor_inputs
 from autopar.strategies.elementwise import NARY_NONLINEAR, UNARY_LINEAR, UNARY_NONLINEAR
 from autopar.trace import INPUT, TracedGraph, requires_grad
 from autopar.zero import (ZeroCost, ZeroOption, bucket_latency, deferred_latency, effective, grad_bucket, grad_spec, frozen, group_latency, param_cost,
-                          linear_weight_users, regathered_for_recompute, zero3_traffic, zero3_transient, zero3_uses, zero_axes, zero_options)
+                          weight_users, regathered_for_recompute, zero3_traffic, zero3_transient, zero3_uses, zero_axes, zero_options)
 
 
 def gc_paused(fn):
@@ -520,9 +520,9 @@ def expert_dims(tg: TracedGraph) -> dict[str, int]:
 
 def zero3_kept(tg: TracedGraph, nodes: list[fx.Node], saved_in: frozenset, cost: CostModel) -> frozenset:
     """The parameters whose whole value some op keeps for its backward (``saved_in``, through views) other than a
-    linear taking it as its weight (ZeRO-3 runs those keeping nothing: ``collectives.zero3_block_linear``), where
-    that op is not recomputed (a recomputed block's checkpoint drops what it kept): a bmm over a stack of experts,
-    a norm's weight. Under ZeRO-3 the copy such a parameter is gathered into lives from forward to backward."""
+    linear or a bmm taking it as its weight (ZeRO-3 runs those keeping nothing: ``collectives.zero3_block_linear``,
+    ``zero3_block_bmm``), where that op is not recomputed (a recomputed block's checkpoint drops what it kept): a
+    norm's weight. Under ZeRO-3 the copy such a parameter is gathered into lives from forward to backward."""
     by_name = {n.name: n for n in nodes}
     out = set()
     for op, i in saved_in:
@@ -530,7 +530,7 @@ def zero3_kept(tg: TracedGraph, nodes: list[fx.Node], saved_in: frozenset, cost:
         if node is None or cost.recompute.get(op, "none") != "none":  # (in a checkpointed block)
             continue
         root = _storage_root(tensor_inputs(node)[i])
-        if root.op == "placeholder" and tg.kinds.get(root.name) == "param" and node not in linear_weight_users(root):
+        if root.op == "placeholder" and tg.kinds.get(root.name) == "param" and node not in weight_users(root):
             out.add(root.name)
     return frozenset(out)
 
@@ -1304,7 +1304,7 @@ def solve(
     graph_nodes = tg.nodes if zero3_rows else {}
 
     def recomputed_group(g: str) -> bool:
-        users = [u.name for n, (gg, _c) in zgroups.items() if gg == g for u in linear_weight_users(graph_nodes[n])
+        users = [u.name for n, (gg, _c) in zgroups.items() if gg == g for u in weight_users(graph_nodes[n])
                  if P_.requires_grad.get(u.name)]
         return regathered_for_recompute(users, cost.recompute)
     # recomputation: while one block's backward runs, what its forward kept not is alive again (blocks are tied:

@@ -377,14 +377,40 @@ def _scatter_wire(wire: float, shard_axes: tuple[int, ...], rest: tuple[int, ...
     return out
 
 
-def linear_weight_users(node) -> list:
-    """The users of the fx node ``node`` (a parameter) that are linears taking it as their weight, and not also as
-    their input: ZeRO-3 gathers such a weight for forward and again for backward and never keeps it. The one test
-    the pricing (``zero3_uses``), the planner's buckets and the pass (``passes/zero.py``) all apply."""
+def weight_ops(node, u) -> list:
+    """The ops that read the fx node ``node`` (a parameter) as their weight through its direct user ``u``: ``u``
+    itself, a linear taking it as its weight or a bmm as its second operand (a stack of experts); a bmm's each,
+    where ``u`` transposes the parameter's last two dims (``x @ w.transpose(1, 2)``, the experts stored as
+    nn.Linear stores a weight) for bmms alone; none otherwise. Not an op that also takes it as its input. ZeRO-3
+    gathers such a weight for the op and again for its backward, and never keeps it
+    (``collectives.zero3_block_linear``, ``zero3_block_bmm``)."""
     import torch
 
-    linear = torch.ops.aten.linear.default
-    return [u for u in node.users if u.target == linear and len(u.args) > 1 and u.args[1] is node and u.args[0] is not node]
+    aten = torch.ops.aten
+
+    def reads(op, w) -> bool:
+        return (op.op == "call_function" and op.target in (aten.linear.default, aten.bmm.default) and len(op.args) > 1
+                and op.args[1] is w and op.args[0] is not w and op.args[0] is not node)
+
+    if reads(u, node):
+        return [u]
+    if (u.op == "call_function" and u.target is aten.transpose.int and u.args[0] is node and len(u.args) == 3
+            and {d % 3 for d in u.args[1:3]} == {1, 2} and _ndim(node) == 3 and u.users
+            and all(reads(b, u) and b.target is aten.bmm.default for b in u.users)):
+        return list(u.users)
+    return []
+
+
+def _ndim(node) -> int | None:
+    val = node.meta.get("val")
+    return val.ndim if val is not None and hasattr(val, "ndim") else None
+
+
+def weight_users(node) -> list:
+    """Every op that reads the parameter ``node`` as its weight (``weight_ops``), in its users' order: ZeRO-3
+    gathers it for each and again in backward, and never keeps it. The one test the pricing (``zero3_uses``), the
+    planner's buckets and the pass (``passes/zero.py``) all apply."""
+    return [op for u in node.users for op in weight_ops(node, u)]
 
 
 def regathered_for_recompute(users: list[str], recompute) -> bool:
@@ -395,7 +421,7 @@ def regathered_for_recompute(users: list[str], recompute) -> bool:
 
 
 def zero3_uses(tg, name: str, kept: frozenset = frozenset()) -> tuple[str, ...]:
-    """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's weight, ``linear_weight_users``:
+    """How each use of a ZeRO-3 parameter gathers it: "linear" (as a linear's or a bmm's weight, ``weight_ops``:
     gathered for the op and again in backward, never kept), "kept" (such a linear outside the repeated blocks, when
     forward's last linear-weight use is one: ``kept_to_backward``), "forward" (such a linear with no backward: a
     frozen weight whose input needs no gradient, as in a frozen first layer), "saved" (gathered once, and autograd
@@ -412,10 +438,10 @@ def zero3_uses(tg, name: str, kept: frozenset = frozenset()) -> tuple[str, ...]:
         rg = requires_grad(tg)
         for node in tg.gm.graph.nodes:
             if node.op == "placeholder":
-                weights = linear_weight_users(node)
                 linear = "kept" if node.name in head else "linear"
                 other = "saved" if node.name in kept else "other"
-                uses = tuple((linear if rg.get(u.name) else "forward") if u in weights else other for u in node.users)
+                ops = [weight_ops(node, u) for u in node.users]
+                uses = tuple((linear if any(rg.get(o.name) for o in w) else "forward") if w else other for w in ops)
                 table[node.name] = uses if node.name in tg.trainable or tg.kinds.get(node.name) != "param" else ("frozen",) + uses
         tg.memo["zero3_uses", kept] = table
     return table[name]
@@ -435,7 +461,7 @@ def kept_to_backward(tg) -> frozenset[str]:
     position = {n: i for i, n in enumerate(tg.gm.graph.nodes)}
     last_use = {}  # a parameter taken as a linear's weight -> where its last such linear is
     for node in tg.gm.graph.nodes:
-        users = linear_weight_users(node) if node.op == "placeholder" and tg.kinds.get(node.name) == "param" else []
+        users = weight_users(node) if node.op == "placeholder" and tg.kinds.get(node.name) == "param" else []
         if users:
             last_use[node.name] = max(position[u] for u in users)
     if not last_use or tg.block_of(max(last_use, key=last_use.get)) is not None:

@@ -81,6 +81,9 @@ def local_values(gm: fx.GraphModule, plan, mesh) -> dict[str, object]:
             out = (None, _meta_like((0,), args[0][0].dtype)) + tuple(_meta_like(args[1][j], args[0][j].dtype) for j in args[4])
         elif t is collectives.zero3_block_linear:
             out = torch.ops.aten.linear.default(args[0], _meta_like(args[5], args[0].dtype), args[2])
+        elif t is collectives.zero3_block_bmm:
+            w = _meta_like(args[4], args[0].dtype)
+            out = torch.ops.aten.bmm.default(args[0], w.transpose(1, 2) if args[5] else w)
         elif t is operator.getitem:
             out = args[0][args[1]]
         else:

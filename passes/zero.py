@@ -6,7 +6,8 @@ Ensures: the placeholder of every ZeRO parameter holds this rank's flat shard. Z
 reduce-scatters their gradients once all are ready (and all-reduces the shards over the bucket's other
 replicated axes). ZeRO-3 buckets (a repeated block's parameters, or the rest: FSDP2's units): one ``zero3_gather``
 where the bucket's first parameter is used; a linear that takes one of them as its weight becomes
-``zero3_block_linear``, which reads the weight from the bucket's ``collectives.Zero3Block`` (the last one in forward
+``zero3_block_linear``, and a bmm that takes one (or its transpose) as its second operand -- a stack of experts --
+``zero3_block_bmm`` (the transpose then goes): each reads the weight from the bucket's ``collectives.Zero3Block`` (the last one in forward
 drops the bucket's weights; backward, or a recomputed block as its backward starts, gathers them again, once for
 the bucket, as ``ZeroBucket.weights`` says); any other use reads the whole parameter the gather returns. The
 bucket's gradients are reduce-scattered together once all its uses' backward is done.
@@ -31,11 +32,12 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from autopar import collectives
 from autopar.errors import AutoparError
-from autopar.zero import linear_weight_users
+from autopar.zero import weight_ops, weight_users
 from passes._util import accumulation_input, precision_dtypes, runtime_axes
 
 
@@ -91,11 +93,12 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             previous = z
             chain.append((z, reads[-1], tuple(settled), levels))
             continue
-        # ZeRO-3: the bucket gathered once where its first parameter is used; its linears read their weights from
-        # the bucket (gathered again for backward, never kept), its other uses read what the gather returns
-        is_weight = {p: linear_weight_users(p) for p in params}
+        # ZeRO-3: the bucket gathered once where its first parameter is used; its linears and bmms read their
+        # weights from the bucket (gathered again for backward, never kept), its other uses read what the gather returns
+        is_weight = {p: weight_users(p) for p in params}
         linear = tuple(j for j, p in enumerate(params) if is_weight[p])
-        others = tuple(j for j, p in enumerate(params) if any(u not in is_weight[p] and u is not settle for u in p.users))
+        others = tuple(j for j, p in enumerate(params) if any(not weight_ops(p, u) and u is not settle for u in p.users))
+        views = [u for p in params for u in p.users if u.target is torch.ops.aten.transpose.int and weight_ops(p, u)]
         uses = sorted(((u, j) for j in linear for u in is_weight[params[j]]), key=lambda t: position[t[0]])
         # the planner's choice (``ZeroBucket.weights``): a recomputed block's linears save the weights its
         # recomputation reads (gathered again as the block's backward starts: ``autopar.recompute``); a bucket used
@@ -107,9 +110,16 @@ def run(gm: fx.GraphModule, plan, mesh) -> fx.GraphModule:
             block, token = (g.call_function(operator.getitem, (z, k)) for k in (0, 1))
             reads = {j: g.call_function(operator.getitem, (z, 2 + k)) for k, j in enumerate(others)}
         for k, (u, j) in enumerate(uses):  # the same node (its name is the plan's), another target
+            last = k == len(uses) - 1 and not mixed
+            if u.target is torch.ops.aten.bmm.default:
+                u.args = (u.args[0], token, block, j, shapes[j], u.args[1] is not params[j], inside, last)
+                u.target = collectives.zero3_block_bmm
+                continue
             b = u.args[2] if len(u.args) > 2 else None
             u.target = collectives.zero3_block_linear
-            u.args = (u.args[0], token, b, block, j, shapes[j], inside, k == len(uses) - 1 and not mixed)
+            u.args = (u.args[0], token, b, block, j, shapes[j], inside, last)
+        for v in views:  # (the transposes the bmms read their weights through: read by nothing now)
+            g.erase_node(v)
         for j in others:
             for u in list(params[j].users):
                 if u is not settle:

@@ -769,10 +769,12 @@ def test_zero3_under_mixed_precision_fits_a_budget_of_its_own_peak():
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_zero3_prices_the_gathered_copies_autograd_keeps_to_backward(recompute):
-    """A ZeRO-3 parameter an op other than a linear keeps for its backward (a mixture's expert stacks read by bmm,
-    a norm's weight) is gathered once, and that whole copy lives to backward; so does the output head's weight,
-    which its bucket keeps. The price left them out (a Mixtral on 2 gloo ranks held 9.30 MiB against 8.42 priced;
-    now 9.30 against 9.30). A recomputed block keeps none: its checkpoint drops them."""
+    """A ZeRO-3 parameter an op other than a linear or a bmm keeps for its backward (a norm's weight) is gathered
+    once, and that whole copy lives to backward; so does the output head's weight, which its bucket keeps. The
+    price left them out (a Mixtral on 2 gloo ranks held 9.30 MiB against 8.42 priced; then 9.30 against 9.30). A
+    mixture's expert stacks, read by bmm, are gathered again for backward as a linear's weight is
+    (``collectives.zero3_block_bmm``), so nothing keeps them (the same Mixtral now holds 8.70 MiB, priced 8.82). A
+    recomputed block keeps none: its checkpoint drops them."""
     from models.mixtral import Mixtral, MixtralConfig
 
     torch.manual_seed(0)
@@ -784,6 +786,37 @@ def test_zero3_prices_the_gathered_copies_autograd_keeps_to_backward(recompute):
              for z in (0, 3)}
     assert all(str(plans[0].nodes[k].strategy) == str(plans[3].nodes[k].strategy) for k in plans[0].nodes)
     size = {k: p.numel() * p.element_size() for k, p in model.named_parameters()}
-    kept = [k for k in size if k in ("output.weight", "norm.weight") or recompute == "none" and (".moe.w" in k or "norm" in k)]
+    kept = [k for k in size if k in ("output.weight", "norm.weight") or recompute == "none" and "norm" in k]
     extra = plans[3].cost.memory_breakdown["activations"] - plans[0].cost.memory_breakdown["activations"]
     assert extra == sum(size[k] for k in kept), (extra, kept)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_zero3_gathers_a_mixtures_expert_stacks_again_for_backward_and_keeps_none(recompute):
+    """A Mixtral's experts are stacks read by bmm (``x @ w.transpose(1, 2)``): under ZeRO-3 autograd's bmm kept every
+    layer's whole gathered stacks from forward to backward, where FSDP2 frees a layer's parameters after its
+    forward and gathers them again. They are now read from the bucket as a linear's weights are
+    (``collectives.zero3_block_bmm``): nothing saved for backward has a stack's shape, the transposes are gone, and
+    training is one device's (in a recomputed block too, whose recomputation finds the stacks gathered again)."""
+    from models.mixtral import Mixtral, MixtralConfig
+
+    torch.manual_seed(0)
+    model = Mixtral(MixtralConfig.tiny())
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    inputs = (x, torch.roll(x, -1, 1))
+    stacks = {tuple(p.shape) for k, p in model.named_parameters() if ".moe.w" in k}
+    plan = autopar.plan(model, autopar.Mesh({"dp": 2}), inputs, constraints=[autopar.ZeroPin("*", 3)], recompute=recompute)
+    r = parity(model, inputs, {"dp": 2}, plan=plan)
+    assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
+    gm = r["graph_module"]
+    bmms = [n for n in gm.graph.nodes if n.target is collectives.zero3_block_bmm]
+    bmms += [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) and m is not gm
+             for n in m.graph.nodes if n.target is collectives.zero3_block_bmm]
+    assert len(bmms) == 3 * len(model.layers), bmms
+    saved = []
+    with fake_world(2), _compat.local_tensor_mode(2):
+        pm = autopar.parallelize(model, autopar.Mesh({"dp": 2}), inputs, plan=plan)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            loss = pm(*pm.local_inputs(*inputs))
+        loss.backward()
+    assert saved and not stacks & set(saved), stacks & set(saved)

@@ -302,40 +302,46 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
     cr = [lin(x1, x2) for x1, x2 in zip(cross1, cross2)]
     cross = [int(cr[0]), int(cr[1])] + [int(cr[U - 2])] * (L - 1) + [int(cr[U - 1]), int(cr[U])]
     grad = [a.cross_grad[0], a.cross_grad[1]] + [a.cross_grad[U - 2]] * (L - 1) + [a.cross_grad[U - 1], a.cross_grad[U]]
+    cb = [lin(x1, x2) for x1, x2 in zip(a.cross_back, b.cross_back)] if a.cross_back else []
+    back = [int(cb[0]), int(cb[1])] + [int(cb[U - 2])] * (L - 1) + [int(cb[U - 1]), int(cb[U])] if cb else []
     # a block's parameters that sync over the same axes act as one (their sums): fewer entries to walk per candidate
     block: dict[tuple, list] = {}  # (sync axes, frozen) -> sums
-    params, wire, step = {}, {}, {}
+    params, wire, step, grads = {}, {}, {}, {}
     cold = set()
     for name, (uu, sg, local, axes, n) in a.params.items():
         first = min(uu) if uu else 0
         if 0 < first < U - 2:
             continue  # another proxy block's parameter: the template block (the last) stands for every block
         if first == U - 2 and U > 2:  # the template block's parameter: one per block
-            acc = block.setdefault((tuple(axes), name in a.frozen), [0.0, 0.0, 0, 0.0, 0.0])
+            acc = block.setdefault((tuple(axes), name in a.frozen), [0.0, 0.0, 0, 0.0, 0.0, 0.0])
             acc[0] += sg
             acc[1] += local
             acc[2] += n
             acc[3] += a.grad_wire.get(name, local)
             acc[4] += a.step.get(name, 0.0)
+            acc[5] += a.grads.get(name, 0.0)
         else:
             params[name] = ({0 if u == 0 else L + 1 for u in uu} or {0}, sg, local, axes, n)
             wire[name] = a.grad_wire.get(name, local)
             step[name] = a.step.get(name, 0.0)
+            grads[name] = a.grads.get(name, 0.0)
             if name in a.frozen:
                 cold.add(name)
-    for (axes, is_frozen), (sg, local, n, w, t) in block.items():
+    for (axes, is_frozen), (sg, local, n, w, t, gr) in block.items():
         for k in range(L):
             key = f"block{k}{axes}" + ("frozen" if is_frozen else "")
             params[key] = ({1 + k}, sg, local, axes, n)
             wire[key] = w
             step[key] = t
+            grads[key] = gr
             if is_frozen:
                 cold.add(key)
     # a unit's largest gradient bucket and gradient do not depend on the rows: the proxy's, the template's per block
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, expand(a.regen, b.regen) if a.regen else [], grad_wire=wire,
                      flat=expand(a.flat, b.flat), step=step, accum=expand(a.accum, b.accum), frozen=frozenset(cold),
                      cast=expand(a.cast, b.cast) if a.cast else [], temp=expand(a.temp, b.temp) if a.temp else [],
-                     temp_adds=a.temp_adds, start=expand(a.start, b.start) if a.start else [])
+                     temp_adds=a.temp_adds, start=expand(a.start, b.start) if a.start else [], grads=grads,
+                     after_start=expand(a.after_start, b.after_start) if a.after_start else [], cross_back=back)
 
 
 def _units(L: int) -> Units:
@@ -497,7 +503,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     prefixed, tied = _sync_sums(uc, U, every=c.ep > 1 and c.dp > c.ep)
     stepped = _step_sums(uc, U)
     options = [equal_starts(units, S)] if L % S == 0 else []
-    got = balance(uc, units, S, p, flights, v, budget, beside)
+    got = balance(uc, units, S, p, m, flights, v, budget, beside)
     if got is not None:  # one stage per rank: the balanced cut is the answer; interleaved: the per-rank sums matter
         options.append(refine(uc, units, got, p, m, v, flights, budget, beside) if v > 1 else got)
     elif options:  # no balanced cut fits: repair the even one (as plan_pipeline does)
@@ -548,7 +554,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
             for r in rs if len(rs) > 1 else ():
                 sync[r] += tied_sync(wire, opt, len(rs), inner, link)
         total = step + max(sync)
-        ranks = _rank_memory(uc, st, starts, U, p, v, flights, beside)
+        ranks = _rank_memory(uc, st, starts, U, p, m, v, flights, beside)
         mem = max(ranks)
         if best is None or (mem <= budget, -total) > (best[1] <= budget, -best[0]):
             best = (total, mem, counted / (p * mem) if mem > 0 else 1.0)

@@ -24,9 +24,11 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
    redistributions into them, as the ILP priced them), activation bytes per microbatch, parameter state; per
    boundary: the bytes that cross it.
 4. For each schedule (GPipe, 1F1B, interleaved 1F1B with ``v`` stages per rank where the blocks divide), the cuts
-   minimise the slowest stage subject to every rank's memory (state + the larger of: in-flight microbatches x
-   activations + what one unit's backward brings -- its recomputed activations, and a gradient before it is
-   accumulated --; the flat copy of its ZeRO-0 gradients, after the last backward; <= budget): bisection on
+   minimise the slowest stage subject to every rank's memory (state and its receive buffers, one per microbatch
+   each way, as torch's pipelining keeps them + the larger of: in-flight microbatches x activations + what one
+   unit's backward brings -- its recomputed activations, and a gradient before it is accumulated --, the
+   accumulated gradients counted only once the rank's first backward has run (GPipe's every forward comes first);
+   the flat copy of its ZeRO-0 gradients, after the last backward; <= budget): bisection on
    the slowest stage's time, with a greedy packing as the feasibility test (exact for contiguous cuts, since a
    shorter run of units never needs more time or memory). The schedule is then
    simulated (``autopar.schedule``): the step is the simulated timeline plus the gradient all-reduce after it
@@ -251,6 +253,12 @@ class UnitCosts:
     # first backward on (``opt.zero_grad()`` sets gradients to None), so not while GPipe keeps every microbatch in
     # flight (``_held``)
     grads: dict[str, float] = dataclasses.field(default_factory=dict)
+    # per unit, what is left of ``start`` once the loss op's backward is done (the gradient of its input alone: a
+    # cross-entropy's logits'), beside which the unit's parameter gradients are then made
+    after_start: list[float] = dataclasses.field(default_factory=list)
+    # per boundary (as ``cross``), the bytes of the gradient that comes back across it: of the values crossing it
+    # that need one (not the targets sent to the loss)
+    cross_back: list = dataclasses.field(default_factory=list)
 
     def unscattered(self) -> "UnitCosts":
         """These costs with every value sent whole: the scatter saves send time where it is exposed, and the schedule
@@ -262,11 +270,16 @@ class UnitCosts:
 
     def back(self) -> list[float]:
         """Per unit, the bytes alive while its backward runs beside what the microbatches keep: what its
-        recomputation brings back, one gradient before it is accumulated, and the loss's gradient where backward
-        starts. Memoised: read it, do not change it."""
+        recomputation brings back, and one gradient before it is accumulated -- where backward starts, beside what
+        is left of the loss's gradient, or the loss op's own backward peak if larger (the two are not alive at
+        once: the head's weight gradient is made from the logits' gradient, after the log-probabilities' is gone;
+        summed, the last pp rank of a GPT on 2 gloo ranks was priced 1.02 of its measured peak). Memoised: read
+        it, do not change it."""
         if "back" not in self.memo:
             n = len(self.fwd)
-            self.memo["back"] = [r + a + s for r, a, s in zip(self.regen or [0.0] * n, self.accum or [0.0] * n, self.start or [0.0] * n)]
+            zeros = [0.0] * n
+            self.memo["back"] = [r + (max(s, h + a) if s else a) for r, a, s, h in
+                                 zip(self.regen or zeros, self.accum or zeros, self.start or zeros, self.after_start or zeros)]
         return self.memo["back"]
 
 
@@ -365,6 +378,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     # bytes crossing each boundary: a value produced in unit a and read in unit b crosses boundaries a+1 .. b
     diff = [0] * (U + 1)
     whole = [0] * (U + 1)  # (nothing scattered)
+    diff_back = [0] * (U + 1)  # (what needs a gradient)
     grad = [False] * (U + 1)
     last_use: dict[str, int] = {}
     readers: dict[str, set[int]] = {}
@@ -403,6 +417,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         diff[a + 1] += nbytes
         diff[b + 1] -= nbytes
         if rg:
+            diff_back[a + 1] += nbytes
+            diff_back[b + 1] -= nbytes
             for c in range(a + 1, b + 1):
                 grad[c] = True
     cross, run = [], 0
@@ -417,14 +433,17 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     for uu, _held, local, _axes, _n in params.values():
         for u in uu:
             accum[u] = max(accum[u], local)
-    start = [0.0] * U
-    for n, b in loss_gradient_bytes(loss_gradients(problem), strategy.__getitem__, inner).items():
+    start, after_start = [0.0] * U, [0.0] * U
+    found = loss_gradients(problem)
+    for n, b in loss_gradient_bytes(found, strategy.__getitem__, inner).items():
         start[unit(n)] += b
+    for n, b in loss_gradient_bytes([(n, i, m, 1.0) for n, i, m, _f in found], strategy.__getitem__, inner).items():
+        after_start[unit(n)] += b
     kernel = inner.hardware.optimizer_kernel
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum,
                      frozenset(n for n in params if n not in tg.trainable), cast,
                      [step_temporaries(x, kernel) for x in stepped], kernel == "foreach", start,
-                     gathers if scattered else [], plain_cross, grads)
+                     gathers if scattered else [], plain_cross, grads, after_start, list(itertools.accumulate(diff_back)))
 
 
 # --- stages --------------------------------------------------------------------------------------------------------
@@ -503,7 +522,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         t = send_time(send, link)
         p2p.append(t)
         stages.append(StagePlan(s, r, tuple(units.labels[i:j]), f, b, int(send), state, a))
-        rank_state[r] += state
+        rank_state[r] += state + receive_buffers(uc, i, j, s == 0, s == len(starts) - 1, m)
         rank_act[r] += a / v
         rank_back[r] = max(rank_back[r], max(back[i:j], default=0.0))
         rank_flat[r] += sum(uc.flat[i:j])
@@ -556,6 +575,18 @@ def tied_sync(wire: float, opt: "ZeroOption | None", ranks: int, inner: Mesh, li
     return collective_time("all_reduce", nbytes, ranks, link) + flat_copy_time(nbytes, inner.hardware)
 
 
+def receive_buffers(uc: UnitCosts, i: int, j: int, first: bool, last: bool, m: int) -> float:
+    """The bytes torch's pipelining keeps for a stage of units i..j-1 to receive into: one buffer per microbatch,
+    made when the stage is built and kept (``PipelineStage``'s receive infos), of what crosses into it (every stage
+    but the first) and of the gradient coming back across its end (every stage but the last, where one does). The
+    sender's copy is its own: it keeps its output until that microbatch's backward. (MemTracker on 2 gloo ranks
+    found m of them on each rank, made before the first forward.)"""
+    got = uc.cross[i] if not first else 0
+    if not last and uc.cross_grad[j]:
+        got += uc.cross_back[j] if uc.cross_back else uc.cross[j]
+    return float(m * got)
+
+
 def _in_schedule(flight: int, beside: int, act: float, grad: float) -> float:
     """A rank's bytes beyond its state (which holds its accumulated gradients, ``grad`` bytes) from its microbatches'
     activations (``act`` each): ``flight`` of them in flight before its first backward, when no gradient exists yet,
@@ -600,7 +631,7 @@ def analytic_step(ts: list[float], p: int, m: int, v: int) -> float:
     return m * max(per_rank) + (p - 1) * max(ts)
 
 
-def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: int, budget: float,
+def balance(uc: UnitCosts, units: Units, S: int, p: int, m: int, flights: list[int], v: int, budget: float,
             beside: list[int]) -> tuple[int, ...] | None:
     """Starts of S stages minimising the slowest stage's seconds under each stage's memory bound (see module).
     ``beside``: per rank, the microbatches in flight once its gradients exist (``schedule.in_flight_beside_grads``)."""
@@ -633,7 +664,7 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, flights: list[int], v: 
                 held = _in_schedule(fl, bs, na / v, ng) + nr + nc
                 if nf > held:
                     held = nf
-                held = ns + (nm if nm > held else held)
+                held = ns + receive_buffers(uc, i, j + 1, k == 0, k == S - 1, m) + (nm if nm > held else held)
                 if j > i and (nt > limit or held > cap):
                     break
                 if j == i and held > cap:
@@ -667,8 +698,8 @@ def _sums(uc: UnitCosts, st: list[float]) -> tuple:
     largest of a run of units' backward transients (``UnitCosts.back``), the sum of their gradient buckets
     (``flat``: the rank all-reduces its stages' ZeRO-0 gradients through one flat buffer) and of their compute
     copies (``cast``), their optimizer step's temporaries (``temp``: the sum or the largest, as
-    ``UnitCosts.temp_adds`` says), the running sums of their accumulated gradients (``unit_grads``), and
-    ``temp_adds`` (the last entry). Memoised on ``uc`` for its own ``unit_state``."""
+    ``UnitCosts.temp_adds`` says), the running sums of their accumulated gradients (``unit_grads``), ``uc`` (for
+    its ``receive_buffers``) and ``temp_adds`` (the last entry). Memoised on ``uc`` for its own ``unit_state``."""
     def made() -> tuple:  # None: no backward transient, no bucket, no compute copy, no temporaries
         back = uc.back()
         flat, cast, temp = _prefix(uc.flat), _prefix(uc.cast), _prefix(uc.temp)
@@ -678,7 +709,7 @@ def _sums(uc: UnitCosts, st: list[float]) -> tuple:
         return (_prefix(st), _prefix(uc.act), _range_max(back) if any(back) else None,
                 (lambda i, j: flat[j] - flat[i]) if any(uc.flat) else None,
                 (lambda i, j: cast[j] - cast[i]) if any(uc.cast) else None, temps,
-                _prefix(unit_grads(uc, len(st))), uc.temp_adds)
+                _prefix(unit_grads(uc, len(st))), uc, uc.temp_adds)
 
     if uc.memo.get(("state", len(st))) is not st:
         return made()
@@ -711,29 +742,30 @@ def _prefix(xs: list[float]) -> list[float]:
     return out
 
 
-def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, v: int, flights: list[int],
+def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, m: int, v: int, flights: list[int],
                  beside: list[int], sums: "tuple | None" = None) -> list[float]:
     """Each pipeline rank's bytes: its stages' parameter state, and the larger of ``flights`` microbatches of their
     activations (``beside`` of them once its gradients exist: ``_in_schedule``) with
     the largest transient one of its units' backward brings (``UnitCosts.back``), and the flat copy its gradient
-    sync makes of its ZeRO-0 gradients after the last backward. ``sums``: ``_sums(uc, st)``, when the caller prices
-    many cuts."""
+    sync makes of its ZeRO-0 gradients after the last backward, beside its ``receive_buffers`` for ``m``
+    microbatches. ``sums``: ``_sums(uc, st)``, when the caller prices many cuts."""
     sums = sums or _sums(uc, st)
-    return [_one_rank(sums, starts, r, U, p, v, flights[r], beside[r]) for r in range(p)]
+    return [_one_rank(sums, starts, r, U, p, m, v, flights[r], beside[r]) for r in range(p)]
 
 
-def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int, beside: int) -> float:
+def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, m: int, v: int, flight: int, beside: int) -> float:
     """Rank r's bytes in ``_rank_memory``: its stages are r, r + p, ..."""
     S = len(starts)
-    return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v) for k in range(r, S, p)], flight,
-                 sums[-1], beside)
+    return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v, k == 0, k == S - 1, m)
+                  for k in range(r, S, p)], flight, sums[-1], beside)
 
 
-def _stage_bytes(sums: tuple, i: int, j: int, v: int) -> tuple[float, float, float, float, float, float, float]:
-    """A stage of units i..j-1: its (parameter state, activations / v, largest backward transient, its gradients'
-    flat copy, its parameters' compute copies, its optimizer step's temporaries, its accumulated gradients)."""
-    ps, pa, backs, flat, cast, temps, pg, _adds = sums
-    return (ps[j] - ps[i], (pa[j] - pa[i]) / v, backs(i, j) if backs is not None else 0.0,
+def _stage_bytes(sums: tuple, i: int, j: int, v: int, first: bool, last: bool, m: int) -> tuple[float, float, float, float, float, float, float]:
+    """A stage of units i..j-1 (``first`` and ``last`` of the pipeline or not, ``m`` microbatches): its (parameter
+    state and ``receive_buffers``, activations / v, largest backward transient, its gradients' flat copy, its
+    parameters' compute copies, its optimizer step's temporaries, its accumulated gradients)."""
+    ps, pa, backs, flat, cast, temps, pg, uc, _adds = sums
+    return (ps[j] - ps[i] + receive_buffers(uc, i, j, first, last, m), (pa[j] - pa[i]) / v, backs(i, j) if backs is not None else 0.0,
             flat(i, j) if flat is not None else 0.0, cast(i, j) if cast is not None else 0.0,
             temps(i, j) if temps is not None else 0.0, pg[j] - pg[i])
 
@@ -782,7 +814,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
     def stage(cuts, k: int) -> tuple[float, tuple[float, float, float, float, float]]:
         """Stage k's seconds and ``_stage_bytes``."""
         i, j = cuts[k], cuts[k + 1] if k + 1 < S else U
-        return pt[j] - pt[i], _stage_bytes(sums, i, j, v)
+        return pt[j] - pt[i], _stage_bytes(sums, i, j, v, k == 0, k == S - 1, m)
 
     def rank_bytes(mems: list, r: int) -> float:  # ``_one_rank`` from the stages' values
         return _held([mems[k] for k in range(r, S, p)], flights[r], uc.temp_adds, beside[r])
@@ -1065,7 +1097,7 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                 beside = sched.in_flight_beside_grads(name, p, m, v)
                 if pin.cuts is None:
                     cands = []
-                    starts = balance(uc, units, S, p, flights, v, budget, beside)
+                    starts = balance(uc, units, S, p, m, flights, v, budget, beside)
                     if starts is not None:
                         cands.append(refine(uc, units, starts, p, m, v, flights, budget, beside))
                     if L % S == 0:  # Megatron's even cut is always a candidate: the search never does worse

@@ -770,6 +770,22 @@ class _BeforeBackward(torch.autograd.Function):
         return (None,) + grads
 
 
+def _block_weight(ctx, x, block: "Zero3Block", i: int, keep: bool) -> torch.Tensor:
+    """A ZeRO-3 op's forward start (``_Zero3BlockLinear``, ``_Zero3BlockBmm``): weight ``i`` from the bucket, and
+    what the op saves for backward -- ``x`` only for a weight that takes a gradient, the weight only where ``keep``
+    (a recomputed block) and ``x`` needs a gradient."""
+    w = block.weight(i, "forward")
+    ctx.block, ctx.i, ctx.keep = block, i, keep
+    ctx.wgrad = block.shards[i].requires_grad  # a frozen weight takes no gradient
+    ctx.save_for_backward(x if ctx.wgrad else None, w if keep and ctx.needs_input_grad[0] else None)
+    return w
+
+
+def _backward_weight(ctx, kept: torch.Tensor | None) -> torch.Tensor:
+    """The weight a ZeRO-3 op's backward reads: the one it saved (``keep``), or the bucket's, gathered again."""
+    return kept if ctx.keep else ctx.block.weight(ctx.i, "backward")
+
+
 class _Zero3BlockLinear(torch.autograd.Function):
     """``linear(x, w, b)`` with ``w`` the bucket's gathered weight ``i``, not saved: backward reads it from the
     bucket, which gathers the bucket's weights again for the first of its linears there. In a recomputed block
@@ -780,10 +796,8 @@ class _Zero3BlockLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, token, b, block, i, keep, last):
-        w = block.weight(i, "forward")
-        ctx.block, ctx.i, ctx.keep, ctx.has_b = block, i, keep, b is not None
-        ctx.wgrad = block.shards[i].requires_grad  # a frozen weight takes no gradient
-        ctx.save_for_backward(x if ctx.wgrad else None, w if keep and ctx.needs_input_grad[0] else None)
+        w = _block_weight(ctx, x, block, i, keep)
+        ctx.has_b = b is not None
         out = torch.nn.functional.linear(x, w, b)
         if last:
             block.release()
@@ -794,8 +808,7 @@ class _Zero3BlockLinear(torch.autograd.Function):
         x, kept = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:  # (a linear whose input needs no gradient reads no weight in backward)
-            w = kept if ctx.keep else ctx.block.weight(ctx.i, "backward")
-            gx = g @ w
+            gx = g @ _backward_weight(ctx, kept)
         g2 = g.reshape(-1, g.shape[-1])
         if ctx.wgrad and ctx.block.shards[ctx.i].requires_grad:
             ctx.block.add_grad(ctx.i, g2.t() @ x.reshape(-1, x.shape[-1]))
@@ -811,10 +824,8 @@ class _Zero3BlockBmm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, token, block, i, transposed, keep, last):
-        w = block.weight(i, "forward")
-        ctx.block, ctx.i, ctx.transposed, ctx.keep = block, i, transposed, keep
-        ctx.wgrad = block.shards[i].requires_grad
-        ctx.save_for_backward(x if ctx.wgrad else None, w if keep and ctx.needs_input_grad[0] else None)
+        w = _block_weight(ctx, x, block, i, keep)
+        ctx.transposed = transposed
         out = torch.bmm(x, w.transpose(1, 2) if transposed else w)
         if last:
             block.release()
@@ -825,7 +836,7 @@ class _Zero3BlockBmm(torch.autograd.Function):
         x, kept = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:
-            w = kept if ctx.keep else ctx.block.weight(ctx.i, "backward")
+            w = _backward_weight(ctx, kept)
             gx = torch.bmm(g, w if ctx.transposed else w.transpose(1, 2))
         if ctx.wgrad and ctx.block.shards[ctx.i].requires_grad:
             gw = torch.bmm(x.transpose(1, 2), g)  # (the gradient of the stack as bmm reads it)

@@ -397,6 +397,13 @@ def mode_switched_modules() -> tuple:
     return (_BatchNorm, _InstanceNorm, _DropoutNd, torch.nn.RReLU)
 
 
+def batch_norm_base() -> type:
+    """BatchNorm's base class (private in torch): every BatchNorm, SyncBatchNorm included, runs aten.batch_norm."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return _BatchNorm
+
+
 def hooks_of(model: torch.nn.Module) -> list[tuple[str, str]]:
     """(FQN, kind) of each module's forward / backward hooks and each parameter's gradient hooks on ``model`` that
     the user registered (torch's own, as weight_norm's, are left out): torch keeps them in private dicts

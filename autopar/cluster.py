@@ -299,11 +299,13 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
 
     fwd, bwd, act = expand(a.fwd, b.fwd), expand(a.bwd, b.bwd), expand(a.act, b.act)
     cross1, cross2 = a.cross, b.cross  # U + 1 boundaries: before unit i
-    cr = [lin(x1, x2) for x1, x2 in zip(cross1, cross2)]
-    cross = [int(cr[0]), int(cr[1])] + [int(cr[U - 2])] * (L - 1) + [int(cr[U - 1]), int(cr[U])]
-    grad = [a.cross_grad[0], a.cross_grad[1]] + [a.cross_grad[U - 2]] * (L - 1) + [a.cross_grad[U - 1], a.cross_grad[U]]
-    cb = [lin(x1, x2) for x1, x2 in zip(a.cross_back, b.cross_back)] if a.cross_back else []
-    back = [int(cb[0]), int(cb[1])] + [int(cb[U - 2])] * (L - 1) + [int(cb[U - 1]), int(cb[U])] if cb else []
+
+    def boundaries(xs: list) -> list:  # U + 1 boundaries: before unit i; the template block's repeated
+        return [xs[0], xs[1]] + [xs[U - 2]] * (L - 1) + [xs[U - 1], xs[U]]
+
+    cross = boundaries([int(lin(x1, x2)) for x1, x2 in zip(cross1, cross2)])
+    grad = boundaries(a.cross_grad)
+    back = boundaries([int(lin(x1, x2)) for x1, x2 in zip(a.cross_back, b.cross_back)]) if a.cross_back else []
     # a block's parameters that sync over the same axes act as one (their sums): fewer entries to walk per candidate
     block: dict[tuple, list] = {}  # (sync axes, frozen) -> sums
     params, wire, step, grads = {}, {}, {}, {}
@@ -497,17 +499,16 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     p, v, m = c.pp, c.virtual, c.microbatches
     S = p * v
     flights = list(sched.in_flight(c.schedule, p, m, v))
-    beside = sched.in_flight_beside_grads(c.schedule, p, m, v)
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
     prefixed, tied = _sync_sums(uc, U, every=c.ep > 1 and c.dp > c.ep)
     stepped = _step_sums(uc, U)
     options = [equal_starts(units, S)] if L % S == 0 else []
-    got = balance(uc, units, S, p, m, flights, v, budget, beside)
+    got = balance(uc, units, S, p, m, flights, v, budget)
     if got is not None:  # one stage per rank: the balanced cut is the answer; interleaved: the per-rank sums matter
-        options.append(refine(uc, units, got, p, m, v, flights, budget, beside) if v > 1 else got)
+        options.append(refine(uc, units, got, p, m, v, flights, budget) if v > 1 else got)
     elif options:  # no balanced cut fits: repair the even one (as plan_pipeline does)
-        options.append(refine(uc, units, options[0], p, m, v, flights, budget, beside))
+        options.append(refine(uc, units, options[0], p, m, v, flights, budget))
     # the whole model's bytes as the real plan's stage ILP bounds them (``plan_pipeline``: every unit's activations at
     # min(p, m) microbatches in flight, the most any rank keeps), against p times the fullest rank's: the squeeze
     # that makes the ILP's first bound the fullest rank's budget
@@ -554,7 +555,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
             for r in rs if len(rs) > 1 else ():
                 sync[r] += tied_sync(wire, opt, len(rs), inner, link)
         total = step + max(sync)
-        ranks = _rank_memory(uc, st, starts, U, p, m, v, flights, beside)
+        ranks = _rank_memory(uc, st, starts, U, p, m, v, flights)
         mem = max(ranks)
         if best is None or (mem <= budget, -total) > (best[1] <= budget, -best[0]):
             best = (total, mem, counted / (p * mem) if mem > 0 else 1.0)

@@ -473,7 +473,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     link = mesh.link(axis)
     stages, p2p = [], []
     flights = sched.in_flight(schedule, p, m, v)
-    beside = sched.in_flight_beside_grads(schedule, p, m, v)
+    beside = sched.beside_grads(flights, m, v)
     rank_state = [0.0] * p
     rank_grad = [0.0] * p  # the accumulated gradients within its state (``UnitCosts.grads``)
     rank_act = [0.0] * p
@@ -631,13 +631,12 @@ def analytic_step(ts: list[float], p: int, m: int, v: int) -> float:
     return m * max(per_rank) + (p - 1) * max(ts)
 
 
-def balance(uc: UnitCosts, units: Units, S: int, p: int, m: int, flights: list[int], v: int, budget: float,
-            beside: list[int]) -> tuple[int, ...] | None:
-    """Starts of S stages minimising the slowest stage's seconds under each stage's memory bound (see module).
-    ``beside``: per rank, the microbatches in flight once its gradients exist (``schedule.in_flight_beside_grads``)."""
+def balance(uc: UnitCosts, units: Units, S: int, p: int, m: int, flights: list[int], v: int, budget: float) -> tuple[int, ...] | None:
+    """Starts of S stages minimising the slowest stage's seconds under each stage's memory bound (see module)."""
     U = len(units.labels)
     if U < S:
         return None
+    beside = sched.beside_grads(flights, m, v)  # in flight once a rank's gradients exist
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
     gr = unit_grads(uc, U)
@@ -743,13 +742,14 @@ def _prefix(xs: list[float]) -> list[float]:
 
 
 def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, m: int, v: int, flights: list[int],
-                 beside: list[int], sums: "tuple | None" = None) -> list[float]:
+                 sums: "tuple | None" = None) -> list[float]:
     """Each pipeline rank's bytes: its stages' parameter state, and the larger of ``flights`` microbatches of their
-    activations (``beside`` of them once its gradients exist: ``_in_schedule``) with
+    activations (fewer once its gradients exist: ``_in_schedule``) with
     the largest transient one of its units' backward brings (``UnitCosts.back``), and the flat copy its gradient
     sync makes of its ZeRO-0 gradients after the last backward, beside its ``receive_buffers`` for ``m``
     microbatches. ``sums``: ``_sums(uc, st)``, when the caller prices many cuts."""
     sums = sums or _sums(uc, st)
+    beside = sched.beside_grads(flights, m, v)
     return [_one_rank(sums, starts, r, U, p, m, v, flights[r], beside[r]) for r in range(p)]
 
 
@@ -795,8 +795,7 @@ def _held(stages, flight: int, adds: bool, beside: int) -> float:
     return state + (temp if temp > held else held)
 
 
-def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float,
-           beside: list[int]) -> tuple[int, ...]:
+def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:
     """Move single cuts by one unit while the schedule's analytic step (``analytic_step``) improves and every rank
     still fits. Balancing the slowest stage is the whole story for one stage per rank; with several per rank it is
     their sum per rank that the steady state runs. From cuts that overflow a rank, moves that shrink the overflow
@@ -810,6 +809,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
     pt = _prefix([f + b for f, b in zip(uc.fwd, uc.bwd)])
     sums = _sums(uc, unit_state(uc, U))
     S = len(starts)
+    beside = sched.beside_grads(flights, m, v)
 
     def stage(cuts, k: int) -> tuple[float, tuple[float, float, float, float, float]]:
         """Stage k's seconds and ``_stage_bytes``."""
@@ -1094,16 +1094,15 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             for order, (name, v) in enumerate(options):
                 S = p * v
                 flights = sched.in_flight(name, p, m, v)
-                beside = sched.in_flight_beside_grads(name, p, m, v)
                 if pin.cuts is None:
                     cands = []
-                    starts = balance(uc, units, S, p, m, flights, v, budget, beside)
+                    starts = balance(uc, units, S, p, m, flights, v, budget)
                     if starts is not None:
-                        cands.append(refine(uc, units, starts, p, m, v, flights, budget, beside))
+                        cands.append(refine(uc, units, starts, p, m, v, flights, budget))
                     if L % S == 0:  # Megatron's even cut is always a candidate: the search never does worse
                         cands.append(equal_starts(units, S))
                         if starts is None:  # no balanced cut fits: repair the even one
-                            cands.append(refine(uc, units, cands[-1], p, m, v, flights, budget, beside))
+                            cands.append(refine(uc, units, cands[-1], p, m, v, flights, budget))
                 else:
                     cands = [equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))]
                 fits = False

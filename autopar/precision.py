@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autopar import _compat
 from autopar._compat import pytree
 from autopar.errors import AutoparError
 from autopar.trace import shallow_copy
@@ -83,14 +84,23 @@ def check(model: nn.Module, mp: MixedPrecision | None) -> None:
                                "the parameters are the master copy the optimizer steps; keep the model in float32 "
                                "(model.float()) and let MixedPrecision cast for compute")
     sixteen = mp.param_dtype in (torch.bfloat16, torch.float16)
-    for fqn, m in model.named_modules():
-        stats = getattr(m, "running_mean", None)
-        if isinstance(stats, torch.Tensor) and stats.is_floating_point() and stats.dtype != mp.param_dtype \
-                and not (sixteen and stats.dtype == torch.float32):
-            raise AutoparError(f"{fqn or 'the model'} ({type(m).__name__}) keeps running statistics in {stats.dtype}; under "
+    for fqn, m, stats in batch_norm_stats(model):
+        if stats != mp.param_dtype and not (sixteen and stats == torch.float32):
+            raise AutoparError(f"{fqn or 'the model'} ({type(m).__name__}) keeps running statistics in {stats}; under "
                                f"MixedPrecision(param_dtype={mp.param_dtype}) its input is {mp.param_dtype}, and torch's batch norm "
                                f"takes {mp.param_dtype} statistics{' or float32 ones' if sixteen else ''} beside it: keep the model in "
                                "float32 with a 16-bit param_dtype, or plan without mixed_precision")
+
+
+def batch_norm_stats(model: nn.Module) -> list[tuple[str, nn.Module, torch.dtype]]:
+    """(FQN, module, dtype of its running statistics) of each BatchNorm of ``model`` that keeps floating ones: under
+    mixed precision it reads its weight and bias in that dtype (``passes.mixed_precision``, ``SingleDevice``)."""
+    out = []
+    for fqn, m in model.named_modules():
+        stats = getattr(m, "running_mean", None)
+        if isinstance(m, _compat.batch_norm_base()) and isinstance(stats, torch.Tensor) and stats.is_floating_point():
+            out.append((fqn, m, stats.dtype))
+    return out
 
 
 def compute_twin(model: nn.Module, mp: MixedPrecision | None) -> nn.Module:
@@ -142,13 +152,11 @@ class SingleDevice(nn.Module):
         params = {k: p.to(self.mp.param_dtype) for k, p in self.model.named_parameters()}
         # a batch norm's weight and bias in its running statistics' dtype, cast from the param dtype's (as the
         # program reads them: ``passes.mixed_precision``)
-        for fqn, m in self.model.named_modules():
-            stats = getattr(m, "running_mean", None)
-            if isinstance(stats, torch.Tensor) and stats.is_floating_point():
-                for k in ("weight", "bias"):
-                    key = f"{fqn}.{k}" if fqn else k
-                    if key in params:
-                        params[key] = params[key].to(stats.dtype)
+        for fqn, _m, stats in batch_norm_stats(self.model):
+            for k in ("weight", "bias"):
+                key = f"{fqn}.{k}" if fqn else k
+                if key in params:
+                    params[key] = params[key].to(stats)
         return torch.func.functional_call(self.model, params, cast_inputs(args, self.mp))
 
 

@@ -100,15 +100,21 @@ def in_flight_beside_grads(schedule: str, p: int, m: int, v: int = 1) -> list[in
     rank runs a backward before its last forward; one fewer where every forward comes first (GPipe; 1F1B with no
     more microbatches than stages after the rank). Closed form, ``min(in flight, m v - 1)``, which
     ``in_flight_beside_grads_simulated`` confirms over a grid in the tests."""
-    return [min(f, m * v - 1) for f in in_flight(schedule, p, m, v)]
+    return beside_grads(in_flight(schedule, p, m, v), m, v)
 
 
-def in_flight_beside_grads_simulated(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
-    """``in_flight_beside_grads`` counted on the schedule's own action order."""
+def beside_grads(flights: list[int], m: int, v: int = 1) -> list[int]:
+    """``in_flight_beside_grads`` from the ranks' ``in_flight`` counts ``flights``."""
+    return [min(f, m * v - 1) for f in flights]
+
+
+def _simulated_peaks(schedule: str, p: int, m: int, v: int, after_backward: bool) -> list[int]:
+    """Per rank, the most forwards whose backward has not run, counted on the schedule's own action order (from the
+    rank's first backward on, where ``after_backward``)."""
     res = []
     for seq in actions(schedule, p, m, v):
         live = peak = 0
-        seen = False
+        seen = not after_backward
         for a in seq:
             seen = seen or a.kind == "B"
             live += 1 if a.kind == "F" else -1
@@ -118,16 +124,14 @@ def in_flight_beside_grads_simulated(schedule: str, p: int, m: int, v: int = 1) 
     return res
 
 
+def in_flight_beside_grads_simulated(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
+    """``in_flight_beside_grads`` counted on the schedule's own action order."""
+    return _simulated_peaks(schedule, p, m, v, True)
+
+
 def in_flight_simulated(schedule: str, p: int, m: int, v: int = 1) -> list[int]:
     """``in_flight`` counted on the schedule's own action order."""
-    res = []
-    for seq in actions(schedule, p, m, v):
-        live = peak = 0
-        for a in seq:
-            live += 1 if a.kind == "F" else -1
-            peak = max(peak, live)
-        res.append(peak)
-    return res
+    return _simulated_peaks(schedule, p, m, v, False)
 
 
 @dataclass(frozen=True)

@@ -196,12 +196,12 @@ def test_cuts_that_overflow_a_rank_are_repaired():
     flights = [3, 1]
     even = equal_starts(units, p * v)
     assert even == (0, 2, 3, 4)
-    assert max(_rank_memory(uc, unit_state(uc, U), even, U, p, 8, v, flights, flights)) == 40.0
-    fixed = refine(uc, units, even, p, 8, v, flights, 36.0, flights)
+    assert max(_rank_memory(uc, unit_state(uc, U), even, U, p, 8, v, flights)) == 40.0
+    fixed = refine(uc, units, even, p, 8, v, flights, 36.0)
     assert fixed == (0, 2, 3, 5)
-    assert max(_rank_memory(uc, unit_state(uc, U), fixed, U, p, 8, v, flights, flights)) <= 36.0
+    assert max(_rank_memory(uc, unit_state(uc, U), fixed, U, p, 8, v, flights)) <= 36.0
     # cuts that fit are only moved to a faster step, never out of the budget
-    assert max(_rank_memory(uc, unit_state(uc, U), refine(uc, units, fixed, p, 8, v, flights, 36.0, flights), U, p, 8, v, flights, flights)) <= 36.0
+    assert max(_rank_memory(uc, unit_state(uc, U), refine(uc, units, fixed, p, 8, v, flights, 36.0), U, p, 8, v, flights)) <= 36.0
 
 
 @pytest.mark.parametrize("act", [8.0, 2.0])
@@ -227,12 +227,12 @@ def test_gpipe_holds_no_gradient_while_every_microbatch_is_in_flight(act):
         ev = evaluate(uc, units, starts, name, p, m, 1, mesh, 0, mesh.without(0))
         want = [80.0 + max(f * 2 * act - 20.0, b * 2 * act) for f, b in zip(flights, beside)]
         assert list(ev.rank_memory) == pytest.approx(want), (name, m)
-        assert _rank_memory(uc, unit_state(uc, U), starts, U, p, m, 1, flights, beside) == pytest.approx(want), (name, m)
+        assert _rank_memory(uc, unit_state(uc, U), starts, U, p, m, 1, flights) == pytest.approx(want), (name, m)
         if name == "gpipe" and m == 4:  # the old price held both: 80 + 4 microbatches + 20 of gradients ... of state
             assert max(want) < 80.0 + 4 * 2 * act
         # the search's own feasibility agrees: the cut fits a budget of exactly its peak, and not 1 byte less
-        assert balance(uc, units, p, p, m, flights, 1, max(want), beside) is not None
-        assert balance(uc, units, p, p, m, flights, 1, min(want) - 1.0, beside) is None
+        assert balance(uc, units, p, p, m, flights, 1, max(want)) is not None
+        assert balance(uc, units, p, p, m, flights, 1, min(want) - 1.0) is None
 
 
 def test_a_first_stage_bound_too_tight_falls_back_to_the_plain_one():
@@ -967,13 +967,13 @@ def test_each_stage_keeps_a_receive_buffer_per_microbatch():
     units = Units(["embed"] + [f"block{k}" for k in range(L)] + ["head"], {}, set(), {}, L)
     mesh = autopar.Mesh({"pp": p})
     starts = (0, 2)
-    flights, beside = sched.in_flight("1f1b", p, m), sched.in_flight_beside_grads("1f1b", p, m)
+    flights = sched.in_flight("1f1b", p, m)
 
     def priced(cross: list, back: list) -> tuple[list, list, list]:
         uc = UnitCosts([1.0] * U, [2.0] * U, [3.0] * U, {f"w{u}": ({u}, 40.0, 10.0, (), 1) for u in range(U)},
                        cross, back, {}, grads={f"w{u}": 10.0 for u in range(U)})
         ev = evaluate(uc, units, starts, "1f1b", p, m, 1, mesh, 0, mesh.without(0))
-        return uc, list(ev.rank_memory), _rank_memory(uc, unit_state(uc, U), starts, U, p, m, 1, flights, beside)
+        return uc, list(ev.rank_memory), _rank_memory(uc, unit_state(uc, U), starts, U, p, m, 1, flights)
 
     _uc, *nothing = priced([0] * (U + 1), [False] * (U + 1))
     uc, *sent = priced([0, 0, 5, 0, 0], [False, False, True, False, False])  # 5 bytes cross the cut, a gradient comes back
@@ -983,7 +983,7 @@ def test_each_stage_keeps_a_receive_buffer_per_microbatch():
     for got in forward_only:
         assert got == pytest.approx([nothing[0][0], nothing[0][1] + m * 5])
     # the cut search sees them: the even cut fits its own peak, not a byte less
-    assert balance(uc, units, p, p, m, flights, 1, max(sent[0]), beside) == starts
-    assert balance(uc, units, p, p, m, flights, 1, max(sent[0]) - 1.0, beside) != starts
+    assert balance(uc, units, p, p, m, flights, 1, max(sent[0])) == starts
+    assert balance(uc, units, p, p, m, flights, 1, max(sent[0]) - 1.0) != starts
     both = UnitCosts([1.0] * U, [2.0] * U, [3.0] * U, {}, [0, 0, 5, 7, 0], [False, False, True, True, False], {})
     assert receive_buffers(both, 2, 3, False, False, m) == m * (5 + 7)

@@ -252,6 +252,66 @@ def fsdp2_replicate(module, mesh, mp_policy):
     return replicate(module, mesh=mesh, mp_policy=mp_policy)
 
 
+def pipeline_stage_receiving_fresh():
+    """``torch.distributed.pipelining.PipelineStage`` receiving into a buffer made for each transfer and let go once
+    its microbatch's backward is done, as Megatron receives into a fresh tensor per transfer.
+
+    torch's stage makes, when its schedule first runs, one buffer per microbatch for the activations it receives and
+    one for the gradient coming back, and keeps all of them for the life of the stage: ``m`` of each, where a rank
+    only ever has its microbatches in flight between a receive and that microbatch's backward (13 GB a rank for
+    GPT-1T's published m = 512). The buffers live in the stage's receive infos (``args_recv_info``,
+    ``grad_recv_info``: private); each keeps its tensor metadata, from which a buffer is made when its receive is
+    posted. A received activation is the stage's input: autograd keeps it as long as the backward needs it, so
+    dropping the stage's own reference after that backward frees it."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining._utils import _make_tensor_from_meta
+
+    def release(infos) -> None:
+        for info in infos or ():
+            if not info.is_root_arg and info.buffer is not None and info.tensor_meta is not None:
+                info.buffer = torch.empty(0, dtype=info.buffer.dtype, device=info.buffer.device)
+
+    def allocate(infos, device) -> None:
+        for info in infos or ():
+            if not info.is_root_arg and info.buffer is not None and info.tensor_meta is not None:
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, device)
+
+    class ReceivingFresh(pipelining.PipelineStage):
+        def _prepare_forward_infra(self, *args, **kwargs):
+            out = super()._prepare_forward_infra(*args, **kwargs)
+            for infos in self.args_recv_info.values():
+                release(infos)
+            return out
+
+        def _prepare_backward_infra(self, *args, **kwargs):
+            out = super()._prepare_backward_infra(*args, **kwargs)
+            for infos in self.grad_recv_info.values():
+                release(infos)
+            return out
+
+        def get_fwd_recv_ops(self, fwd_chunk_id: int):
+            allocate(self.args_recv_info[fwd_chunk_id], self.device)
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+
+        def get_bwd_recv_ops(self, bwd_chunk_id: int):
+            if self.has_backward and not self.is_last:
+                allocate(self.grad_recv_info[bwd_chunk_id], self.device)
+            return super().get_bwd_recv_ops(bwd_chunk_id)
+
+        def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            release(self.args_recv_info.get(bwd_chunk_id))
+            release(self.grad_recv_info.get(bwd_chunk_id))
+            # the last stage's schedule keeps each microbatch's loss to the end of the step, and through its graph
+            # (an input's gradient accumulator) the microbatch's received input: cut off once its backward is done
+            loss = kwargs.get("loss", args[0] if args else None)
+            if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+                loss.detach_()
+            return out
+
+    return ReceivingFresh
+
+
 def mem_tracker():
     """torch's MemTracker: per-category tensor memory of a process (works on CPU)."""
     from torch.distributed._tools.mem_tracker import MemTracker

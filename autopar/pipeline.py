@@ -522,9 +522,10 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         t = send_time(send, link)
         p2p.append(t)
         stages.append(StagePlan(s, r, tuple(units.labels[i:j]), f, b, int(send), state, a))
-        rank_state[r] += state + receive_buffers(uc, i, j, s == 0, s == len(starts) - 1, m)
-        rank_act[r] += a / v
-        rank_back[r] = max(rank_back[r], max(back[i:j], default=0.0))
+        received, held = receive_buffers(uc, i, j, s == 0, s == len(starts) - 1)
+        rank_state[r] += state
+        rank_act[r] += (a + received) / v
+        rank_back[r] = max(rank_back[r], max(back[i:j], default=0.0) + held)  # (what it receives: while it runs backward)
         rank_flat[r] += sum(uc.flat[i:j])
         rank_cast[r] += sum(cast[i:j])
         rank_temp[r] = rank_temp[r] + sum(temp[i:j]) if uc.temp_adds else max(rank_temp[r], max(temp[i:j], default=0.0))
@@ -575,16 +576,20 @@ def tied_sync(wire: float, opt: "ZeroOption | None", ranks: int, inner: Mesh, li
     return collective_time("all_reduce", nbytes, ranks, link) + flat_copy_time(nbytes, inner.hardware)
 
 
-def receive_buffers(uc: UnitCosts, i: int, j: int, first: bool, last: bool, m: int) -> float:
-    """The bytes torch's pipelining keeps for a stage of units i..j-1 to receive into: one buffer per microbatch,
-    made when the stage is built and kept (``PipelineStage``'s receive infos), of what crosses into it (every stage
-    but the first) and of the gradient coming back across its end (every stage but the last, where one does). The
-    sender's copy is its own: it keeps its output until that microbatch's backward. (MemTracker on 2 gloo ranks
-    found m of them on each rank, made before the first forward.)"""
-    got = uc.cross[i] if not first else 0
-    if not last and uc.cross_grad[j]:
-        got += uc.cross_back[j] if uc.cross_back else uc.cross[j]
-    return float(m * got)
+def receive_buffers(uc: UnitCosts, i: int, j: int, first: bool, last: bool) -> tuple[float, float]:
+    """(per microbatch in flight, held) bytes a stage of units i..j-1 receives into. autopar's stages receive into a
+    buffer made for each transfer (``_compat.pipeline_stage_receiving_fresh``; torch's own keep one per microbatch
+    each way for the whole run): what crosses into it (every stage but the first) is the stage's input, alive until
+    that microbatch's backward, so counted with its activations; and one microbatch at a time, the gradient coming
+    back across its end (every stage but the last, where one does) and its input's gradient while it is sent back.
+    The sender's copy is its own: it keeps its output until that microbatch's backward. (MemTracker on 2 gloo ranks,
+    GPT on pp=2, 1F1B: the last stage holds two of its inputs' size at its peak, whatever m.)"""
+    inflight = float(uc.cross[i]) if not first else 0.0
+    back = uc.cross_back if uc.cross_back else uc.cross
+    held = float(back[j]) if not last and uc.cross_grad[j] else 0.0
+    if not first and uc.cross_grad[i]:
+        held += back[i]
+    return inflight, held
 
 
 def _in_schedule(flight: int, beside: int, act: float, grad: float) -> float:
@@ -655,15 +660,16 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, m: int, flights: list[i
             j, tt, mm_state, mm_act, mm_back, mm_flat, mm_cast, mm_temp, mm_grad = i, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
             last = U - (S - k - 1)  # leave a unit for every later stage
             fl, bs = flights[r], beside[r]
+            received = receive_buffers(uc, i, i + 1, k == 0, False)[0]  # (its input: the stage's whatever its end)
             while j < last:  # (conditionals, not max(): this loop runs for every bisection step of every candidate)
                 nt, ns, na, ng = tt + t[j], mm_state + st[j], mm_act + act[j], mm_grad + gr[j]
                 nr = back[j] if back[j] > mm_back else mm_back
                 nf, nc = mm_flat + flat[j], mm_cast + cast[j]
                 nm = mm_temp + temp[j] if adds else (temp[j] if temp[j] > mm_temp else mm_temp)
-                held = _in_schedule(fl, bs, na / v, ng) + nr + nc
+                held = _in_schedule(fl, bs, (na + received) / v, ng) + nr + receive_buffers(uc, i, j + 1, k == 0, k == S - 1)[1] + nc
                 if nf > held:
                     held = nf
-                held = ns + receive_buffers(uc, i, j + 1, k == 0, k == S - 1, m) + (nm if nm > held else held)
+                held = ns + (nm if nm > held else held)
                 if j > i and (nt > limit or held > cap):
                     break
                 if j == i and held > cap:
@@ -746,8 +752,8 @@ def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int
     """Each pipeline rank's bytes: its stages' parameter state, and the larger of ``flights`` microbatches of their
     activations (fewer once its gradients exist: ``_in_schedule``) with
     the largest transient one of its units' backward brings (``UnitCosts.back``), and the flat copy its gradient
-    sync makes of its ZeRO-0 gradients after the last backward, beside its ``receive_buffers`` for ``m``
-    microbatches. ``sums``: ``_sums(uc, st)``, when the caller prices many cuts."""
+    sync makes of its ZeRO-0 gradients after the last backward, beside its ``receive_buffers`` (its inputs with
+    its activations). ``sums``: ``_sums(uc, st)``, when the caller prices many cuts."""
     sums = sums or _sums(uc, st)
     beside = sched.beside_grads(flights, m, v)
     return [_one_rank(sums, starts, r, U, p, m, v, flights[r], beside[r]) for r in range(p)]
@@ -756,16 +762,17 @@ def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int
 def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, m: int, v: int, flight: int, beside: int) -> float:
     """Rank r's bytes in ``_rank_memory``: its stages are r, r + p, ..."""
     S = len(starts)
-    return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v, k == 0, k == S - 1, m)
+    return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v, k == 0, k == S - 1)
                   for k in range(r, S, p)], flight, sums[-1], beside)
 
 
-def _stage_bytes(sums: tuple, i: int, j: int, v: int, first: bool, last: bool, m: int) -> tuple[float, float, float, float, float, float, float]:
-    """A stage of units i..j-1 (``first`` and ``last`` of the pipeline or not, ``m`` microbatches): its (parameter
-    state and ``receive_buffers``, activations / v, largest backward transient, its gradients' flat copy, its
-    parameters' compute copies, its optimizer step's temporaries, its accumulated gradients)."""
+def _stage_bytes(sums: tuple, i: int, j: int, v: int, first: bool, last: bool) -> tuple[float, float, float, float, float, float, float]:
+    """A stage of units i..j-1 (``first`` and ``last`` of the pipeline or not): its (parameter state, its
+    activations and received input / v, largest backward transient with the gradients it receives and sends back
+    (``receive_buffers``), its gradients' flat copy, its parameters' compute copies, its optimizer step's temporaries, its accumulated gradients)."""
     ps, pa, backs, flat, cast, temps, pg, uc, _adds = sums
-    return (ps[j] - ps[i] + receive_buffers(uc, i, j, first, last, m), (pa[j] - pa[i]) / v, backs(i, j) if backs is not None else 0.0,
+    received, held = receive_buffers(uc, i, j, first, last)
+    return (ps[j] - ps[i], (pa[j] - pa[i] + received) / v, (backs(i, j) if backs is not None else 0.0) + held,
             flat(i, j) if flat is not None else 0.0, cast(i, j) if cast is not None else 0.0,
             temps(i, j) if temps is not None else 0.0, pg[j] - pg[i])
 
@@ -814,7 +821,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
     def stage(cuts, k: int) -> tuple[float, tuple[float, float, float, float, float]]:
         """Stage k's seconds and ``_stage_bytes``."""
         i, j = cuts[k], cuts[k + 1] if k + 1 < S else U
-        return pt[j] - pt[i], _stage_bytes(sums, i, j, v, k == 0, k == S - 1, m)
+        return pt[j] - pt[i], _stage_bytes(sums, i, j, v, k == 0, k == S - 1)
 
     def rank_bytes(mems: list, r: int) -> float:  # ``_one_rank`` from the stages' values
         return _held([mems[k] for k in range(r, S, p)], flights[r], uc.temp_adds, beside[r])

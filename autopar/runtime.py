@@ -866,6 +866,7 @@ class _PipelineRun:
         self.pp_group = dm.get_group(self.mesh.names[self.axis])
         S = len(self.ios)
         self.stages = []
+        stage_cls = _compat.pipeline_stage_receiving_fresh()  # (receive buffers made per transfer: its docstring)
         for s in self.mine:
             io = self.ios[s]
             keys = [(tg.kinds[n], tg.fqns[n]) for n in io.params]
@@ -874,7 +875,7 @@ class _PipelineRun:
             def example(metas):
                 return tuple(torch.zeros(shape, dtype=dt, device=device).requires_grad_(rg) for shape, dt, rg in metas)
 
-            self.stages.append(pipelining.PipelineStage(mod, s, S, device, input_args=example(io.input_metas),
+            self.stages.append(stage_cls(mod, s, S, device, input_args=example(io.input_metas),
                                                         output_args=example(io.output_metas), group=self.pp_group))
         m = self.m
         cls = getattr(pipelining, self.SCHEDULES[self.plan.pipeline.schedule])

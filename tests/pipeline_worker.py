@@ -182,6 +182,34 @@ def main() -> None:
         label, dl, dg, dp = case("gpt", {"pp": 2}, "gpipe", 4, 1)
         if dist.get_rank() == 0:
             print(f"PIPE-M1 gpt pp2 gpipe {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
+        received()
+
+
+def received() -> None:
+    """After a step, a stage holds no buffer it received into (``_compat.pipeline_stage_receiving_fresh``): the
+    largest element count left in any, on any rank, and how many microbatch losses still hold a graph."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=4))
+    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    pm = autopar.parallelize(model, autopar.Mesh({"pp": 2}), (x, torch.roll(x, -1, 1)), constraints=[autopar.PipelinePin("1f1b", 4)])
+    losses, run = [], pm._pipe.schedule.step
+
+    def step(*args, **kwargs):  # (the microbatches' losses the schedule hands back, kept to look at)
+        out = run(*args, **kwargs)
+        losses.extend(kwargs.get("losses") or [])
+        return out
+
+    pm._pipe.schedule.step = step
+    kept = 0
+    for _ in range(2):
+        pm(*pm.local_inputs(x, torch.roll(x, -1, 1))).backward()
+        kept = max([kept] + [info.buffer.numel() for st in pm._pipe.stages for infos in (*st.args_recv_info.values(), *st.grad_recv_info.values())
+                             for info in infos if not info.is_root_arg and info.buffer is not None])
+    graphs = sum(loss.grad_fn is not None for loss in losses)
+    out = torch.tensor([kept, graphs, len(losses)])  # (the last stage's losses)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"PIPE-RECV {int(out[0])} {int(out[1])} {int(out[2])}", flush=True)
 
 
 if __name__ == "__main__":

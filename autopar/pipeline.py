@@ -24,9 +24,9 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
    redistributions into them, as the ILP priced them), activation bytes per microbatch, parameter state; per
    boundary: the bytes that cross it.
 4. For each schedule (GPipe, 1F1B, interleaved 1F1B with ``v`` stages per rank where the blocks divide), the cuts
-   minimise the slowest stage subject to every rank's memory (state and its receive buffers, one per microbatch
-   each way, as torch's pipelining keeps them + the larger of: in-flight microbatches x activations + what one
-   unit's backward brings -- its recomputed activations, and a gradient before it is accumulated --, the
+   minimise the slowest stage subject to every rank's memory (state + the larger of: in-flight microbatches x
+   (activations + the input the stage received) + what one unit's backward brings -- its recomputed activations,
+   a gradient before it is accumulated, the gradient received and the one sent back --, the
    accumulated gradients counted only once the rank's first backward has run (GPipe's every forward comes first);
    the flat copy of its ZeRO-0 gradients, after the last backward; <= budget): bisection on
    the slowest stage's time, with a greedy packing as the feasibility test (exact for contiguous cuts, since a

@@ -61,27 +61,6 @@ def launch_reduce_scatter_dim0(x: torch.Tensor, n: int, group_name: str) -> torc
     return _c10d.reduce_scatter_tensor(x.contiguous(), "sum", n, group_name)
 
 
-def reduce_scatter_owned_dim0(x: torch.Tensor, n: int, group_name: str, owned: bool, launch: bool = False) -> torch.Tensor:
-    """A reduce-scatter of a flat buffer the caller reads no more (``owned``: nothing else holds it), this rank's
-    chunk of the sum. On gloo: an all-reduce of the buffer in place and a view of the chunk (a copy of the buffer
-    first when it is not ``owned``). torch's gloo backend runs a reduce-scatter as a clone of the whole input, an
-    all-reduce of the clone and a copy of the chunk, the clone in the calling thread: a bucket's gradients copied
-    once more at the end of backward, where nothing hides it (4 ranks here, a 15 MB bucket: ~14 ms over an
-    all-reduce of the same buffer), and a second bucket alive meanwhile. Elsewhere the library's own. ``launch``:
-    not waited (``wait`` on the result, as ``launch_reduce_scatter_dim0``)."""
-    rank = None
-    if not in_local_tensor_mode():
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        group = _resolve_process_group(group_name)
-        if dist.get_backend(group) == "gloo":
-            rank = dist.get_rank(group)
-    if rank is None:
-        return (launch_reduce_scatter_dim0 if launch else reduce_scatter_dim0)(x, n, group_name)
-    out = _c10d.all_reduce_(x if owned else x.clone(), "sum", group_name)
-    return (out if launch else wait(out)).view(n, -1)[rank]
-
-
 def all_to_all_dim0(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
     """Equal-split all-to-all along dim 0 over a group of ``n`` (chunk j goes to the group's rank j)."""
     splits = [x.shape[0] // n] * n

@@ -578,7 +578,6 @@ def scatter_flat(fulls: list[torch.Tensor], levels, reduce, pending: Pending | N
     With ``pending`` the last collective is launched, not waited, and the shards come back as views of its result
     (``_Settle`` waits for them and copies each out). ``dtype``: the buffer's (mixed precision's reduce dtype; None:
     the gradients'), written as the gradients are gathered into it."""
-    given = {_compat.storage_id(f) for f in fulls}  # (the caller's: a buffer made here is the collective's to write)
     fulls[:] = [padded_flat(f, math.prod(n for _a, n, _g in levels)) for f in fulls]
     for step, (axis, n, group) in enumerate(reversed(levels)):
         sizes = [f.numel() // n for f in fulls]
@@ -588,11 +587,10 @@ def scatter_flat(fulls: list[torch.Tensor], levels, reduce, pending: Pending | N
             buf = _flat_in([f.reshape(n, k) for f, k in zip(fulls, sizes)], dtype, dim=1).reshape(-1)
         fulls.clear()
         _note("reduce_scatter", axis, buf, "backward")
-        owned = _compat.storage_id(buf) not in given
         if pending is not None and not reduce and step == len(levels) - 1:
-            out = pending.launched(_compat.reduce_scatter_owned_dim0(buf, n, group, owned, launch=True))
+            out = pending.launched(_compat.launch_reduce_scatter_dim0(buf, n, group))
         else:
-            out = _compat.reduce_scatter_owned_dim0(buf, n, group, owned)
+            out = _compat.reduce_scatter_dim0(buf, n, group)
         buf, fulls, pos = None, [], 0
         for k in sizes:
             fulls.append(out[pos : pos + k])

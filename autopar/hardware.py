@@ -45,9 +45,7 @@ the machine was), every time the slowest rank's:
   also holds ~2.8 ms of late arrival (after compute rather than a barrier, the last of 4 ranks on 2 cores reaches
   a collective ~1-4 ms after the first). torch's gloo runs a reduce-scatter as an all-reduce of the whole buffer
   (``Link.reduce_scatter_as_all_reduce``; measured on 4 ranks at 16 MiB: reduce-scatter 29 ms, all-reduce 22 ms,
-  all-gather 16 ms), and it is priced and fitted so; autopar runs it as that all-reduce, in place on its own flat
-  buffer (``_compat.reduce_scatter_owned_dim0``: torch's clones the buffer first); its 1-element all-reduce (a
-  special path) takes ~10x less.
+  all-gather 16 ms), and it is priced and fitted so; its 1-element all-reduce (a special path) takes ~10x less.
 - no overlap priced: autopar's runtime gathers ZeRO-3 parameters a bucket ahead, beside the compute before them
   (FSDP2's prefetch; not credited: unmeasured, like the reductions' on GPUs); it runs each
   gradient reduction beside the backward that follows it (``collectives.settle``), but how much that hides is not
@@ -58,9 +56,9 @@ the machine was), every time the slowest rank's:
 - a pipeline stage alone in the bubble computes faster: the rates above are each rank's with all 4 computing,
   and while the other stage's ranks idle the busy ones get a core each (``cores_per_rank`` 0.5,
   ``busy_speedup``; the schedule is simulated so, ``schedule.simulate``'s ``speed``).
-- gloo's all-gather reaches less than its all-reduce (``Link.all_gather_bandwidth``; 2026-12-03 on this host:
-  0.62-0.68x, fitted per kind; torch's reduce-scatter 0.70-0.74x, ``reduce_scatter_bandwidth``, autopar's in-place
-  one 1.05x on 2026-12-05); the stored preset has one bandwidth for all three, as it was fitted.
+- gloo's all-gather and reduce-scatter reach less than its all-reduce (``Link.all_gather_bandwidth``,
+  ``reduce_scatter_bandwidth``; 2026-12-03 on this host: 0.62-0.68x and 0.70-0.74x, fitted per kind); the stored
+  preset has one bandwidth for all three, as it was fitted.
 """
 
 from __future__ import annotations
@@ -89,8 +87,7 @@ class Link:
     # buffer, each rank keeping its chunk (torch's gloo backend: pytorch/pytorch#118911), twice a ring's bytes
     all_gather_bandwidth: float = 0.0  # an all-gather's own bandwidth where the library's reaches another than its
     # all-reduce's (torch's gloo: 0.62-0.68x, measured, benchmarks/calibrate_cpu.py); 0: ``bandwidth``
-    reduce_scatter_bandwidth: float = 0.0  # a reduce-scatter's, likewise (torch's gloo, run as an all-reduce of a
-    # clone: 0.70-0.74x; autopar's on gloo, in place: ~1x)
+    reduce_scatter_bandwidth: float = 0.0  # a reduce-scatter's, likewise (gloo's, run as an all-reduce: 0.70-0.74x)
 
     def rate(self, kind: str) -> float:
         """Bytes/s per device a collective of ``kind`` reaches on this link."""

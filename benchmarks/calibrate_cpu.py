@@ -16,16 +16,15 @@ once (torchrun, 127.0.0.1), and every time is the slowest rank's (a training ste
 - per-op overhead: a chain of tiny ops (linear, gelu, add, mul, layer_norm, softmax on a (4, 16) tensor, whose
   roofline time is ~0), forward and backward under autograd, called through ``torch.ops.aten`` as autopar's
   graph modules call them; seconds per op, the mean of forward and backward (the cost model charges it in each).
-- collectives: all-reduce, all-gather and reduce-scatter (as autopar runs it: ``_compat.reduce_scatter_owned_dim0``)
-  at 4 KiB - 16 MiB (the cost model's buffer: all-gather its output, the others their input) over all ranks, and over pairs of ranks (every pair at once, as on a
+- collectives: all-reduce, all-gather and reduce-scatter at 4 KiB - 16 MiB (the cost model's buffer: all-gather
+  its output, the others their input) over all ranks, and over pairs of ranks (every pair at once, as on a
   (dp=2, tp=2) mesh: two ranks per ring tell the launch from the per-step latency); mean of 25 calls after 3 warm-up calls with a barrier before each (the slowest 10%
   dropped). A single-element all-reduce is printed for reference only: gloo runs it on a special, much faster
   path, so it says nothing about the collectives a plan launches. The alpha-beta model
   ``launch + steps * latency + wire / bandwidth`` (steps 2(n-1) for all-reduce, n-1 otherwise; wire as
   autopar.cost.wire_bytes) is fitted to all of them by least squares on relative error, with one bandwidth per
-  kind (``Link.all_gather_bandwidth``, ``reduce_scatter_bandwidth``): gloo's all-gather reaches ~0.6x its
-  all-reduce's; autopar's reduce-scatter, an all-reduce in place, as much as the all-reduce (1.21 against 1.15
-  GB/s on 2026-12-05; torch's own, which clones the whole buffer first, ~0.7x).
+  kind (``Link.all_gather_bandwidth``, ``reduce_scatter_bandwidth``): gloo's all-gather and reduce-scatter reach
+  ~0.7x its all-reduce's.
 - the overlap of a gradient reduction with backward (``Hardware.reduce_overlap``): a 4 MiB all-reduce launched, a
   matmul loop about as long, then the wait, against the loop followed by the all-reduce waited at once; the time
   saved over the shorter of the two. 0.01-0.29 here: with 4 ranks on 2 cores the reduction's copying and summing need
@@ -223,12 +222,8 @@ def _collective(kind: str, nbytes: int, n: int, group=None):
     if kind == "all_gather":
         x, y = torch.ones(numel // n), torch.empty(numel // n * n)
         return lambda: dist.all_gather_into_tensor(y, x, group=group)
-    # a reduce-scatter as autopar runs it (``_compat.reduce_scatter_owned_dim0``: on gloo an all-reduce of its own
-    # flat buffer in place, not torch's, which first clones the whole buffer); zeros, summed in place call after call
-    from autopar import _compat
-
-    x, name = torch.zeros(numel // n * n), (group or dist.group.WORLD).group_name
-    return lambda: _compat.reduce_scatter_owned_dim0(x, n, name, owned=True)
+    x, y = torch.ones(numel // n * n), torch.empty(numel // n)
+    return lambda: dist.reduce_scatter_tensor(y, x, group=group)
 
 
 def _timed(fn, reps: int = 25, warmup: int = 3) -> float:
@@ -333,10 +328,9 @@ def worker() -> None:
 def fit_link(res: dict, sizes: list[int]) -> tuple[float, float, float, float, float]:
     """(launch, latency, all-reduce, all-gather and reduce-scatter bandwidth) minimising the relative error of
     ``launch + steps*latency + wire/bandwidth of the kind`` over every kind and buffer size measured on ``sizes``
-    ranks. Each kind has its own bandwidth: gloo's all-gather passes through buffers of its own and reaches ~0.6x
-    its all-reduce's (2026-12-03, torch's reduce-scatter then measured too: 0.74, 0.50 and 0.55 GB/s; one bandwidth
-    for all three fitted them to 12% on average, 38% at worst, per kind to 10% and 26%); autopar's reduce-scatter
-    is an all-reduce in place on gloo, fitted about as fast as it."""
+    ranks. Each kind has its own bandwidth: gloo's all-gather and reduce-scatter pass through buffers of their own
+    and reach ~0.7x its all-reduce's (2026-12-03: 0.74, 0.50 and 0.55 GB/s; one bandwidth for all three fitted
+    them to 12% on average, 38% at worst, per kind to 10% and 26%)."""
     import numpy as np
 
     from autopar.cost import wire_bytes

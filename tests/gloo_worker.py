@@ -135,30 +135,6 @@ def dropout() -> None:
         print("DROPOUT " + " ".join(f"{float(v):.6f}" for v in gathered) + f" {float(diff):.3e} {differ}", flush=True)
 
 
-def reduce_scatter_in_place() -> None:
-    """autopar's reduce-scatter on gloo (``_compat.reduce_scatter_owned_dim0``): an all-reduce of a buffer it owns,
-    in place, this rank's chunk a view of it -- torch's values; a buffer it does not own is left as it was. Prints
-    the largest difference from torch's reduce-scatter, launched or not, whether the owned buffer was summed in
-    place, and whether the other was left alone (on every rank)."""
-    from autopar import _compat
-
-    n, rank, name = dist.get_world_size(), dist.get_rank(), dist.group.WORLD.group_name
-    x = torch.arange(6 * n, dtype=torch.float32) * (rank + 1)
-    want = torch.empty(6)
-    dist.reduce_scatter_tensor(want, x.clone())
-    owned = x.clone()
-    got = _compat.reduce_scatter_owned_dim0(owned, n, name, owned=True)
-    launched = _compat.wait(_compat.reduce_scatter_owned_dim0(x.clone(), n, name, owned=True, launch=True))
-    kept = x.clone()
-    other = _compat.reduce_scatter_owned_dim0(kept, n, name, owned=False)
-    diff = max(float((t - want).abs().max()) for t in (got, launched, other))
-    in_place = _compat.storage_id(got) == _compat.storage_id(owned) and bool((owned.view(n, -1)[rank] == want).all())
-    out = torch.tensor([diff, float(not in_place), float(not torch.equal(kept, x))])
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        print(f"RS-OWNED {float(out[0]):g} {int(out[1])} {int(out[2])}", flush=True)
-
-
 def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world = dist.get_world_size()
@@ -168,7 +144,6 @@ def main() -> None:
     pairs = redistributions({"dp": 2, "tp": world // 2} if world > 2 else {"dp": 2})
     if dist.get_rank() == 0:
         print(f"REDISTRIBUTE {pairs}", flush=True)
-    reduce_scatter_in_place()
     meshes = [{"dp": 2}, {"tp": 2}, {"cp": 2}] if world == 2 else [{"tp": 4}, {"dp": 2, "tp": 2}, {"dp": 4}, {"dp_rep": 2, "dp_shard": 2}]
     for axes in meshes:
         for name in ("gpt", "llama"):

@@ -12,8 +12,6 @@ def test_real_gloo_processes_match_single_device(nproc, expected):
     lines = torchrun("tests.gloo_worker", nproc)
     # every redistribution between R / S(d) layouts, through real all-gathers, all-to-alls and chunks
     assert f"REDISTRIBUTE {16 * 16 if nproc == 4 else 16}" in lines
-    # autopar's reduce-scatter on gloo: torch's values, summed in place in a buffer it owns, another left alone
-    assert "RS-OWNED 0 0 0" in lines, [line for line in lines if line.startswith("RS-OWNED")]
     rows = [line.split()[1:] for line in lines if line.startswith("PARITY")]
     if nproc == 4:  # autopar.compare measured in real processes
         compared = {line.split()[1]: line.split()[2:] for line in lines if line.startswith("COMPARE ")}

@@ -660,7 +660,7 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, m: int, flights: list[i
             j, tt, mm_state, mm_act, mm_back, mm_flat, mm_cast, mm_temp, mm_grad = i, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
             last = U - (S - k - 1)  # leave a unit for every later stage
             fl, bs = flights[r], beside[r]
-            received = receive_buffers(uc, i, i + 1, k == 0, False)[0]  # (its input: the stage's whatever its end)
+            received = receive_buffers(uc, i, i + 1, k == 0, False)[0]  # (the stage's input: the same wherever it ends)
             while j < last:  # (conditionals, not max(): this loop runs for every bisection step of every candidate)
                 nt, ns, na, ng = tt + t[j], mm_state + st[j], mm_act + act[j], mm_grad + gr[j]
                 nr = back[j] if back[j] > mm_back else mm_back
@@ -756,10 +756,10 @@ def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int
     its activations). ``sums``: ``_sums(uc, st)``, when the caller prices many cuts."""
     sums = sums or _sums(uc, st)
     beside = sched.beside_grads(flights, m, v)
-    return [_one_rank(sums, starts, r, U, p, m, v, flights[r], beside[r]) for r in range(p)]
+    return [_one_rank(sums, starts, r, U, p, v, flights[r], beside[r]) for r in range(p)]
 
 
-def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, m: int, v: int, flight: int, beside: int) -> float:
+def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int, beside: int) -> float:
     """Rank r's bytes in ``_rank_memory``: its stages are r, r + p, ..."""
     S = len(starts)
     return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v, k == 0, k == S - 1)

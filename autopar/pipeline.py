@@ -802,6 +802,17 @@ def _held(stages, flight: int, adds: bool, beside: int) -> float:
     return state + (temp if temp > held else held)
 
 
+def memory_floor(uc: UnitCosts, st: list[float], p: int, m: int, v: int, flights: list[int]) -> float:
+    """A bound under the fullest rank's bytes (``_rank_memory``) of every cut of the units into p x v stages: the
+    ranks together hold every unit's state ``st`` (``unit_state``), and each its stages' activations for at least
+    the fewest microbatches any rank keeps before its first backward less its gradients, or beside them
+    (``_in_schedule``), so the fullest holds at least their average. The cluster screen drops a pipeline over the
+    budget by it without cutting it."""
+    act, grads = sum(uc.act) / v, sum(unit_grads(uc, len(st)))
+    early, late = min(flights) * act - grads, min(sched.beside_grads(flights, m, v)) * act
+    return (sum(st) + (early if early > late else late)) / p
+
+
 def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float) -> tuple[int, ...]:
     """Move single cuts by one unit while the schedule's analytic step (``analytic_step``) improves and every rank
     still fits. Balancing the slowest stage is the whole story for one stage per rank; with several per rank it is
@@ -831,9 +842,17 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
     cur_mem = [rank_bytes(mems, r) for r in range(p)]
     best = analytic_step(ts, p, m, v)
     excess = max(max(cur_mem) - budget, 0.0)
+    top_t = max(ts)
+    per = [sum(ts[r::p]) for r in range(p)]  # as ``analytic_step`` sums them: the same floats
+    top_r = max(per)
     for _ in range(4 * U):
         improved = False
         for k in range(1, S):
+            # a move changes stages k - 1 and k, on their ranks: unless one of them is the slowest stage or on the
+            # slowest rank, neither maximum in ``analytic_step`` falls and the step cannot improve (exactly: the
+            # other stages' and ranks' sums are the same floats), so once every rank fits it is skipped unpriced
+            if excess <= 0 and not (ts[k - 1] == top_t or ts[k] == top_t or per[(k - 1) % p] == top_r or per[k % p] == top_r):
+                continue
             for d in (-1, 1):
                 c = list(cur)
                 c[k] += d
@@ -865,6 +884,9 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
                 else:
                     continue
                 ts, mems, cur_mem = ts2, mems2, mem
+                top_t = max(ts)
+                per = [sum(ts[r::p]) for r in range(p)]
+                top_r = max(per)
         if not improved:
             break
     return cur

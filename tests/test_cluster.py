@@ -588,3 +588,28 @@ def test_the_screen_prices_a_zero0_candidates_gradient_bucket_as_its_real_plan_d
         real = _real_plan(model, inputs, cl, s, 80 * 2**30).cost
         assert real.memory_breakdown["gradients"] + real.memory_breakdown["transient"] > real.memory_breakdown["activations"]
         assert s.memory == pytest.approx(real.memory_per_device, rel=1e-3), (str(s.candidate), s.memory, real.memory_per_device)
+
+
+def test_the_screen_drops_a_pipeline_no_cut_fits_without_cutting_it():
+    """A pipeline candidate whose ``pipeline.memory_floor`` passes the budget is dropped before its cuts are searched
+    (at 1000+ devices most pipelines of few stages are several times too big, and cutting them was most of the
+    screen's time): every one so dropped is also over the budget when screened in full, and its note says why."""
+    from autopar import cluster as C
+
+    model, x = _gpt(layers=8, width=512), _ids(64)
+    cl = Cluster(4, 8, "a100-80gb")
+    proxy, L = C._proxy_model(model)
+    prof = C._profile([C.trace(proxy, C.slice_batch(x, r)) for r in (2, 4)], 1, cl.hw(), True, ("none",))
+    cands = [c for c in candidates(cl, 64, L, ("none",)) if c.pp > 1 and c.tp == 1 and c.ep == 1]
+    rows = lambda c: 64 / (c.dp * c.cp * c.microbatches)  # noqa: E731
+    full = {str(c): C._screen_pipeline(prof, c, cl, rows(c), L, math.inf).memory for c in cands}
+    budget = sorted(full.values())[len(full) // 2]
+    dropped = 0
+    for c in cands:
+        s = C._screen_pipeline(prof, c, cl, rows(c), L, budget)
+        if "whatever the cut" in s.note:
+            dropped += 1
+            assert s.step == math.inf and budget < s.memory <= full[str(c)] * (1 + 1e-12), str(c)
+        else:
+            assert s.step < math.inf or full[str(c)] > budget, str(c)
+    assert 0 < dropped < len(cands)

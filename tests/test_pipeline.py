@@ -205,6 +205,36 @@ def test_cuts_that_overflow_a_rank_are_repaired():
     assert max(_rank_memory(uc, unit_state(uc, U), refine(uc, units, fixed, p, 8, v, flights, 36.0), U, p, 8, v, flights)) <= 36.0
 
 
+@pytest.mark.parametrize("schedule,p,v", [("1f1b", 2, 1), ("gpipe", 3, 1), ("interleaved", 2, 2), ("interleaved", 2, 3)])
+def test_the_memory_floor_is_under_every_cut(schedule, p, v):
+    """``memory_floor`` (the cluster screen drops a pipeline by it without cutting it) is at most the fullest rank's
+    bytes of every cut of the units into p x v stages, whatever they hold: random units, every cut enumerated. It
+    is not vacuous: on equal units with one stage per rank it is the fullest rank's bytes under GPipe."""
+    import itertools
+    import random
+
+    from autopar import schedule as sched
+    from autopar.pipeline import UnitCosts, _rank_memory, memory_floor, unit_state
+
+    rnd = random.Random(7)
+    m, S, U = 4, p * v, 8
+    flights = list(sched.in_flight(schedule, p, m, v))
+    for _ in range(20):
+        r = lambda lo, hi: [rnd.uniform(lo, hi) for _ in range(U)]  # noqa: E731
+        uc = UnitCosts(r(1, 2), r(1, 3), r(0, 50), {f"w{u}": ({u}, rnd.uniform(0, 100), 1.0, (0,), 1) for u in range(U)},
+                       [rnd.randint(0, 9) for _ in range(U + 1)], [rnd.random() < 0.5 for _ in range(U + 1)], {},
+                       regen=r(0, 20), accum=r(0, 5), flat=r(0, 30), cast=r(0, 10), temp=r(0, 10), temp_adds=rnd.random() < 0.5,
+                       grads={f"w{u}": rnd.uniform(0, 10) for u in range(U)})
+        st = unit_state(uc, U)
+        floor = memory_floor(uc, st, p, m, v, flights)
+        for rest in itertools.combinations(range(1, U), S - 1):
+            assert floor <= max(_rank_memory(uc, st, (0,) + rest, U, p, m, v, flights)) * (1 + 1e-12), rest
+    even = UnitCosts([1.0] * 4, [2.0] * 4, [3.0] * 4, {f"w{u}": ({u}, 10.0, 1.0, (0,), 1) for u in range(4)},
+                     [0] * 5, [False] * 5, {})
+    gp = sched.in_flight("gpipe", 2, m)
+    assert memory_floor(even, unit_state(even, 4), 2, m, 1, gp) == max(_rank_memory(even, unit_state(even, 4), (0, 2), 4, 2, m, 1, gp))
+
+
 @pytest.mark.parametrize("act", [8.0, 2.0])
 def test_gpipe_holds_no_gradient_while_every_microbatch_is_in_flight(act):
     """Gradients are made by a rank's first backward (``zero_grad`` dropped them): GPipe runs every forward first, so

@@ -80,7 +80,8 @@ from autopar.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver import ZeroPin, build_problem, gc_paused, recost, solve
 from autopar.strategies import TensorMeta, op_info
 from autopar.trace import PARAM, trace
-from autopar.zero import ZeroOption, bucket_latency, deferred_latency, frozen, grad_bucket, group_latency, param_cost, zero3_traffic, zero3_uses
+from autopar.zero import (ZeroOption, bucket_latency, deferred_latency, frozen, grad_bucket, group_latency, param_cost,
+                         regathered_for_recompute, weight_users, zero3_traffic, zero3_uses)
 
 
 MAX_MISSES = 6  # screened candidates the real planner may find not to fit before the search gives up
@@ -200,6 +201,8 @@ class _Profile:
     # parallelism's gathers and swaps move
     attention: tuple = ()
     splits_weights: bool = True  # whether the tp axis splits any of the template block's parameters
+    # recompute mode -> whether ZeRO-3 gathers the template block's bucket again for its recomputation
+    regathers: dict = dataclasses.field(default_factory=dict)
 
 
 def _proxy_model(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
@@ -246,16 +249,23 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
         index2[n] = cs.index(st_)
     choices = [choice, dataclasses.replace(choice, index=index2)]
     out: dict[str, tuple[UnitCosts, UnitCosts]] = {}
-    for rc in recompute:
-        pair = []
-        for tg, un, pr, ch in zip(tgs, units, (problem, second), choices):
-            cost = cost_model(tg, mesh, rc)
-            if rc != "none":  # only the chosen strategies are priced again, under this recomputation
-                pr = recost(tg, pr, cost, ch.index)
-            pair.append(unit_costs(tg, pr, ch, cost, un, mesh))
-        out[rc] = (pair[0], pair[1])
     tg, un = tgs[0], units[0]
     U = len(un.labels)
+    # the template block's linears with a backward that read its parameters: under ZeRO-3 its bucket is gathered
+    # again as its backward starts when all are recomputed (``zero.regathered_for_recompute``, as the real plan asks)
+    template_linears = [u.name for n in problem.order if tg.kinds.get(n) == PARAM and min(un.users_units.get(n) or {0}) == U - 2
+                        for u in weight_users(tg.nodes[n]) if problem.requires_grad.get(u.name)]
+    regathers = {}
+    for rc in recompute:
+        pair = []
+        for tg_, un_, pr, ch in zip(tgs, units, (problem, second), choices):
+            cost = cost_model(tg_, mesh, rc)
+            if tg_ is tg:
+                regathers[rc] = regathered_for_recompute(template_linears, cost.recompute)
+            if rc != "none":  # only the chosen strategies are priced again, under this recomputation
+                pr = recost(tg_, pr, cost, ch.index)
+            pair.append(unit_costs(tg_, pr, ch, cost, un_, mesh))
+        out[rc] = (pair[0], pair[1])
     params = {}
     for n in problem.order:
         if tg.kinds.get(n) != PARAM:
@@ -275,7 +285,7 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
             if all(m.ndim == 4 for m in info.inputs[:3]):
                 attention.append((info, choice.strategy[n].inputs[0].placements[1] == Shard(1)))
     splits = any(spec.placements[1].is_shard() for unit, spec, _, _ in params.values() if unit == 1)
-    return _Profile(out, params, attention=tuple(attention), splits_weights=splits)
+    return _Profile(out, params, attention=tuple(attention), splits_weights=splits, regathers=regathers)
 
 
 def _at_rows(prof: "_Profile", recompute: str, rows: float, L: int) -> UnitCosts:
@@ -434,7 +444,8 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         regen = max(regen, held)
     temps = step_temporaries(stepped, mesh.hardware.optimizer_kernel, stepped_copies)
     stepped_all = sum(s * c for s, c in zip(stepped, stepped_copies))  # the gradients the step reads
-    if c.recompute == "full" and L:  # a recomputed block's bucket, gathered again beside its recomputation (``planner``)
+    if prof.regathers.get(c.recompute) and L:  # a recomputed block's bucket, gathered again beside its recomputation
+        # (``planner``; selective recomputation too where it recomputes every linear reading it)
         bucket3[True] += regen * bool(bucket3[True])
     transient = max(transient, *bucket3.values(), *bucket0.values())
     step = step_time(compute, comm, deferred, mesh.hardware)

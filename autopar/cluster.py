@@ -248,24 +248,8 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
             return None
         index2[n] = cs.index(st_)
     choices = [choice, dataclasses.replace(choice, index=index2)]
-    out: dict[str, tuple[UnitCosts, UnitCosts]] = {}
     tg, un = tgs[0], units[0]
     U = len(un.labels)
-    # the template block's linears with a backward that read its parameters: under ZeRO-3 its bucket is gathered
-    # again as its backward starts when all are recomputed (``zero.regathered_for_recompute``, as the real plan asks)
-    template_linears = [u.name for n in problem.order if tg.kinds.get(n) == PARAM and min(un.users_units.get(n) or {0}) == U - 2
-                        for u in weight_users(tg.nodes[n]) if problem.requires_grad.get(u.name)]
-    regathers = {}
-    for rc in recompute:
-        pair = []
-        for tg_, un_, pr, ch in zip(tgs, units, (problem, second), choices):
-            cost = cost_model(tg_, mesh, rc)
-            if tg_ is tg:
-                regathers[rc] = regathered_for_recompute(template_linears, cost.recompute)
-            if rc != "none":  # only the chosen strategies are priced again, under this recomputation
-                pr = recost(tg_, pr, cost, ch.index)
-            pair.append(unit_costs(tg_, pr, ch, cost, un_, mesh))
-        out[rc] = (pair[0], pair[1])
     params = {}
     for n in problem.order:
         if tg.kinds.get(n) != PARAM:
@@ -275,6 +259,21 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
             continue  # a parameter of a proxy block other than the template (the last): the template stands for all
         unit = 0 if first == 0 else 1 if first == U - 2 else 2
         params[n] = (unit, problem.grad_spec(n, choice.strategy.__getitem__), problem.meta[n], zero3_uses(tg, n, problem.zero3_kept))
+    # the template block's linears with a backward that read its parameters: under ZeRO-3 its bucket is gathered
+    # again as its backward starts when all are recomputed (``zero.regathered_for_recompute``, as the real plan asks)
+    template_linears = [u.name for n, (unit, *_rest) in params.items() if unit == 1
+                        for u in weight_users(tg.nodes[n]) if problem.requires_grad.get(u.name)]
+    out: dict[str, tuple[UnitCosts, UnitCosts]] = {}
+    regathers = {}
+    for rc in recompute:
+        pair, costs = [], []
+        for tg_, un_, pr, ch in zip(tgs, units, (problem, second), choices):
+            costs.append(cost_model(tg_, mesh, rc))
+            if rc != "none":  # only the chosen strategies are priced again, under this recomputation
+                pr = recost(tg_, pr, costs[-1], ch.index)
+            pair.append(unit_costs(tg_, pr, ch, costs[-1], un_, mesh))
+        out[rc] = (pair[0], pair[1])
+        regathers[rc] = regathered_for_recompute(template_linears, costs[0].recompute)
     template = tg.blocks[-1].fqn + "." if tg.blocks else None
     attention = []
     nodes = tg.nodes

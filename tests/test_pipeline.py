@@ -205,6 +205,47 @@ def test_cuts_that_overflow_a_rank_are_repaired():
     assert max(_rank_memory(uc, unit_state(uc, U), refine(uc, units, fixed, p, 8, v, flights, 36.0), U, p, 8, v, flights)) <= 36.0
 
 
+@pytest.mark.parametrize("p,v", [(2, 1), (2, 2), (3, 2)])
+def test_refined_cuts_are_a_local_optimum(p, v):
+    """``refine`` leaves no single one-unit move of a cut that fits and shortens the analytic step, although it
+    prices only moves touching the slowest stage or the slowest rank once every rank fits (a wrong skip leaves an
+    improving move behind): random units, the budget loose and at the refined cut's own peak."""
+    import random
+
+    from autopar import schedule as sched
+    from autopar.pipeline import UnitCosts, Units, _rank_memory, analytic_step, refine, unit_state
+
+    rnd = random.Random(3)
+    m, U = 8, 14
+    units = Units(["embed"] + [f"block{k}" for k in range(U - 2)] + ["head"], {}, set(), {}, U - 2)
+    S = p * v
+    flights = list(sched.in_flight("interleaved" if v > 1 else "1f1b", p, m, v))
+    moved = 0
+    for _ in range(15):
+        t = [rnd.uniform(0.5, 3.0) for _ in range(U)]
+        uc = UnitCosts(t, [2 * x for x in t], [rnd.uniform(0, 5) for _ in range(U)],
+                       {f"w{u}": ({u}, rnd.uniform(0, 20), 1.0, (0,), 1) for u in range(U)}, [0] * (U + 1), [False] * (U + 1), {})
+        st = unit_state(uc, U)
+        start = tuple(sorted(rnd.sample(range(1, U), S - 1)))
+        start = (0,) + start
+        loose = refine(uc, units, start, p, m, v, flights, float("inf"))
+        # and at that cut's own peak: every move that adds to the fullest rank is out
+        for budget in (float("inf"), max(_rank_memory(uc, st, loose, U, p, m, v, flights))):
+            got = refine(uc, units, start, p, m, v, flights, budget)
+            moved += got != start
+            step = analytic_step([sum(t[i:j]) * 3 for i, j in zip(got, list(got[1:]) + [U])], p, m, v)
+            for k in range(1, S):
+                for d in (-1, 1):
+                    c = list(got)
+                    c[k] += d
+                    if not c[k - 1] < c[k] < (c[k + 1] if k + 1 < S else U):
+                        continue
+                    ts = [sum(t[i:j]) * 3 for i, j in zip(c, c[1:] + [U])]
+                    if max(_rank_memory(uc, st, tuple(c), U, p, m, v, flights)) <= budget:
+                        assert analytic_step(ts, p, m, v) >= step * (1 - 1e-9), (got, c)
+    assert moved > 10
+
+
 @pytest.mark.parametrize("schedule,p,v", [("1f1b", 2, 1), ("gpipe", 3, 1), ("interleaved", 2, 2), ("interleaved", 2, 3)])
 def test_the_memory_floor_is_under_every_cut(schedule, p, v):
     """``memory_floor`` (the cluster screen drops a pipeline by it without cutting it) is at most the fullest rank's

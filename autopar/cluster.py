@@ -355,7 +355,8 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
                      flat=expand(a.flat, b.flat), step=step, accum=expand(a.accum, b.accum), frozen=frozenset(cold),
                      cast=expand(a.cast, b.cast) if a.cast else [], temp=expand(a.temp, b.temp) if a.temp else [],
                      temp_adds=a.temp_adds, start=expand(a.start, b.start) if a.start else [], grads=grads,
-                     after_start=expand(a.after_start, b.after_start) if a.after_start else [], cross_back=back)
+                     after_start=expand(a.after_start, b.after_start) if a.after_start else [], cross_back=back,
+                     tail_act=lin(a.tail_act, b.tail_act))
 
 
 def _units(L: int) -> Units:
@@ -458,7 +459,9 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     # the gradient peak meets the gradient buckets; the activation peak the gathers and, as backward starts, the
     # loss's gradient (``solver.loss_gradients``), as the real plan prices them (with every bucket at both peaks, a
     # Llama-3-70B on FSDP 64 with its gradients reduced in fp32 was screened 1.11x its real plan's peak)
-    memory = peak_memory(state, grad, act, max(transient, regen), max(*gathered.values(), regen, sum(uc.start)), stepped_all + temps)
+    # a recomputed last block's backward runs after the loss's and the head's, which free what they kept (``planner``)
+    memory = peak_memory(state, grad, act, max(transient, regen), max(*gathered.values(), regen - uc.tail_act, sum(uc.start)),
+                         stepped_all + temps)
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
 
 

@@ -54,8 +54,8 @@ from autopar.cost import (CostModel, collective_time, flat_copy_time, grad_sync_
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, fmt_bytes
-from autopar.solver import (Pin, ZeroPin, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients, solve,
-                            zero_groups)
+from autopar.solver import (Pin, ZeroPin, block_backward_peak, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients, solve,
+                            tail_nodes, zero_groups)
 from autopar.spec import Replicate, Shard, Spec, Strategy
 from autopar.trace import INPUT, PARAM, CountedTokens, TracedGraph, counted_tokens, trace
 from autopar.zero import ZeroOption, effective, optimizer_time, param_cost, pipeline_held, pipeline_sync_priced, shard_factor
@@ -259,6 +259,9 @@ class UnitCosts:
     # per boundary (as ``cross``), the bytes of the gradient that comes back across it: of the values crossing it
     # that need one (not the targets sent to the loss)
     cross_back: list = dataclasses.field(default_factory=list)
+    # what the ops after the last block keep for backward (``solver.tail_nodes``): gone, their backward run, when a
+    # recomputed last block's backward starts (the flat plan's activation peak, ``planner.price``)
+    tail_act: float = 0.0
 
     def unscattered(self) -> "UnitCosts":
         """These costs with every value sent whole: the scatter saves send time where it is exposed, and the schedule
@@ -328,6 +331,14 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         bwd[u] += nc.compute - f
         act[u] += nc.act + (nc.state if tg.kinds.get(n) == INPUT else 0.0)
         regen[u] += nc.regen
+    if tg.blocks and problem.block_steps:
+        # a recomputed block's backward holds, at its peak, some of what its recomputation brought back beside the
+        # gradients flowing through it (``solver.block_backward_peak``); blocks are tied: the first's, on each
+        first = [n for n in tg.blocks[0].nodes if n in choice.index]
+        plain = sum(problem.costs[n][choice.index[n]].regen for n in first)
+        if plain:
+            extra = block_backward_peak(problem, choice.index.__getitem__, inner.sizes) - plain
+            regen = [r + extra if r else r for r in regen]
     emitted = set()
     for u_, v, i, m in problem.edges:
         src, dst = strategy[u_].output, strategy[v].inputs[i]
@@ -443,7 +454,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
     return UnitCosts(fwd, bwd, act, params, cross, grad, {}, regen, zero, grad_wire, flat, step, accum,
                      frozenset(n for n in params if n not in tg.trainable), cast,
                      [step_temporaries(x, kernel) for x in stepped], kernel == "foreach", start,
-                     gathers if scattered else [], plain_cross, grads, after_start, list(itertools.accumulate(diff_back)))
+                     gathers if scattered else [], plain_cross, grads, after_start, list(itertools.accumulate(diff_back)),
+                     sum(problem.costs[n][choice.index[n]].act for n in tail_nodes(tg, problem.order)))
 
 
 # --- stages --------------------------------------------------------------------------------------------------------

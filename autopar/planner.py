@@ -20,8 +20,8 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
-from autopar.solver import (FOLDED, FOLLOWER, Choice, Pin, Problem, _storage_root, build_problem, gc_paused, held_output, kept_values, loss_gradient_bytes, loss_gradients,
-                            solve, zero_groups)
+from autopar.solver import (FOLDED, FOLLOWER, Choice, Pin, Problem, _storage_root, block_backward_peak, build_problem, gc_paused, held_output, kept_values, loss_gradient_bytes, loss_gradients,
+                            solve, tail_nodes, zero_groups)
 from autopar.zero import (ZeroOption, bucket_latency, effective, frozen, gather_priced, grad_bucket, weight_users, param_cost,
                           regathered_for_recompute, scatter_priced, shard_factor, zero3_uses)
 from autopar.spec import Partial, Shard, Spec
@@ -289,6 +289,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             t_act = max(t_act, full * rf)
     first = next((b for b in tg.blocks), None)  # (blocks are tied: the first stands for all)
     regen = sum(problem.costs[n][choice.index[n]].regen for n in first.nodes if n in choice.index) if first else 0.0
+    if regen and problem.block_steps:  # op by op, with the gradients flowing through it, as the solver bounds it
+        regen = block_backward_peak(problem, choice.index.__getitem__, mesh.sizes)
     # ZeRO-3: the runtime gathers a block's parameters (or the rest) as one bucket (``passes/zero.py``): for forward,
     # the linears' weights again for backward (``zero.zero3_traffic``; a recomputed block's as its backward starts,
     # for its recomputation to read and keep), all gradients reduce-scattered together. A bucket with linears both in
@@ -374,7 +376,11 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     # recomputation brings one block's activations back while its backward runs: the last block's as backward
     # starts, beside every kept activation; the first block's as it ends, beside the gradients of all the blocks
     # after it (left out, a GPT of 8 fully recomputed layers peaked 13% over its price)
-    t_act, transient = max(t_act, regen), max(transient, regen)
+    # (op by op with the gradients flowing through it: ``solver.block_backward_steps``; the last block's after the
+    # loss's and the head's backward, which free what those kept)
+    tail = tail_nodes(tg, problem.order) if regen and problem.block_steps else frozenset()
+    t_act = max(t_act, regen - sum(problem.costs[n][choice.index[n]].act for n in tail))
+    transient = max(transient, regen)
     # backward starts with the loss's gradient beside every kept activation (``solver.loss_gradients``)
     t_act = max(t_act, sum(loss_gradient_bytes(loss_gradients(problem), strategy.__getitem__, mesh).values()))
     state += sum(problem.costs[n][choice.index[n]].state for n in problem.order)

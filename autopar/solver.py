@@ -79,7 +79,12 @@ nodes v, strategies s:
   the embedding's and head's group, which one rank syncs whole).
 - Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
   block's backward runs its activations are back -- the last block's beside the kept activations, the first's
-  beside the gradients: ``transient_a >= sum_{v in first block} regen[v, s] x[v, s]``, and ``transient_g >=`` the same.
+  beside the gradients -- and the gradients flowing through it with them. Walked op by op
+  (``block_backward_steps``: at step k, the terms alive), ``B >= sum_{t alive at k} bytes[t, s] x[root(t), s]`` for
+  each step k (what recomputation brought back and a backward still keeps, and the gradients alive, each in the
+  layout its node's strategy s gives it), ``transient_g >= B``, and ``transient_a >= B - sum_{v after the last block}
+  act[v, s] x[v, s]`` (the last block's backward runs after the loss's and the head's, which free what those kept:
+  ``tail_nodes``).
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
   (time includes followers, their forced redistributions, folded parameters, and the runtime's gradient and
   parameter copies and the optimizer's step, which run on the compute stream; times in milliseconds, memory in MB) + D, the data-parallel
@@ -204,6 +209,8 @@ class Problem:
     # cross-entropy: 2, its log-probabilities' gradient beside its logits'); 1 where absent
     loss_backward: dict[str, float] = field(default_factory=dict)
     output_roots: list[str] = field(default_factory=list)  # per output, the node owning its storage
+    # one recomputed block's backward, op by op: the terms alive at each (``block_backward_steps``)
+    block_steps: tuple = ()
 
     def index(self, node: str, root_index: int) -> int:
         """The strategy index of ``node`` when its root runs strategy ``root_index``."""
@@ -419,9 +426,9 @@ def kept_values(problem: Problem, strategy: dict, cost: CostModel) -> dict[tuple
     return out
 
 
-def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool], device_type: str = "cpu") -> tuple[dict[str, bool], dict[str, int], frozenset]:
-    """Which nodes' outputs some backward keeps, the bytes each op keeps of its own (single-device shapes), and
-    which (op, input slot) pairs it keeps.
+def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool], device_type: str = "cpu") -> tuple[dict[str, bool], dict[str, int], frozenset, frozenset]:
+    """Which nodes' outputs some backward keeps, the bytes each op keeps of its own (single-device shapes), which
+    (op, input slot) pairs it keeps, and which ops keep their own output (a softmax, an exp).
 
     Each distinct op (target, shapes, arguments, which inputs need gradients) is run once on fake tensors under
     saved-tensor hooks (``cost.probe_saved``; on ``device_type``, the kernels it runs); a kept view counts at the
@@ -431,6 +438,7 @@ def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool], device_type: s
     saved_out: dict[str, bool] = {}
     internal: dict[str, int] = {}
     slots: set[tuple[str, int]] = set()
+    own: set[str] = set()
     for n in nodes:
         if n.op != "call_function" or n.target is operator.getitem or not rg.get(n.name):
             continue
@@ -452,7 +460,162 @@ def _saved_activations(nodes: list[fx.Node], rg: dict[str, bool], device_type: s
                 saved_out[root.name] = True
         if sv.output:
             saved_out[_storage_root(n).name] = True
-    return saved_out, internal, frozenset(slots)
+            own.add(n.name)
+    return saved_out, internal, frozenset(slots), frozenset(own)
+
+
+# ops whose backward hands its output's gradient on as a view of it, allocating nothing (a strided view of the
+# gradient: reshape's copy too, the gradient's reshape back being a view); getitem's is its tuple op's
+GRAD_VIEWS = frozenset(VIEW_OPS - {aten.expand.default, aten.slice.Tensor, aten.select.int, aten.split.Tensor,
+                                   aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int})
+GRAD_PASS = frozenset({aten.add.Tensor})  # hands its output's gradient to each input of the output's shape as is
+
+
+def block_backward_steps(tg: TracedGraph, rg: dict[str, bool], saved_in: frozenset, own: frozenset) -> tuple:
+    """One recomputed block's backward (the first block's: blocks are tied), op by op in reverse graph order: per op
+    that runs a backward, what is alive as it runs beyond the gradients of the parameters (``Problem.block_steps``).
+
+    Recomputation brings every activation of the block back first; then each op's backward frees what it kept (an
+    output kept by its consumers goes when the first of them in graph order has run its backward: ``regen`` terms,
+    ``(\"regen\", node, 0)`` for the output a node's recomputation makes again, ``(\"regen\", node, 1)`` for what it keeps
+    of its own). The gradients flowing through the block are the working set: the gradient coming in from the block
+    after, and at each op its output's gradient beside the gradients it makes of its inputs (``(\"grad\", node,
+    slot, shape, dtype)``: the bytes of ``shape`` in the layout ``node``'s strategy gives its input ``slot``, or its
+    output for slot -1). A view's backward, and an add's, hand the gradient on without a copy (``GRAD_VIEWS``,
+    ``GRAD_PASS``); a gradient reaching a value a second time is summed into a new tensor when the first is shared
+    with another value (the residual stream's), in place otherwise. Left out: an op's own temporaries in backward,
+    and the redistributions of the gradients between layouts.
+
+    Measured by torch's MemTracker, a fully recomputed 4-layer GPT (width 256, 2048 tokens, one process) peaked at
+    the GELU's backward of its first block, 7.5 MiB (8%) over a price holding the recomputed activations alone:
+    the MLP's hidden gradients beside the incoming one (``tests/test_recompute.py``); on 2 gloo ranks (tp=2,
+    ``benchmarks/recompute.py``) autopar's plan went from 0.947 of its measured peak to 1.018."""
+    if not tg.blocks:
+        return ()
+    nodes = {n.name: n for n in tg.gm.graph.nodes}
+    block = [nodes[b] for b in tg.blocks[0].nodes if b in nodes]
+    inside = {n.name for n in block}
+    ops = [n for n in block if n.op == "call_function" and n.target is not operator.getitem]
+    pos = {n.name: k for k, n in enumerate(ops)}
+    first_saver: dict[str, int] = {}  # storage root -> the earliest op of the block keeping it
+    for n in ops:
+        ins = tensor_inputs(n)
+        for i, a in enumerate(ins):
+            if (n.name, i) in saved_in:
+                r = _storage_root(a).name
+                first_saver[r] = min(first_saver.get(r, pos[n.name]), pos[n.name])
+        if n.name in own:
+            r = _storage_root(n).name
+            first_saver[r] = min(first_saver.get(r, pos[n.name]), pos[n.name])
+    bufs: dict[int, tuple] = {}  # live gradient tensors: id -> term
+    refs: dict[int, int] = {}
+    shared: set[int] = set()  # handed on to a second value (an add's inputs, a view's)
+    holder: dict[str, int] = {}  # value (node name) -> its gradient's tensor
+    count = itertools.count()
+
+    def make(term) -> int:
+        b = next(count)
+        bufs[b], refs[b] = term, 0
+        return b
+
+    def hold(t: str, b: int) -> None:
+        holder[t] = b
+        refs[b] += 1
+
+    def drop(t: str) -> None:
+        b = holder.pop(t)
+        refs[b] -= 1
+        if not refs[b]:
+            del bufs[b], refs[b]
+
+    def meta_of(a: fx.Node) -> TensorMeta:
+        return _tmeta(a.meta["val"])
+
+    def src(a: fx.Node) -> str:  # the node whose strategy lays a value out (a getitem's: its tuple op's)
+        return a.args[0].name if a.op == "call_function" and a.target is operator.getitem else a.name
+
+    for n in block:  # the gradients coming in: of the values the block hands on that need one
+        if rg.get(n.name) and any(u.name not in inside for u in n.users) and isinstance(n.meta.get("val"), torch.Tensor):
+            m = meta_of(n)
+            hold(n.name, make(("grad", src(n), -1, m.shape, m.dtype)))
+    steps = []
+    for n in reversed(ops):
+        outs = [n.name] + [u.name for u in n.users if u.target is operator.getitem]
+        held = [t for t in outs if t in holder]
+        if not rg.get(n.name) or not held:
+            continue
+        alias = (n.target in GRAD_VIEWS or n.target in GRAD_PASS) and len(held) == 1
+        made: list[tuple[str, int]] = []
+        extra: list[tuple] = []
+        for i, a in enumerate(tensor_inputs(n)):
+            if a.op != "call_function" or not rg.get(a.name):
+                continue  # a parameter's gradient is a gradient's, a user input takes none
+            if alias and (n.target in GRAD_VIEWS or meta_of(a).shape == meta_of(n).shape):
+                b = holder[held[0]]
+                shared.add(b)
+            else:
+                m = meta_of(a)
+                b = make(("grad", n.name, i, m.shape, m.dtype))
+            made.append((a.name, b))
+            refs[b] += 1  # held by this step until it is placed
+        alive_regen = tuple(("regen", r, part) for r in pos for part in (0, 1)
+                            if (first_saver.get(r, pos[r]) if part == 0 else pos[r]) <= pos[n.name])
+        before = tuple(bufs.values())  # the output's gradients beside the inputs' and the values' earlier ones
+        for t, b in made:
+            if t not in holder:
+                hold(t, b)
+            elif holder[t] in shared or b in shared:  # a second gradient for the value: summed into a new tensor
+                m = meta_of(nodes[t])
+                extra.append(("grad", src(nodes[t]), -1, m.shape, m.dtype))
+                drop(t)
+                hold(t, make(extra[-1]))
+        steps.append(alive_regen + before + tuple(extra))
+        for t, b in made:
+            refs[b] -= 1
+            if not refs[b]:
+                del bufs[b], refs[b]
+        for t in held:
+            drop(t)
+    return tuple(steps)
+
+
+def tail_nodes(tg: TracedGraph, order: list[str]) -> frozenset:
+    """The nodes after the last repeated block (a final norm, the head, the loss): their backward runs, and frees
+    what they kept, before the last block's backward starts."""
+    if not tg.blocks or not tg.blocks[-1].nodes:
+        return frozenset()
+    last = tg.blocks[-1].nodes[-1]
+    return frozenset(order[order.index(last) + 1:]) if last in order else frozenset()
+
+
+def step_term_bytes(problem: Problem, term: tuple, index: int, sizes: tuple[int, ...]) -> float:
+    """Bytes per device of a term of ``Problem.block_steps`` with its node on strategy ``index``: a recomputed node's
+    output made again (part 0: its ``NodeCost.regen`` up to its output's bytes) or what it keeps of its own (part
+    1: the rest of its regen); a gradient, in the layout the node's strategy gives the input or output it is of."""
+    if term[0] == "regen":
+        _, n, part = term
+        nc = problem.costs[n][index]
+        if not nc.regen:
+            return 0.0
+        out = 0.0
+        if problem.saved.get(n, (False, 0))[0]:
+            out = math.prod(problem.cands[n][index].output.local_shape(problem.meta[n].shape, sizes)) * itemsize(problem.meta[n].dtype)
+        return min(nc.regen, out) if part == 0 else nc.regen - min(nc.regen, out)
+    _, n, slot, shape, dtype = term
+    st = problem.cands[n][index]
+    return float(math.prod((st.output if slot < 0 else st.inputs[slot]).local_shape(shape, sizes)) * itemsize(dtype))
+
+
+def block_backward_peak(problem: Problem, index_of, sizes: tuple[int, ...]) -> float:
+    """The most one recomputed block's backward holds at once (``Problem.block_steps``), its nodes on the strategy
+    indices ``index_of(node)``: what its recomputation brought back and is still kept, and the gradients alive."""
+    cache: dict[tuple, float] = {}
+
+    def b(term) -> float:
+        if term not in cache:
+            cache[term] = step_term_bytes(problem, term, index_of(term[1]), sizes) if term[1] in problem.costs else 0.0
+        return cache[term]
+    return max((sum(b(t) for t in step) for step in problem.block_steps), default=0.0)
 
 
 def _batch_only(cs: list[Strategy], in_dims: list[int | None], axes: list[int], in_exp: list[int | None] = (),
@@ -557,7 +720,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     device_type = mesh.hardware.device_type
     if ("saved_activations", device_type) not in tg.memo:  # the graph's own fact: the same on every mesh of a device type
         tg.memo[("saved_activations", device_type)] = _saved_activations(graph_nodes, rg, device_type)
-    saved_out, internal, saved_in = tg.memo[("saved_activations", device_type)]
+    saved_out, internal, saved_in, own = tg.memo[("saved_activations", device_type)]
     folded_use: dict[str, tuple[str, int]] = {}
     direct_use: dict[str, tuple[str, int]] = {}
     wide = [a for a in range(mesh.ndim) if mesh.role(a) == "data" and sizes[a] > 1]
@@ -667,6 +830,9 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     if "loss_backward" not in tg.memo:  # the graph's own fact, like what its ops keep
         tg.memo["loss_backward"] = _loss_backward(problem, {n.name: n for n in graph_nodes}, rg)
     problem.loss_backward = tg.memo["loss_backward"]
+    if ("block_backward", device_type) not in tg.memo:
+        tg.memo[("block_backward", device_type)] = block_backward_steps(tg, rg, saved_in, own)
+    problem.block_steps = tg.memo[("block_backward", device_type)]
     # derived strategies of followers (graph order: a follower's input is resolved before it) and folded nodes
     ins_of = {v: {} for v in order}
     for u, v, i, m in edges:
@@ -955,6 +1121,8 @@ def solve(
     t_hide = {r: [0.0] * nstrat[r] for r in decisions}  # of it, reductions launched and waited later (``step_time``'s H)
     regen = {r: [0.0] * nstrat[r] for r in decisions}  # bytes one block's recomputation brings back
     first_block = set(next((b.nodes for b in tg.blocks), ()))
+    tail = tail_nodes(tg, P_.order)
+    tail_act = {r: [0.0] * nstrat[r] for r in decisions}  # what the ops after the last block keep (``tail_nodes``)
     ins_of: dict[str, dict[int, tuple[str, TensorMeta]]] = {}
     for u, v, i, m in P_.edges:
         ins_of.setdefault(v, {})[i] = (u, m)
@@ -980,6 +1148,7 @@ def solve(
             m_state[r][s] += nc.state
             m_grad[r][s] += nc.grad
             m_act[r][s] += nc.act
+            tail_act[r][s] += nc.act * (n in tail)
     # ZeRO: per parameter group a stage (z), and how it changes each decision's parameters (w = x * z)
     zopts = zero_options(mesh) if zgroups else [ZeroOption(0)]
     zdelta: dict[tuple[str, int, str], list] = {}  # (decision, strategy, group) -> per option [state, act, grad, comm, memory-bound seconds, hidden comm]
@@ -1313,7 +1482,31 @@ def solve(
         add_row(0.0, inf, [(1.0, top_a)] + caller_loss)
     if any(any(row) for row in regen.values()):  # the last block's as backward starts, the first's as it ends
         form = [(-regen[r][s] * MB, xv) for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]]
-        add_row(0.0, inf, [(1.0, top_a)] + form)
+        if P_.block_steps:  # op by op, with the gradients flowing through it (``block_backward_peak``)
+            back = model.var(0.0, inf)
+            cache: dict[tuple, float] = {}
+            for step in P_.block_steps:
+                coef: dict[tuple[str, int], float] = {}
+                for term in step:
+                    n = term[1]
+                    if n not in P_.costs:
+                        continue
+                    r = rep(P_.root[n])
+                    for s_, xv in enumerate(x[r]):
+                        if xv is None:
+                            continue
+                        key = (term, P_.index(n, s_))
+                        if key not in cache:
+                            cache[key] = step_term_bytes(P_, term, key[1], mesh.sizes)
+                        if cache[key]:
+                            coef[r, s_] = coef.get((r, s_), 0.0) + cache[key]
+                add_row(0.0, inf, [(1.0, back)] + [(-c * MB, x[r][s_]) for (r, s_), c in coef.items()])
+            form = [(-1.0, back)]
+            # the last block's backward runs after the loss's and the head's: what they kept is gone by then
+            add_row(0.0, inf, [(1.0, top_a), (-1.0, back)] + [(tail_act[r][s_] * MB, xv) for r in decisions
+                                                                for s_, xv in enumerate(x[r]) if xv is not None and tail_act[r][s_]])
+        if not P_.block_steps:
+            add_row(0.0, inf, [(1.0, top_a)] + form)
         add_row(0.0, inf, [(1.0, top_g)] + form)
         # a recomputed block's ZeRO-3 bucket, gathered again as its backward starts, beside what its recomputation
         # brings back (``price``: a bucket whose linears with a backward are all recomputed)

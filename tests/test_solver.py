@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -597,3 +598,46 @@ def test_an_attention_without_a_heads_dim_is_planned():
         model = Flat()
     plan = autopar.plan(model, autopar.Mesh({"dp": 1}), (torch.empty(4, 16, 32, device="meta"),))
     assert plan.cost.memory_breakdown["activations"] > 0
+
+
+def test_a_recomputed_blocks_backward_is_walked_op_by_op():
+    """``block_backward_steps`` walks one block's backward in reverse graph order: at the GELU's, the gradient coming
+    into the block (handed on by the residual add, no copy), the one c_proj made of the GELU's output and the one the
+    GELU makes of its input are alive; of what recomputation brought back, the GELU's output is gone (c_proj's
+    backward, the only one keeping it, has run) and c_fc's output, which the GELU keeps, is not. Summed at the
+    strategies chosen, the peak is over the recomputed activations by the working set of the MLP."""
+    from autopar.solver import _saved_activations, block_backward_peak, block_backward_steps, build_problem, step_term_bytes
+    from autopar.planner import cost_model
+    from autopar.trace import requires_grad, trace
+
+    aten = torch.ops.aten
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    x = torch.randint(0, 64, (2, 16))
+    tg = trace(GPT(cfg), (x, x))
+    rg = requires_grad(tg)
+    nodes = {n.name: n for n in tg.gm.graph.nodes}
+    _out, _internal, saved_in, own = _saved_activations(list(tg.gm.graph.nodes), rg)
+    steps = block_backward_steps(tg, rg, saved_in, own)
+    block = [nodes[n] for n in tg.blocks[0].nodes]
+    gelu = next(n for n in block if n.target is aten.gelu.default)
+    c_fc, c_proj = gelu.args[0], next(iter(gelu.users))
+    out = block[-1]  # the residual add the block hands on
+    ops = [n for n in block if n.target is not operator.getitem and rg.get(n.name)]
+    at_gelu = steps[len(ops) - 1 - ops.index(gelu)]
+    grads = sorted((t[1], t[2]) for t in at_gelu if t[0] == "grad")
+    assert grads == sorted([(out.name, -1), (c_proj.name, 0), (gelu.name, 0)])
+    regen = {(t[1], t[2]) for t in at_gelu if t[0] == "regen"}
+    assert (c_fc.name, 0) in regen and (gelu.name, 0) not in regen and (c_proj.name, 0) not in regen
+    # at the block's first op only its own input's gradients remain: nothing recomputed is left but what it keeps
+    assert {t[1] for t in steps[-1] if t[0] == "regen"} == {block[0].name}
+
+    mesh = autopar.Mesh({"dp": 1})
+    cost = cost_model(tg, mesh, "full")
+    problem = build_problem(tg, mesh, cost)
+    index = {n: 0 for n in problem.order}
+    regen = sum(problem.costs[n][0].regen for n in tg.blocks[0].nodes if n in problem.costs)
+    hidden = 2 * 16 * 32 * 4  # one hidden state (h wide, fp32)
+    at = sum(step_term_bytes(problem, t, 0, mesh.sizes) for t in at_gelu)
+    # the GELU's output (4h) gone, three gradients (4h, 4h, h) alive: 5h over what recomputation brought back
+    assert at == regen + 5 * hidden
+    assert block_backward_peak(problem, index.__getitem__, mesh.sizes) >= at

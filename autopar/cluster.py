@@ -356,7 +356,7 @@ def _expand(pair: tuple[UnitCosts, UnitCosts], rows: float, L: int) -> UnitCosts
                      cast=expand(a.cast, b.cast) if a.cast else [], temp=expand(a.temp, b.temp) if a.temp else [],
                      temp_adds=a.temp_adds, start=expand(a.start, b.start) if a.start else [], grads=grads,
                      after_start=expand(a.after_start, b.after_start) if a.after_start else [], cross_back=back,
-                     tail_act=lin(a.tail_act, b.tail_act))
+                     tail_act=lin(a.tail_act, b.tail_act), block_kept=lin(a.block_kept, b.block_kept))
 
 
 def _units(L: int) -> Units:
@@ -433,7 +433,10 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
             if gb[0].stage == 0:  # its flat copy adds its bytes to the gradients' peak as it is reduced (``planner``)
                 local = math.prod(spec.local_shape(meta.shape, mesh.sizes)) * itemsize(meta.dtype)
                 bucket0[u == 1, gb[1]] = bucket0.get((u == 1, gb[1]), 0.0) + local * mesh.hardware.reduce_factor(meta.dtype)
-    regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0  # one block's recomputed activations, during its backward
+    # one block's backward beyond what its ops keep from forward (its recomputed activations, the gradients through
+    # it), and all it holds (``pipeline.unit_costs``, as the real plan counts them: ``planner``)
+    regen = uc.regen[1] if L and len(uc.regen) > 2 else 0.0
+    peak = regen + uc.block_kept if L and len(uc.regen) > 2 else 0.0
     # the launches and ring latencies, as the real plan prices them: each gradient bucket once (a block's per copy;
     # ZeRO-1's once for the whole model), ZeRO-3's per parameter group (each block, the rest)
     whole = {b for b in buckets[True] | buckets[False] if b[0].stage == 1}  # ZeRO-1: one per set, whole model
@@ -448,19 +451,20 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
         compute += L * seconds
         act += L * kept
         regen = max(regen, held)
+        peak = max(peak, held)
     temps = step_temporaries(stepped, mesh.hardware.optimizer_kernel, stepped_copies)
     stepped_all = sum(s * c for s, c in zip(stepped, stepped_copies))  # the gradients the step reads
     if prof.regathers.get(c.recompute) and L:  # a recomputed block's bucket, gathered again beside its recomputation
         # (``planner``; selective recomputation too where it recomputes every linear reading it)
-        bucket3[True] += regen * bool(bucket3[True])
-        gathered[True] += regen * bool(gathered[True])
+        bucket3[True] += peak * bool(bucket3[True])
+        gathered[True] += peak * bool(gathered[True])
     transient = max(transient, *bucket3.values(), *bucket0.values())
     step = step_time(compute, comm, deferred, mesh.hardware)
     # the gradient peak meets the gradient buckets; the activation peak the gathers and, as backward starts, the
     # loss's gradient (``solver.loss_gradients``), as the real plan prices them (with every bucket at both peaks, a
     # Llama-3-70B on FSDP 64 with its gradients reduced in fp32 was screened 1.11x its real plan's peak)
     # a recomputed last block's backward runs after the loss's and the head's, which free what they kept (``planner``)
-    memory = peak_memory(state, grad, act, max(transient, regen), max(*gathered.values(), regen - uc.tail_act, sum(uc.start)),
+    memory = peak_memory(state, grad, act, max(transient, peak), max(*gathered.values(), regen - uc.tail_act, sum(uc.start)),
                          stepped_all + temps)
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")
 

@@ -54,7 +54,7 @@ from autopar.cost import (CostModel, collective_time, flat_copy_time, grad_sync_
 from autopar.errors import AutoparError, InfeasibleError, NotRealised, ShardingError
 from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, PipelinePlan, Plan, PlanCost, StagePlan, fmt_bytes
-from autopar.solver import (Pin, ZeroPin, block_backward_peak, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients, solve,
+from autopar.solver import (Pin, ZeroPin, block_backward_peak, block_kept, build_problem, gc_paused, kept_values, loss_gradient_bytes, loss_gradients, solve,
                             tail_nodes, zero_groups)
 from autopar.spec import Replicate, Shard, Spec, Strategy
 from autopar.trace import INPUT, PARAM, CountedTokens, TracedGraph, counted_tokens, trace
@@ -262,6 +262,9 @@ class UnitCosts:
     # what the ops after the last block keep for backward (``solver.tail_nodes``): gone, their backward run, when a
     # recomputed last block's backward starts (the flat plan's activation peak, ``planner.price``)
     tail_act: float = 0.0
+    # what one block's ops keep from forward (``solver.block_kept``): with ``regen`` (a block's backward beyond it),
+    # the most that block's backward holds, as the flat plan's gradient peak counts it
+    block_kept: float = 0.0
 
     def unscattered(self) -> "UnitCosts":
         """These costs with every value sent whole: the scatter saves send time where it is exposed, and the schedule
@@ -331,14 +334,17 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         bwd[u] += nc.compute - f
         act[u] += nc.act + (nc.state if tg.kinds.get(n) == INPUT else 0.0)
         regen[u] += nc.regen
+    kept = 0.0
     if tg.blocks and problem.block_steps:
-        # a recomputed block's backward holds, at its peak, some of what its recomputation brought back beside the
-        # gradients flowing through it (``solver.block_backward_peak``); blocks are tied: the first's, on each
+        # a block's backward holds, at its peak, beyond what its ops keep from forward, the gradients flowing through
+        # it and what its recomputation brought back and is still kept (``solver.block_backward_peak``); blocks are
+        # tied: the first's, on each copy of it
         first = [n for n in tg.blocks[0].nodes if n in choice.index]
-        plain = sum(problem.costs[n][choice.index[n]].regen for n in first)
-        if plain:
-            extra = block_backward_peak(problem, choice.index.__getitem__, inner.sizes) - plain
-            regen = [r + extra if r else r for r in regen]
+        peak = block_backward_peak(problem, choice.index.__getitem__, inner.sizes)
+        kept = block_kept(problem, choice.index.__getitem__)
+        extra = peak - kept - sum(problem.costs[n][choice.index[n]].regen for n in first)
+        tied = {unit(b.nodes[0]) for b in tg.blocks if b.nodes and (b.tied_to or b.fqn) == tg.blocks[0].fqn}
+        regen = [r + extra if u in tied else r for u, r in enumerate(regen)]
     emitted = set()
     for u_, v, i, m in problem.edges:
         src, dst = strategy[u_].output, strategy[v].inputs[i]
@@ -455,7 +461,7 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
                      frozenset(n for n in params if n not in tg.trainable), cast,
                      [step_temporaries(x, kernel) for x in stepped], kernel == "foreach", start,
                      gathers if scattered else [], plain_cross, grads, after_start, list(itertools.accumulate(diff_back)),
-                     sum(problem.costs[n][choice.index[n]].act for n in tail_nodes(tg, problem.order)))
+                     sum(problem.costs[n][choice.index[n]].act for n in tail_nodes(tg, problem.order)), kept)
 
 
 # --- stages --------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, GradBucket, NodePlan, Plan, PlanCost, ZeroBucket
 from autopar.redistribute import Step
 from autopar.errors import AutoparError
-from autopar.solver import (FOLDED, FOLLOWER, Choice, Pin, Problem, _storage_root, block_backward_peak, build_problem, gc_paused, held_output, kept_values, loss_gradient_bytes, loss_gradients,
+from autopar.solver import (FOLDED, FOLLOWER, Choice, Pin, Problem, _storage_root, block_backward_peak, block_kept, build_problem, gc_paused, held_output, kept_values, loss_gradient_bytes, loss_gradients,
                             solve, tail_nodes, zero_groups)
 from autopar.zero import (ZeroOption, bucket_latency, effective, frozen, gather_priced, grad_bucket, weight_users, param_cost,
                           regathered_for_recompute, scatter_priced, shard_factor, zero3_uses)
@@ -289,7 +289,8 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             t_act = max(t_act, full * rf)
     first = next((b for b in tg.blocks), None)  # (blocks are tied: the first stands for all)
     regen = sum(problem.costs[n][choice.index[n]].regen for n in first.nodes if n in choice.index) if first else 0.0
-    if regen and problem.block_steps:  # op by op, with the gradients flowing through it, as the solver bounds it
+    if problem.block_steps:  # op by op, with the gradients flowing through it, as the solver bounds it: beyond what
+        # the block's ops keep from forward, whether or not it is recomputed
         regen = block_backward_peak(problem, choice.index.__getitem__, mesh.sizes)
     # ZeRO-3: the runtime gathers a block's parameters (or the rest) as one bucket (``passes/zero.py``): for forward,
     # the linears' weights again for backward (``zero.zero3_traffic``; a recomputed block's as its backward starts,
@@ -378,8 +379,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     # after it (left out, a GPT of 8 fully recomputed layers peaked 13% over its price)
     # (op by op with the gradients flowing through it: ``solver.block_backward_steps``; the last block's after the
     # loss's and the head's backward, which free what those kept)
-    tail = tail_nodes(tg, problem.order) if regen and problem.block_steps else frozenset()
-    t_act = max(t_act, regen - sum(problem.costs[n][choice.index[n]].act for n in tail))
+    tail = tail_nodes(tg, problem.order) if problem.block_steps else frozenset()
+    kept = block_kept(problem, choice.index.__getitem__) if problem.block_steps else 0.0  # counted in ``act``
+    t_act = max(t_act, regen - kept - sum(problem.costs[n][choice.index[n]].act for n in tail))
     transient = max(transient, regen)
     # backward starts with the loss's gradient beside every kept activation (``solver.loss_gradients``)
     t_act = max(t_act, sum(loss_gradient_bytes(loss_gradients(problem), strategy.__getitem__, mesh).values()))

@@ -77,14 +77,15 @@ nodes v, strategies s:
   what a rank stores: ``ZeroCost.memory_bound``) are multiplied by
   ``Problem.sync_weight[g]`` (a pipeline's stage problem prices one microbatch: 1 / (m + p - 1), p times that for
   the embedding's and head's group, which one rank syncs whole).
-- Recomputation (``CostModel.recompute``): a recomputed op keeps nothing and pays its forward again; while one
-  block's backward runs its activations are back -- the last block's beside the kept activations, the first's
-  beside the gradients -- and the gradients flowing through it with them. Walked op by op
-  (``block_backward_steps``: at step k, the terms alive), ``B >= sum_{t alive at k} bytes[t, s] x[root(t), s]`` for
-  each step k (what recomputation brought back and a backward still keeps, and the gradients alive, each in the
-  layout its node's strategy s gives it), ``transient_g >= B``, and ``transient_a >= B - sum_{v after the last block}
-  act[v, s] x[v, s]`` (the last block's backward runs after the loss's and the head's, which free what those kept:
-  ``tail_nodes``).
+- A block's backward: a recomputed op keeps nothing and pays its forward again; while one block's backward runs
+  its activations are back (``CostModel.recompute``), and the gradients flowing through the block are alive with
+  what its ops kept -- the last block's beside the kept activations, the first's beside the gradients. Walked op by
+  op (``block_backward_steps``: at step k, the terms alive), ``B >= sum_{t alive at k} bytes[t, s] x[root(t), s]``
+  for each step k (what its ops kept or recomputation brought back that a backward still reads, and the gradients
+  alive, each in the layout its node's strategy s gives it), ``transient_g >= B``, and ``transient_a >= B -
+  sum_{v in the first block or after the last} act[v, s] x[v, s]``: the activations count what the block's ops keep
+  already, and the last block's backward runs after the loss's and the head's, which free what those kept
+  (``tail_nodes``). Without blocks, ``transient_a`` and ``transient_g >= sum_v regen[v, s] x[v, s]``.
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
   (time includes followers, their forced redistributions, folded parameters, and the runtime's gradient and
   parameter copies and the optimizer's step, which run on the compute stream; times in milliseconds, memory in MB) + D, the data-parallel
@@ -472,24 +473,27 @@ GRAD_PASS = frozenset({aten.add.Tensor})  # hands its output's gradient to each 
 
 
 def block_backward_steps(tg: TracedGraph, rg: dict[str, bool], saved_in: frozenset, own: frozenset) -> tuple:
-    """One recomputed block's backward (the first block's: blocks are tied), op by op in reverse graph order: per op
-    that runs a backward, what is alive as it runs beyond the gradients of the parameters (``Problem.block_steps``).
+    """One block's backward (the first block's: blocks are tied), op by op in reverse graph order: as it starts, then
+    per op that runs a backward, what is alive beyond the gradients of the parameters (``Problem.block_steps``).
 
-    Recomputation brings every activation of the block back first; then each op's backward frees what it kept (an
-    output kept by its consumers goes when the first of them in graph order has run its backward: ``regen`` terms,
-    ``(\"regen\", node, 0)`` for the output a node's recomputation makes again, ``(\"regen\", node, 1)`` for what it keeps
-    of its own). The gradients flowing through the block are the working set: the gradient coming in from the block
-    after, and at each op its output's gradient beside the gradients it makes of its inputs (``(\"grad\", node,
-    slot, shape, dtype)``: the bytes of ``shape`` in the layout ``node``'s strategy gives its input ``slot``, or its
-    output for slot -1). A view's backward, and an add's, hand the gradient on without a copy (``GRAD_VIEWS``,
-    ``GRAD_PASS``); a gradient reaching a value a second time is summed into a new tensor when the first is shared
-    with another value (the residual stream's), in place otherwise. Left out: an op's own temporaries in backward,
-    and the redistributions of the gradients between layouts.
+    As it starts, every activation of the block is there (kept from forward, or brought back by recomputation);
+    then each op's backward frees what it kept (an output kept by its consumers goes when the first of them in
+    graph order has run its backward: ``regen`` terms, ``("regen", node, 0)`` for a node's output, kept or made
+    again, ``("regen", node, 1)`` for what it keeps of its own: ``step_term_bytes``). The gradients flowing through
+    the block are the working set: the gradient coming in from the block after, and at each op its output's gradient
+    beside the gradients it makes of its inputs (``("grad", node, slot, shape, dtype)``: the bytes of ``shape`` in
+    the layout ``node``'s strategy gives its input ``slot``, or its output for slot -1). A view's backward, and an
+    add's, hand the gradient on without a copy (``GRAD_VIEWS``, ``GRAD_PASS``); a gradient reaching a value a second
+    time is summed into a new tensor when the first is shared with another value (the residual stream's), in place
+    otherwise. Left out: an op's own temporaries in backward, the redistributions of the gradients between
+    layouts, and values redistributed on edges that a recomputed op keeps (a sequence-parallel gather's output).
 
     Measured by torch's MemTracker, a fully recomputed 4-layer GPT (width 256, 2048 tokens, one process) peaked at
     the GELU's backward of its first block, 7.5 MiB (8%) over a price holding the recomputed activations alone:
     the MLP's hidden gradients beside the incoming one (``tests/test_recompute.py``); on 2 gloo ranks (tp=2,
-    ``benchmarks/recompute.py``) autopar's plan went from 0.947 of its measured peak to 1.018."""
+    ``benchmarks/recompute.py``) autopar's plan went from 0.947 of its measured peak to 1.018. Without
+    recomputation, the first rank of a pipeline (pp=2, 1F1B over 4 microbatches, no loss on it to hide the block's
+    working set) went from 0.961 of its measured peak to 0.992."""
     if not tg.blocks:
         return ()
     nodes = {n.name: n for n in tg.gm.graph.nodes}
@@ -538,7 +542,9 @@ def block_backward_steps(tg: TracedGraph, rg: dict[str, bool], saved_in: frozens
         if rg.get(n.name) and any(u.name not in inside for u in n.users) and isinstance(n.meta.get("val"), torch.Tensor):
             m = meta_of(n)
             hold(n.name, make(("grad", src(n), -1, m.shape, m.dtype)))
-    steps = []
+    # as it starts: all the block kept or made again, beside the gradients coming in (a lower bound on the rest,
+    # whichever ops the walk below finds a gradient for)
+    steps = [tuple(("regen", r, part) for r in pos for part in (0, 1)) + tuple(bufs.values())]
     for n in reversed(ops):
         outs = [n.name] + [u.name for u in n.users if u.target is operator.getitem]
         held = [t for t in outs if t in holder]
@@ -589,26 +595,28 @@ def tail_nodes(tg: TracedGraph, order: list[str]) -> frozenset:
 
 
 def step_term_bytes(problem: Problem, term: tuple, index: int, sizes: tuple[int, ...]) -> float:
-    """Bytes per device of a term of ``Problem.block_steps`` with its node on strategy ``index``: a recomputed node's
-    output made again (part 0: its ``NodeCost.regen`` up to its output's bytes) or what it keeps of its own (part
-    1: the rest of its regen); a gradient, in the layout the node's strategy gives the input or output it is of."""
+    """Bytes per device of a term of ``Problem.block_steps`` with its node on strategy ``index``: a node's output, kept
+    or made again (part 0: its ``NodeCost.act`` and ``regen`` up to its output's bytes) or what it keeps of its own
+    (part 1: the rest); a gradient, in the layout the node's strategy gives the input or output it is of."""
     if term[0] == "regen":
         _, n, part = term
         nc = problem.costs[n][index]
-        if not nc.regen:
+        held = nc.act + nc.regen
+        if not held:
             return 0.0
         out = 0.0
         if problem.saved.get(n, (False, 0))[0]:
             out = math.prod(problem.cands[n][index].output.local_shape(problem.meta[n].shape, sizes)) * itemsize(problem.meta[n].dtype)
-        return min(nc.regen, out) if part == 0 else nc.regen - min(nc.regen, out)
+        return min(held, out) if part == 0 else held - min(held, out)
     _, n, slot, shape, dtype = term
     st = problem.cands[n][index]
     return float(math.prod((st.output if slot < 0 else st.inputs[slot]).local_shape(shape, sizes)) * itemsize(dtype))
 
 
 def block_backward_peak(problem: Problem, index_of, sizes: tuple[int, ...]) -> float:
-    """The most one recomputed block's backward holds at once (``Problem.block_steps``), its nodes on the strategy
-    indices ``index_of(node)``: what its recomputation brought back and is still kept, and the gradients alive."""
+    """The most one block's backward holds at once (``Problem.block_steps``), its nodes on the strategy indices
+    ``index_of(node)``: what its ops kept from forward or its recomputation brought back, still alive, and the
+    gradients flowing through it."""
     cache: dict[tuple, float] = {}
 
     def b(term) -> float:
@@ -616,6 +624,17 @@ def block_backward_peak(problem: Problem, index_of, sizes: tuple[int, ...]) -> f
             cache[term] = step_term_bytes(problem, term, index_of(term[1]), sizes) if term[1] in problem.costs else 0.0
         return cache[term]
     return max((sum(b(t) for t in step) for step in problem.block_steps), default=0.0)
+
+
+def block_kept(problem: Problem, index_of) -> float:
+    """What the first block's ops keep from forward for backward (their ``NodeCost.act``): counted with the
+    activations, where the block's backward peak (``block_backward_peak``) counts it again while it is alive."""
+    return sum(problem.costs[n][index_of(n)].act for n in block_nodes(problem))
+
+
+def block_nodes(problem: Problem) -> list[str]:
+    """The first block's ops that ``Problem.block_steps`` walks (blocks are tied: the first stands for all)."""
+    return sorted({t[1] for step in problem.block_steps for t in step if t[0] == "regen" and t[1] in problem.costs})
 
 
 def _batch_only(cs: list[Strategy], in_dims: list[int | None], axes: list[int], in_exp: list[int | None] = (),
@@ -1480,38 +1499,47 @@ def solve(
     # the first stands for all)
     if caller_loss:
         add_row(0.0, inf, [(1.0, top_a)] + caller_loss)
-    if any(any(row) for row in regen.values()):  # the last block's as backward starts, the first's as it ends
+    recomputed = any(any(row) for row in regen.values())
+    if P_.block_steps or recomputed:  # the last block's as backward starts, the first's as it ends
         form = [(-regen[r][s] * MB, xv) for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]]
         if P_.block_steps:  # op by op, with the gradients flowing through it (``block_backward_peak``)
             back = model.var(0.0, inf)
             cache: dict[tuple, float] = {}
+
+            def coef_of(n: str, fn, into: dict) -> None:
+                r = rep(P_.root[n])
+                for s_, xv in enumerate(x[r]):
+                    if xv is None:
+                        continue
+                    key = (fn if not callable(fn) else "act", n, P_.index(n, s_))
+                    if key not in cache:
+                        cache[key] = fn(P_.costs[n][key[2]]) if callable(fn) else step_term_bytes(P_, fn, key[2], mesh.sizes)
+                    if cache[key]:
+                        into[r, s_] = into.get((r, s_), 0.0) + cache[key]
             for step in P_.block_steps:
                 coef: dict[tuple[str, int], float] = {}
                 for term in step:
-                    n = term[1]
-                    if n not in P_.costs:
-                        continue
-                    r = rep(P_.root[n])
-                    for s_, xv in enumerate(x[r]):
-                        if xv is None:
-                            continue
-                        key = (term, P_.index(n, s_))
-                        if key not in cache:
-                            cache[key] = step_term_bytes(P_, term, key[1], mesh.sizes)
-                        if cache[key]:
-                            coef[r, s_] = coef.get((r, s_), 0.0) + cache[key]
-                add_row(0.0, inf, [(1.0, back)] + [(-c * MB, x[r][s_]) for (r, s_), c in coef.items()])
+                    if term[1] in P_.costs:
+                        coef_of(term[1], term, coef)
+                add_row(0.0, inf, [(1.0, back)] + [(-c * MB, x[r][s_]) for (r, s_), c in coef.items() if c])
             form = [(-1.0, back)]
-            # the last block's backward runs after the loss's and the head's: what they kept is gone by then
-            add_row(0.0, inf, [(1.0, top_a), (-1.0, back)] + [(tail_act[r][s_] * MB, xv) for r in decisions
-                                                                for s_, xv in enumerate(x[r]) if xv is not None and tail_act[r][s_]])
-        if not P_.block_steps:
+            # beside the activations, which count what the block's ops keep from forward (``block_kept``) and, for
+            # the last block, whose backward runs after the loss's and the head's, what those kept, gone by then
+            freed: dict[tuple[str, int], float] = {}
+            for n in block_nodes(P_):
+                coef_of(n, lambda nc: nc.act, freed)
+            for r in decisions:
+                for s_, xv in enumerate(x[r]):
+                    if xv is not None and tail_act[r][s_]:
+                        freed[r, s_] = freed.get((r, s_), 0.0) + tail_act[r][s_]
+            add_row(0.0, inf, [(1.0, top_a), (-1.0, back)] + [(c * MB, x[r][s_]) for (r, s_), c in freed.items() if c])
+        else:
             add_row(0.0, inf, [(1.0, top_a)] + form)
         add_row(0.0, inf, [(1.0, top_g)] + form)
         # a recomputed block's ZeRO-3 bucket, gathered again as its backward starts, beside what its recomputation
         # brings back (``price``: a bucket whose linears with a backward are all recomputed)
         for g, bucket_rows in zero3_rows.items():
-            if recomputed_group(g):
+            if recomputed and recomputed_group(g):
                 for top, bform in bucket_rows:
                     add_row(0.0, inf, [(1.0, top)] + bform + form)
     # the optimizer's step, after backward (the buckets gone): the gradients a rank stores (what it steps) and the

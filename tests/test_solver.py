@@ -623,7 +623,8 @@ def test_a_recomputed_blocks_backward_is_walked_op_by_op():
     c_fc, c_proj = gelu.args[0], next(iter(gelu.users))
     out = block[-1]  # the residual add the block hands on
     ops = [n for n in block if n.target is not operator.getitem and rg.get(n.name)]
-    at_gelu = steps[len(ops) - 1 - ops.index(gelu)]
+    assert len(steps) == len(ops) + 1  # as backward starts, then one per op
+    at_gelu = steps[len(ops) - ops.index(gelu)]
     grads = sorted((t[1], t[2]) for t in at_gelu if t[0] == "grad")
     assert grads == sorted([(out.name, -1), (c_proj.name, 0), (gelu.name, 0)])
     regen = {(t[1], t[2]) for t in at_gelu if t[0] == "regen"}

@@ -663,7 +663,10 @@ def test_the_optimizer_step_is_a_peak_of_its_own_the_stored_gradients_and_the_ke
     kernels = ("fused", "foreach", "for-loop")
     alone = {k: autopar.plan(model, _kernel_mesh({"dp": 1}, k), (x, x)).cost for k in kernels}
     b = alone["fused"].memory_breakdown
-    assert alone["fused"].memory_per_device == pytest.approx(b["state"] + b["gradients"])  # (the gradients' peak)
+    # (the gradients' peak, beside the first block's backward: its activations and the gradients flowing through it,
+    # ``solver.block_backward_steps``)
+    assert b["transient"] > 0
+    assert alone["fused"].memory_per_device == pytest.approx(b["state"] + b["gradients"] + b["transient"])
     stepped = [p.numel() * 4.0 for p in model.parameters()]
     for k in ("foreach", "for-loop"):
         assert alone[k].memory_per_device == pytest.approx(b["state"] + sum(stepped) + step_temporaries(stepped, k))
@@ -686,7 +689,7 @@ def test_the_solver_keeps_the_optimizer_steps_peak_under_the_budget():
     fused = autopar.plan(model, _kernel_mesh({"dp": 1}, "fused"), (x, x)).cost.memory_per_device
     for kernel in ("foreach", "for-loop"):
         peak = autopar.plan(model, _kernel_mesh({"dp": 1}, kernel), (x, x)).cost.memory_per_device
-        assert peak > fused * 1.05
+        assert peak > fused * 1.03
         budget = (fused + peak) / 2
         autopar.plan(model, _kernel_mesh({"dp": 1}, "fused"), (x, x), memory_budget=budget)
         with pytest.raises(autopar.InfeasibleError, match=f"with a {kernel} AdamW step's temporaries.*--optimizer fused") as e:

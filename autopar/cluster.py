@@ -463,7 +463,7 @@ def _screen_flat(prof: _Profile, c: Candidate, cluster: Cluster, rows: float, L:
     # the gradient peak meets the gradient buckets; the activation peak the gathers and, as backward starts, the
     # loss's gradient (``solver.loss_gradients``), as the real plan prices them (with every bucket at both peaks, a
     # Llama-3-70B on FSDP 64 with its gradients reduced in fp32 was screened 1.11x its real plan's peak)
-    # a recomputed last block's backward runs after the loss's and the head's, which free what they kept (``planner``)
+    # the last block's backward runs after the loss's and the head's, which free what they kept (``planner``)
     memory = peak_memory(state, grad, act, max(transient, peak), max(*gathered.values(), regen - uc.tail_act, sum(uc.start)),
                          stepped_all + temps)
     return Screened(c, step if memory <= budget else math.inf, memory, "" if memory <= budget else "does not fit")

@@ -259,8 +259,8 @@ class UnitCosts:
     # per boundary (as ``cross``), the bytes of the gradient that comes back across it: of the values crossing it
     # that need one (not the targets sent to the loss)
     cross_back: list = dataclasses.field(default_factory=list)
-    # what the ops after the last block keep for backward (``solver.tail_nodes``): gone, their backward run, when a
-    # recomputed last block's backward starts (the flat plan's activation peak, ``planner.price``)
+    # what the ops after the last block keep for backward (``solver.tail_nodes``): gone, their backward run, when the
+    # last block's backward starts (the flat plan's activation peak, ``planner.price``)
     tail_act: float = 0.0
     # what one block's ops keep from forward (``solver.block_kept``): with ``regen`` (a block's backward beyond it),
     # the most that block's backward holds, as the flat plan's gradient peak counts it
@@ -343,7 +343,8 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         peak = block_backward_peak(problem, choice.index.__getitem__, inner.sizes)
         kept = block_kept(problem, choice.index.__getitem__)
         extra = peak - kept - sum(problem.costs[n][choice.index[n]].regen for n in first)
-        tied = {unit(b.nodes[0]) for b in tg.blocks if b.nodes and (b.tied_to or b.fqn) == tg.blocks[0].fqn}
+        tied = {units.unit_of[next(n for n in b.nodes if n in units.unit_of)] for b in tg.blocks
+                if (b.tied_to or b.fqn) == tg.blocks[0].fqn and any(n in units.unit_of for n in b.nodes)}
         regen = [r + extra if u in tied else r for u, r in enumerate(regen)]
     emitted = set()
     for u_, v, i, m in problem.edges:

@@ -374,11 +374,11 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
     last_of = {c.where: c for c in collectives if c.where in hide_buckets}
     deferred = sum(c.seconds for c in last_of.values())
     step = step_time(compute + comm - dp_comm, dp_comm, deferred, mesh.hardware)
-    # recomputation brings one block's activations back while its backward runs: the last block's as backward
-    # starts, beside every kept activation; the first block's as it ends, beside the gradients of all the blocks
-    # after it (left out, a GPT of 8 fully recomputed layers peaked 13% over its price)
-    # (op by op with the gradients flowing through it: ``solver.block_backward_steps``; the last block's after the
-    # loss's and the head's backward, which free what those kept)
+    # a block's backward holds what it kept or recomputation brought back, with the gradients flowing through it
+    # (``solver.block_backward_steps``): the last block's as backward starts, beside every kept activation less what
+    # the block's ops keep (counted in them) and what the loss and the head kept (their backward has run); the first
+    # block's as it ends, beside the gradients of all the blocks after it (left out, a GPT of 8 fully recomputed
+    # layers peaked 13% over its price)
     tail = tail_nodes(tg, problem.order) if problem.block_steps else frozenset()
     kept = block_kept(problem, choice.index.__getitem__) if problem.block_steps else 0.0  # counted in ``act``
     t_act = max(t_act, regen - kept - sum(problem.costs[n][choice.index[n]].act for n in tail))

@@ -339,13 +339,11 @@ def unit_costs(tg: TracedGraph, problem, choice, cost: "CostModel", units: Units
         # a block's backward holds, at its peak, beyond what its ops keep from forward, the gradients flowing through
         # it and what its recomputation brought back and is still kept (``solver.block_backward_peak``); blocks are
         # tied: the first's, on each copy of it
-        first = [n for n in tg.blocks[0].nodes if n in choice.index]
-        peak = block_backward_peak(problem, choice.index.__getitem__, inner.sizes)
         kept = block_kept(problem, choice.index.__getitem__)
-        extra = peak - kept - sum(problem.costs[n][choice.index[n]].regen for n in first)
+        beyond = block_backward_peak(problem, choice.index.__getitem__, inner.sizes) - kept
         tied = {units.unit_of[next(n for n in b.nodes if n in units.unit_of)] for b in tg.blocks
                 if (b.tied_to or b.fqn) == tg.blocks[0].fqn and any(n in units.unit_of for n in b.nodes)}
-        regen = [r + extra if u in tied else r for u, r in enumerate(regen)]
+        regen = [beyond if u in tied else r for u, r in enumerate(regen)]
     emitted = set()
     for u_, v, i, m in problem.edges:
         src, dst = strategy[u_].output, strategy[v].inputs[i]

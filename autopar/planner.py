@@ -287,11 +287,9 @@ def price(tg: TracedGraph, mesh: Mesh, problem: Problem, choice: Choice, cost: C
             rf = mesh.hardware.reduce_factor(problem.meta[members[0]].dtype)
             transient = max(transient, full * rf)
             t_act = max(t_act, full * rf)
-    first = next((b for b in tg.blocks), None)  # (blocks are tied: the first stands for all)
-    regen = sum(problem.costs[n][choice.index[n]].regen for n in first.nodes if n in choice.index) if first else 0.0
-    if problem.block_steps:  # op by op, with the gradients flowing through it, as the solver bounds it: beyond what
-        # the block's ops keep from forward, whether or not it is recomputed
-        regen = block_backward_peak(problem, choice.index.__getitem__, mesh.sizes)
+    # one block's backward at its peak, op by op, with the gradients flowing through it, as the solver bounds it
+    # (blocks are tied: the first stands for all)
+    regen = block_backward_peak(problem, choice.index.__getitem__, mesh.sizes) if problem.block_steps else 0.0
     # ZeRO-3: the runtime gathers a block's parameters (or the rest) as one bucket (``passes/zero.py``): for forward,
     # the linears' weights again for backward (``zero.zero3_traffic``; a recomputed block's as its backward starts,
     # for its recomputation to read and keep), all gradients reduce-scattered together. A bucket with linears both in

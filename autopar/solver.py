@@ -85,7 +85,7 @@ nodes v, strategies s:
   alive, each in the layout its node's strategy s gives it), ``transient_g >= B``, and ``transient_a >= B -
   sum_{v in the first block or after the last} act[v, s] x[v, s]``: the activations count what the block's ops keep
   already, and the last block's backward runs after the loss's and the head's, which free what those kept
-  (``tail_nodes``). Without blocks, ``transient_a`` and ``transient_g >= sum_v regen[v, s] x[v, s]``.
+  (``tail_nodes``). (Only blocks are recomputed: without them there is no B.)
 - Objective: ``min C`` with ``C = sum_v sum_s time[v, s] x[v, s] + sum_e m_e sum_{o,d} redist_e(o, d) y[e, o, d]``
   (time includes followers, their forced redistributions, folded parameters, and the runtime's gradient and
   parameter copies and the optimizer's step, which run on the compute stream; times in milliseconds, memory in MB) + D, the data-parallel
@@ -210,7 +210,7 @@ class Problem:
     # cross-entropy: 2, its log-probabilities' gradient beside its logits'); 1 where absent
     loss_backward: dict[str, float] = field(default_factory=dict)
     output_roots: list[str] = field(default_factory=list)  # per output, the node owning its storage
-    # one recomputed block's backward, op by op: the terms alive at each (``block_backward_steps``)
+    # one block's backward, as it starts and op by op: the terms alive at each (``block_backward_steps``)
     block_steps: tuple = ()
 
     def index(self, node: str, root_index: int) -> int:
@@ -633,8 +633,9 @@ def block_kept(problem: Problem, index_of) -> float:
 
 
 def block_nodes(problem: Problem) -> list[str]:
-    """The first block's ops that ``Problem.block_steps`` walks (blocks are tied: the first stands for all)."""
-    return sorted({t[1] for step in problem.block_steps for t in step if t[0] == "regen" and t[1] in problem.costs})
+    """The first block's ops that ``Problem.block_steps`` walks (blocks are tied: the first stands for all): the
+    walk's first step holds what each of them keeps."""
+    return [t[1] for t in problem.block_steps[0] if t[0] == "regen" and t[2] == 0 and t[1] in problem.costs] if problem.block_steps else []
 
 
 def _batch_only(cs: list[Strategy], in_dims: list[int | None], axes: list[int], in_exp: list[int | None] = (),
@@ -1500,41 +1501,36 @@ def solve(
     if caller_loss:
         add_row(0.0, inf, [(1.0, top_a)] + caller_loss)
     recomputed = any(any(row) for row in regen.values())
-    if P_.block_steps or recomputed:  # the last block's as backward starts, the first's as it ends
-        form = [(-regen[r][s] * MB, xv) for r in decisions for s, xv in enumerate(x[r]) if xv is not None and regen[r][s]]
-        if P_.block_steps:  # op by op, with the gradients flowing through it (``block_backward_peak``)
-            back = model.var(0.0, inf)
-            cache: dict[tuple, float] = {}
+    if P_.block_steps:  # op by op, with the gradients flowing through it (``block_backward_peak``)
+        back = model.var(0.0, inf)
+        cache: dict[tuple, float] = {}
 
-            def coef_of(n: str, fn, into: dict) -> None:
-                r = rep(P_.root[n])
-                for s_, xv in enumerate(x[r]):
-                    if xv is None:
-                        continue
-                    key = (fn if not callable(fn) else "act", n, P_.index(n, s_))
-                    if key not in cache:
-                        cache[key] = fn(P_.costs[n][key[2]]) if callable(fn) else step_term_bytes(P_, fn, key[2], mesh.sizes)
-                    if cache[key]:
-                        into[r, s_] = into.get((r, s_), 0.0) + cache[key]
-            for step in P_.block_steps:
-                coef: dict[tuple[str, int], float] = {}
-                for term in step:
-                    if term[1] in P_.costs:
-                        coef_of(term[1], term, coef)
-                add_row(0.0, inf, [(1.0, back)] + [(-c * MB, x[r][s_]) for (r, s_), c in coef.items() if c])
-            form = [(-1.0, back)]
-            # beside the activations, which count what the block's ops keep from forward (``block_kept``) and, for
-            # the last block, whose backward runs after the loss's and the head's, what those kept, gone by then
-            freed: dict[tuple[str, int], float] = {}
-            for n in block_nodes(P_):
-                coef_of(n, lambda nc: nc.act, freed)
-            for r in decisions:
-                for s_, xv in enumerate(x[r]):
-                    if xv is not None and tail_act[r][s_]:
-                        freed[r, s_] = freed.get((r, s_), 0.0) + tail_act[r][s_]
-            add_row(0.0, inf, [(1.0, top_a), (-1.0, back)] + [(c * MB, x[r][s_]) for (r, s_), c in freed.items() if c])
-        else:
-            add_row(0.0, inf, [(1.0, top_a)] + form)
+        def add_bytes(n: str, key, value, into: dict) -> None:
+            """Adds ``value(strategy index of n)`` on each of n's root's strategies to ``into`` (cached by ``key``)."""
+            r = rep(P_.root[n])
+            for s_, xv in enumerate(x[r]):
+                k = (key, n, P_.index(n, s_))
+                if xv is not None and k not in cache:
+                    cache[k] = value(k[2])
+                if xv is not None and cache[k]:
+                    into[r, s_] = into.get((r, s_), 0.0) + cache[k]
+        for step in P_.block_steps:
+            coef: dict[tuple[str, int], float] = {}
+            for term in step:
+                if term[1] in P_.costs:
+                    add_bytes(term[1], term, lambda k: step_term_bytes(P_, term, k, mesh.sizes), coef)
+            add_row(0.0, inf, [(1.0, back)] + [(-c * MB, x[r][s_]) for (r, s_), c in coef.items() if c])
+        form = [(-1.0, back)]
+        # beside the activations, which count what the block's ops keep from forward (``block_kept``) and, for the
+        # last block, whose backward runs after the loss's and the head's, what those kept, gone by then
+        freed: dict[tuple[str, int], float] = {}
+        for n in block_nodes(P_):
+            add_bytes(n, "act", lambda k: P_.costs[n][k].act, freed)
+        for r in decisions:
+            for s_, xv in enumerate(x[r]):
+                if xv is not None and tail_act[r][s_]:
+                    freed[r, s_] = freed.get((r, s_), 0.0) + tail_act[r][s_]
+        add_row(0.0, inf, [(1.0, top_a), (-1.0, back)] + [(c * MB, x[r][s_]) for (r, s_), c in freed.items() if c])
         add_row(0.0, inf, [(1.0, top_g)] + form)
         # a recomputed block's ZeRO-3 bucket, gathered again as its backward starts, beside what its recomputation
         # brings back (``price``: a bucket whose linears with a backward are all recomputed)

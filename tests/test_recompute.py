@@ -242,7 +242,7 @@ def test_a_recomputed_blocks_backward_holds_the_gradients_flowing_through_it():
         pm = autopar.parallelize(model, mesh, inputs, recompute="full")
         del model
         measured = _measured_peak(pm, inputs, torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False), 2)
-    assert 0.97 <= pm.plan.cost.memory_per_device / measured <= 1.04, (pm.plan.cost.memory_per_device / 2**20, measured / 2**20)
+    assert 0.97 <= pm.plan.cost.memory_per_device / measured <= 1.02, (pm.plan.cost.memory_per_device / 2**20, measured / 2**20)
 
 
 def _measured_peak(pm, inputs: tuple, opt, steps: int) -> float:

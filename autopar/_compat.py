@@ -252,9 +252,19 @@ def fsdp2_replicate(module, mesh, mp_policy):
     return replicate(module, mesh=mesh, mp_policy=mp_policy)
 
 
-def pipeline_stage_receiving_fresh():
+def pipeline_stage_receiving_fresh(sends_itself: bool = False):
     """``torch.distributed.pipelining.PipelineStage`` receiving into a buffer made for each transfer and let go once
     its microbatch's backward is done, as Megatron receives into a fresh tensor per transfer.
+
+    ``sends_itself`` (for schedules that post a batch of sends alone, one ``isend`` each, as this does: GPipe, and
+    interleaved 1F1B on torch's ``_PipelineScheduleRuntime``): the stage posts its forward sends itself and waits
+    for each once that microbatch's backward has run. The runtime keeps every send's work to the end of the step
+    (GPipe its list of them), and a work holds the tensor it sends (gloo's for its life; NCCL's until ``wait()``),
+    so a rank held every output it had sent past its microbatch's backward: on 2 gloo ranks (GPT, pp=2,
+    interleaved m=4, v=2) 1.5 and 1.0 MiB of the 2.5 and 3.5 MiB the held sends added to the ranks' peaks. The wait
+    cannot block: the backward ran on the gradient the next stage made from this very output, so it had arrived.
+    The gradients sent back are still held to the end of the step: nothing coming back proves one has arrived
+    (``schedule.holds_sent_gradients``).
 
     torch's stage makes, when its schedule first runs, one buffer per microbatch for the activations it receives and
     one for the gradient coming back, and keeps all of them for the life of the stage: ``m`` of each, where a rank
@@ -277,6 +287,25 @@ def pipeline_stage_receiving_fresh():
                 info.buffer = _make_tensor_from_meta(info.tensor_meta, device)
 
     class ReceivingFresh(pipelining.PipelineStage):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._sent: dict[int, list] = {}  # microbatch -> the works of its forward sends, until its backward
+
+        def get_fwd_send_ops(self, fwd_chunk_id: int):
+            ops = super().get_fwd_send_ops(fwd_chunk_id)
+            if not sends_itself or not ops or any(o.op is not dist.isend for o in ops):
+                return ops
+            self._sent.setdefault(fwd_chunk_id, []).extend(
+                o.op(o.tensor, group=o.group, tag=o.tag, group_dst=o.group_peer) for o in ops)
+            return []
+
+        def wait_sent(self) -> None:
+            """Waits for the forward sends still held (a step without backward: ``eval``)."""
+            for works in self._sent.values():
+                for w in works:
+                    w.wait()
+            self._sent.clear()
+
         def _prepare_forward_infra(self, *args, **kwargs):
             out = super()._prepare_forward_infra(*args, **kwargs)
             for infos in self.args_recv_info.values():
@@ -300,6 +329,8 @@ def pipeline_stage_receiving_fresh():
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
             out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            for w in self._sent.pop(bwd_chunk_id, ()):
+                w.wait()
             release(self.args_recv_info.get(bwd_chunk_id))
             release(self.grad_recv_info.get(bwd_chunk_id))
             # the last stage's schedule keeps each microbatch's loss to the end of the step, and through its graph

@@ -866,7 +866,10 @@ class _PipelineRun:
         self.pp_group = dm.get_group(self.mesh.names[self.axis])
         S = len(self.ios)
         self.stages = []
-        stage_cls = _compat.pipeline_stage_receiving_fresh()  # (receive buffers made per transfer: its docstring)
+        # receive buffers made per transfer; where the schedule posts its forward sends alone (GPipe, interleaved),
+        # each let go at its microbatch's backward rather than at the step's end (its docstring). 1F1B batches them
+        # with receives, which NCCL needs coalesced to not hang: left to it (it waits for them at its next transfer)
+        stage_cls = _compat.pipeline_stage_receiving_fresh(sends_itself=self.plan.pipeline.schedule in ("gpipe", "interleaved"))
         for s in self.mine:
             io = self.ios[s]
             keys = [(tg.kinds[n], tg.fqns[n]) for n in io.params]
@@ -1091,6 +1094,8 @@ class _PipelineRun:
         # (the loss is in the last stage's graph, the targets ride along: the schedule's "target" is each
         # microbatch's weight)
         run(*(flat if 0 in self.mine else ()), target=weights.to(self.device), losses=losses, return_outputs=False)
+        for st in self.stages:
+            st.wait_sent()
         # (the other stages receive it in the last stage's output dtype: under mixed precision bf16, whose bytes a
         # float32 buffer misread as ~2e-41)
         loss_dtype = self.ios[-1].output_metas[0][1]

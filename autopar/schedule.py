@@ -103,6 +103,15 @@ def in_flight_beside_grads(schedule: str, p: int, m: int, v: int = 1) -> list[in
     return beside_grads(in_flight(schedule, p, m, v), m, v)
 
 
+def holds_sent_gradients(schedule: str) -> bool:
+    """Whether a rank holds each gradient it sends back to the end of the step's backward: torch's GPipe waits for
+    its backward sends after its last backward, and its runtime schedules (interleaved 1F1B) for every send at the
+    step's end, and a send's work holds the tensor it sends till then. Nothing coming back proves a gradient has
+    arrived, so autopar cannot let go of one earlier as it does its forward sends
+    (``_compat.pipeline_stage_receiving_fresh``). 1F1B waits for each with its next transfer."""
+    return schedule in ("gpipe", "interleaved")
+
+
 def beside_grads(flights: list[int], m: int, v: int = 1) -> list[int]:
     """``in_flight_beside_grads`` from the ranks' ``in_flight`` counts ``flights``."""
     return [min(f, m * v - 1) for f in flights]

@@ -4,7 +4,8 @@
 Prints one line per case: ``PIPE <model> <mesh> <schedule> <stages> <loss diff> <grad diff> <param diff>``
 (``PIPE-AC``: the stages recompute their blocks' activations; ``PIPE-M1``: one microbatch, fewer than the stages;
 ``PIPE-Z1``: ZeRO-1, the parameters stored as shards over dp and gathered once a step; GPT's accumulates two steps
-per optimizer step under ``no_sync``; ``PIPE-MP``: under mixed precision, fp64 masters computing in fp32).
+per optimizer step under ``no_sync``; ``PIPE-MP``: under mixed precision, fp64 masters computing in fp32;
+``PIPE-SENT``: an interleaved pipeline's priced / measured peak per rank).
 """
 
 from __future__ import annotations
@@ -183,6 +184,37 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"PIPE-M1 gpt pp2 gpipe {label} {dl:.3e} {dg:.3e} {dp:.3e}", flush=True)
         received()
+        held_sends()
+
+
+def held_sends() -> None:
+    """An interleaved pipeline's peak per rank, priced and measured by torch's MemTracker over two steps: the outputs
+    it sent are let go at their microbatch's backward (``_compat.pipeline_stage_receiving_fresh``), the gradients it
+    sent back held to the step's end, as priced (``pipeline._in_schedule``). Hidden states of 2 x 256 x 256 floats
+    (0.5 MiB), large beside the parameters, so that a few held sends show."""
+    from autopar import _compat
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=8, n_embd=256))
+    x = torch.randint(0, 512, (8, 256), generator=torch.Generator().manual_seed(1))
+    mesh = autopar.Mesh({"pp": 2}, hardware="cpu-gloo")
+    pm = autopar.parallelize(model, mesh, (x, torch.roll(x, -1, 1)), constraints=[autopar.PipelinePin("interleaved", 4, 2)])
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, **mesh.hardware.adamw_kwargs())
+    inputs = pm.local_inputs(x, torch.roll(x, -1, 1))
+    tracker = _compat.mem_tracker()
+    tracker.track_external(pm, opt)
+    with tracker:
+        for _ in range(2):
+            pm(*inputs).backward()
+            opt.step()
+            opt.zero_grad()
+            tracker.reset_mod_stats()
+    peak = torch.tensor([float(_compat.mem_tracker_peak(tracker)["total"])])
+    peaks = [torch.zeros(1) for _ in range(2)]
+    dist.all_gather(peaks, peak)
+    if dist.get_rank() == 0:  # (rank r of the group is pp rank r: the mesh is pp alone)
+        ratios = " ".join(f"{pred / float(meas):.4f}" for pred, meas in zip(pm.plan.pipeline.rank_memory, peaks))
+        print(f"PIPE-SENT {pm.plan.pipeline.label.replace(' ', '')} {ratios}", flush=True)
 
 
 def received() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import pytest
@@ -312,6 +313,39 @@ def test_gpipe_holds_no_gradient_while_every_microbatch_is_in_flight(act):
         # the search's own feasibility agrees: the cut fits a budget of exactly its peak, and not 1 byte less
         assert balance(uc, units, p, p, m, flights, 1, max(want)) is not None
         assert balance(uc, units, p, p, m, flights, 1, min(want) - 1.0) is None
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_the_sent_gradients_a_schedule_holds_are_priced_at_its_fullest_moment(schedule, v):
+    """GPipe and torch's runtime schedules (interleaved) hold every gradient a rank sends back to the end of the
+    step's backward (``schedule.holds_sent_gradients``): through the steady state one more each backward while the
+    microbatches in flight stay as many. ``_in_schedule`` prices the fullest moment from three (before the first
+    backward; the last forward of the steady state, or GPipe's second backward; the last backward); walked over the
+    schedule's own order, action by action, every moment is under it and one is at it. Equal stages: ``act`` kept,
+    ``sent`` sent back per microbatch, ``grad`` bytes of gradients from the rank's first backward on."""
+    from autopar import schedule as sched
+    from autopar.pipeline import _in_schedule
+
+    holds = sched.holds_sent_gradients(schedule)
+    assert holds == (schedule != "1f1b")
+    for p in (2, 3, 4):
+        for m in range(1 if schedule == "gpipe" else p, 3 * p + 1):
+            if sched.check(schedule, p, m, v):
+                continue
+            n = m * v
+            flights, beside = sched.in_flight(schedule, p, m, v), sched.in_flight_beside_grads(schedule, p, m, v)
+            for act, sent, grad in ((8.0, 1.0, 20.0), (2.0, 2.0, 3.0), (1.0, 4.0, 50.0)):
+                for r, seq in enumerate(sched.actions(schedule, p, m, v)):
+                    live = done = 0
+                    walked = -math.inf
+                    for a in seq:
+                        live += a.kind == "F"
+                        walked = max(walked, live * act + (done * sent if holds else 0.0) - (0.0 if done else grad))
+                        if a.kind == "B":
+                            live, done = live - 1, done + 1
+                    walked = max(walked, done * sent if holds else 0.0)  # (the end: each sent gradient held)
+                    priced = _in_schedule(flights[r], beside[r], act, grad, sent if holds else 0.0, n if holds else 0)
+                    assert priced == pytest.approx(walked), (schedule, p, m, v, r, act, sent)
 
 
 def test_a_first_stage_bound_too_tight_falls_back_to_the_plain_one():
@@ -827,6 +861,13 @@ def test_pipelines_in_real_gloo_processes_match_single_device(nproc, meshes):
         assert label.startswith("1f1b(m=4") and max(float(dl), float(dg), float(dp)) <= 1e-5, (name, zero, label, dl, dg, dp)
     recv = [line.split()[1:] for line in lines if line.startswith("PIPE-RECV")]  # nothing received is held after a step
     assert recv == ([["0", "0", "8"]] if nproc == 2 else []), lines
+    # interleaved: each rank's peak as priced, its sent outputs let go at their backward (held to the step's end,
+    # as torch's runtime holds them, the first rank measured 1.5 MiB higher: 0.983 of it) and the gradients it sent
+    # back priced as held (0.973 and 0.979 when they were not)
+    sent = [line.split()[1:] for line in lines if line.startswith("PIPE-SENT")]
+    assert len(sent) == (1 if nproc == 2 else 0), lines
+    for label, *ratios in sent:
+        assert label == "interleaved(m=4,v=2)" and len(ratios) == 2 and all(0.99 <= float(r) <= 1.05 for r in ratios), sent
     single = [line.split()[1:] for line in lines if line.startswith("PIPE-M1")]  # one microbatch on two stages
     assert len(single) == (1 if nproc == 2 else 0), lines
     for name, mesh, schedule, label, dl, dg, dp in single:
@@ -1066,9 +1107,10 @@ def test_a_stage_receives_into_buffers_made_per_transfer():
     for got in forward_only:
         assert got == pytest.approx([nothing[0][0], nothing[0][1] + flights[1] * 5])
     # GPipe keeps every microbatch in flight, and so every input it received (m - 1 of them beside the gradients,
-    # its peak here)
+    # its peak here), and it holds each gradient it sent back to the end of its backwards (the first's, beside the
+    # second's being sent: ``schedule.holds_sent_gradients``)
     gpipe = [evaluate(u, units, starts, "gpipe", p, m, 1, mesh, 0, mesh.without(0)).rank_memory[1] for u in (none, uc)]
-    assert gpipe[1] - gpipe[0] == pytest.approx((m - 1) * 5 + 5) and sched.in_flight("gpipe", p, m)[1] == m
+    assert gpipe[1] - gpipe[0] == pytest.approx((m - 1) * 5 + 5 + 5) and sched.in_flight("gpipe", p, m)[1] == m
     # the cut search sees them: the even cut fits its own peak, not a byte less
     assert balance(uc, units, p, p, m, flights, 1, max(sent[0])) == starts
     assert balance(uc, units, p, p, m, flights, 1, max(sent[0]) - 1.0) != starts

@@ -27,7 +27,9 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
    minimise the slowest stage subject to every rank's memory (state + the larger of: in-flight microbatches x
    (activations + the input the stage received) + what one unit's backward brings -- its recomputed activations,
    a gradient before it is accumulated, the gradient received and the one sent back --, the
-   accumulated gradients counted only once the rank's first backward has run (GPipe's every forward comes first);
+   accumulated gradients counted only once the rank's first backward has run (GPipe's every forward comes first),
+   and under GPipe and interleaved 1F1B every gradient sent back so far, held to the end of the step's backward
+   by torch's schedules (``schedule.holds_sent_gradients``);
    the flat copy of its ZeRO-0 gradients, after the last backward; <= budget): bisection on
    the slowest stage's time, with a greedy packing as the feasibility test (exact for contiguous cuts, since a
    shorter run of units never needs more time or memory). The schedule is then

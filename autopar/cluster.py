@@ -528,7 +528,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     p, v, m = c.pp, c.virtual, c.microbatches
     S = p * v
     flights = list(sched.in_flight(c.schedule, p, m, v))
-    holds = sched.holds_sent_gradients(c.schedule)
+    held = sched.sent_gradients_held(c.schedule)
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
     # over the budget whatever the cut: the balancer and the repair (most of the screen's time at 1000+ devices,
@@ -539,11 +539,11 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     prefixed, tied = _sync_sums(uc, U, every=c.ep > 1 and c.dp > c.ep)
     stepped = _step_sums(uc, U)
     options = [equal_starts(units, S)] if L % S == 0 else []
-    got = balance(uc, units, S, p, m, flights, v, budget, holds)
+    got = balance(uc, units, S, p, m, flights, v, budget, held)
     if got is not None:  # one stage per rank: the balanced cut is the answer; interleaved: the per-rank sums matter
-        options.append(refine(uc, units, got, p, m, v, flights, budget, holds) if v > 1 else got)
+        options.append(refine(uc, units, got, p, m, v, flights, budget, held) if v > 1 else got)
     elif options:  # no balanced cut fits: repair the even one (as plan_pipeline does)
-        options.append(refine(uc, units, options[0], p, m, v, flights, budget, holds))
+        options.append(refine(uc, units, options[0], p, m, v, flights, budget, held))
     # the whole model's bytes as the real plan's stage ILP bounds them (``plan_pipeline``: every unit's activations at
     # min(p, m) microbatches in flight, the most any rank keeps), against p times the fullest rank's: the squeeze
     # that makes the ILP's first bound the fullest rank's budget
@@ -590,7 +590,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
             for r in rs if len(rs) > 1 else ():
                 sync[r] += tied_sync(wire, opt, len(rs), inner, link)
         total = step + max(sync)
-        ranks = _rank_memory(uc, st, starts, U, p, m, v, flights, holds=holds)
+        ranks = _rank_memory(uc, st, starts, U, p, m, v, flights, held=held)
         mem = max(ranks)
         if best is None or (mem <= budget, -total) > (best[1] <= budget, -best[0]):
             best = (total, mem, counted / (p * mem) if mem > 0 else 1.0)

@@ -28,8 +28,8 @@ Two levels, as Alpa splits inter- and intra-operator parallelism:
    (activations + the input the stage received) + what one unit's backward brings -- its recomputed activations,
    a gradient before it is accumulated, the gradient received and the one sent back --, the
    accumulated gradients counted only once the rank's first backward has run (GPipe's every forward comes first),
-   and under GPipe and interleaved 1F1B every gradient sent back so far, held to the end of the step's backward
-   by torch's schedules (``schedule.holds_sent_gradients``);
+   and the gradients sent back that the schedule still holds (GPipe: all so far; interleaved 1F1B: two;
+   ``schedule.sent_gradients_held``);
    the flat copy of its ZeRO-0 gradients, after the last backward; <= budget): bisection on
    the slowest stage's time, with a greedy packing as the feasibility test (exact for contiguous cuts, since a
    shorter run of units never needs more time or memory). The schedule is then
@@ -496,8 +496,8 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     rank_state = [0.0] * p
     rank_grad = [0.0] * p  # the accumulated gradients within its state (``UnitCosts.grads``)
     rank_act = [0.0] * p
-    rank_sent = [0.0] * p  # the gradients it sends back, per stage-microbatch (``sent_back``)
-    n = m * v if sched.holds_sent_gradients(schedule) else 0
+    rank_sent = [0.0] * p  # the largest gradient one of its stages sends back (``sent_back``)
+    n, released = _sent_held(sched.sent_gradients_held(schedule), m, v)
     rank_back = [0.0] * p  # what one unit's backward brings (``UnitCosts.back``), alive while it runs
     back = uc.back()
     rank_flat = [0.0] * p  # its ZeRO-0 gradients' flat copy, after the last backward (one buffer for the rank)
@@ -546,7 +546,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
         received, held = receive_buffers(uc, i, j, s == 0, s == len(starts) - 1)
         rank_state[r] += state
         rank_act[r] += (a + received) / v
-        rank_sent[r] += sent_back(uc, i, s == 0) / v
+        rank_sent[r] = max(rank_sent[r], sent_back(uc, i, s == 0))
         rank_back[r] = max(rank_back[r], max(back[i:j], default=0.0) + held)  # (what it receives: while it runs backward)
         rank_flat[r] += sum(uc.flat[i:j])
         rank_cast[r] += sum(cast[i:j])
@@ -554,7 +554,7 @@ def evaluate(uc: UnitCosts, units: Units, starts: tuple[int, ...], schedule: str
     # activations peak in the schedule (beside the compute copies), the sync's flat copy once they are gone, then the
     # optimizer step's temporaries (``cost.peak_memory``); before the rank's first backward its gradients do not
     # exist yet (``_in_schedule``)
-    memory = tuple(rank_state[r] + max(_in_schedule(flights[r], beside[r], rank_act[r], rank_grad[r], rank_sent[r], n) + rank_back[r] + rank_cast[r],
+    memory = tuple(rank_state[r] + max(_in_schedule(flights[r], beside[r], rank_act[r], rank_grad[r], rank_sent[r], n, released) + rank_back[r] + rank_cast[r],
                                        rank_flat[r], rank_temp[r])
                    for r in range(p))
     sync = [rank_sync(sync_bytes[r], zero_bytes[r], inner) + copied[r] + stepped[r] for r in range(p)]
@@ -621,21 +621,34 @@ def sent_back(uc: UnitCosts, i: int, first: bool) -> float:
     return float(back[i]) if not first and uc.cross_grad[i] else 0.0
 
 
-def _in_schedule(flight: int, beside: int, act: float, grad: float, sent: float = 0.0, n: int = 0) -> float:
+def _sent_held(held: str | None, m: int, v: int) -> tuple[int, bool]:
+    """(n, released) for ``_in_schedule`` from the schedule's ``schedule.sent_gradients_held``."""
+    return (m * v if held else 0), held == "released"
+
+
+def _in_schedule(flight: int, beside: int, act: float, grad: float, sent: float = 0.0, n: int = 0,
+                 released: bool = False) -> float:
     """A rank's bytes beyond its state (which holds its accumulated gradients, ``grad`` bytes) from its microbatches'
-    activations (``act`` each): ``flight`` of them in flight before its first backward, when no gradient exists yet,
-    and ``beside`` (``schedule.in_flight_beside_grads``) once gradients do. They differ where every forward runs
-    before any backward (GPipe: m, then m - 1); elsewhere the gradients are there at the peak.
+    activations (``act`` each, its stages' mean): ``flight`` of them in flight before its first backward, when no
+    gradient exists yet, and ``beside`` (``schedule.in_flight_beside_grads``) once gradients do. They differ where
+    every forward runs before any backward (GPipe: m, then m - 1); elsewhere the gradients are there at the peak.
 
     Where the schedule holds the gradients it sends back (``n``: the rank's stage-microbatches, m v; 0 where it
-    does not), each backward leaves one (``sent`` each) to the step's end: ``beside`` in flight still hold the
-    other n - beside's (the steady state's last forward, GPipe's second backward), the last backward the n - 1
-    before it, and the end all n. Between those the bytes are linear in the backwards run, so the ends bound them
-    (``tests/test_pipeline.py`` walks the schedules action by action). (Measured on
-    2 gloo ranks, GPT pp=2 interleaved m=4 v=2: the peaks held 1 and 2.5 MiB of sent gradients, 2 and 5 of them.)"""
+    does not: ``schedule.sent_gradients_held``), each backward leaves one (``sent`` each, its stages' largest) to
+    the step's end: ``beside`` in flight still hold the other n - beside's (the steady state's last forward,
+    GPipe's second backward), the last backward the n - 1 before it, and the end all n. Between those the bytes
+    are linear in the backwards run, so the ends bound them. (Measured on 2 gloo ranks, GPT pp=2 interleaved m=4
+    v=2, with torch holding them: the peaks held 1 and 2.5 MiB of sent gradients, 2 and 5 of them.) Where each is
+    let go once it has surely arrived (``released``), at most ``schedule.RELEASED_PENDING`` are held beside the
+    steady state's microbatches; after it, one more at most per backward, which frees a microbatch's activations,
+    no fewer bytes than the gradient it sent (its received input's): the steady state bounds the rest (a gradient
+    larger than the activations is priced as held to the end). ``tests/test_pipeline.py`` walks the schedules
+    action by action."""
     early = flight * act - grad
     late = beside * act
-    if n:
+    if n and released and sent <= act:
+        late += sched.RELEASED_PENDING * sent
+    elif n:
         late += (n - beside) * sent
         # the last backward's (beside gradients where one ran before it), and the schedule's end, every one held
         tail = (n - 1) * sent + (act if act > sent and n > 1 else sent)
@@ -679,14 +692,14 @@ def analytic_step(ts: list[float], p: int, m: int, v: int) -> float:
 
 
 def balance(uc: UnitCosts, units: Units, S: int, p: int, m: int, flights: list[int], v: int, budget: float,
-            holds: bool = False) -> tuple[int, ...] | None:
+            held: str | None = None) -> tuple[int, ...] | None:
     """Starts of S stages minimising the slowest stage's seconds under each stage's memory bound (see module).
-    ``holds``: ``schedule.holds_sent_gradients``."""
+    ``held``: ``schedule.sent_gradients_held``."""
     U = len(units.labels)
     if U < S:
         return None
     beside = sched.beside_grads(flights, m, v)  # in flight once a rank's gradients exist
-    n = m * v if holds else 0
+    n, released = _sent_held(held, m, v)
     t = [f + b for f, b in zip(uc.fwd, uc.bwd)]
     st = unit_state(uc, U)
     gr = unit_grads(uc, U)
@@ -712,13 +725,13 @@ def balance(uc: UnitCosts, units: Units, S: int, p: int, m: int, flights: list[i
                 nr = back[j] if back[j] > mm_back else mm_back
                 nf, nc = mm_flat + flat[j], mm_cast + cast[j]
                 nm = mm_temp + temp[j] if adds else (temp[j] if temp[j] > mm_temp else mm_temp)
-                held = _in_schedule(fl, bs, (na + received) / v, ng, sent, n) + nr + receive_buffers(uc, i, j + 1, k == 0, k == S - 1)[1] + nc
-                if nf > held:
-                    held = nf
-                held = ns + (nm if nm > held else held)
-                if j > i and (nt > limit or held > cap):
+                need = _in_schedule(fl, bs, (na + received) / v, ng, sent, n, released) + nr + receive_buffers(uc, i, j + 1, k == 0, k == S - 1)[1] + nc
+                if nf > need:
+                    need = nf
+                need = ns + (nm if nm > need else need)
+                if j > i and (nt > limit or need > cap):
                     break
-                if j == i and held > cap:
+                if j == i and need > cap:
                     return None
                 tt, mm_state, mm_act, mm_back, mm_flat, mm_cast, mm_temp, mm_grad = nt, ns, na, nr, nf, nc, nm, ng
                 j += 1
@@ -794,42 +807,43 @@ def _prefix(xs: list[float]) -> list[float]:
 
 
 def _rank_memory(uc: UnitCosts, st: list[float], starts: tuple[int, ...], U: int, p: int, m: int, v: int, flights: list[int],
-                 sums: "tuple | None" = None, holds: bool = False) -> list[float]:
+                 sums: "tuple | None" = None, held: str | None = None) -> list[float]:
     """Each pipeline rank's bytes: its stages' parameter state, and the larger of ``flights`` microbatches of their
     activations (fewer once its gradients exist: ``_in_schedule``) with
     the largest transient one of its units' backward brings (``UnitCosts.back``), and the flat copy its gradient
     sync makes of its ZeRO-0 gradients after the last backward, beside its ``receive_buffers`` (its inputs with
-    its activations), and where the schedule holds the gradients it sends back (``holds``:
-    ``schedule.holds_sent_gradients``), those. ``sums``: ``_sums(uc, st)``, when the caller prices many cuts."""
+    its activations), and the gradients it sent back that the schedule holds (``held``:
+    ``schedule.sent_gradients_held``). ``sums``: ``_sums(uc, st)``, when the caller prices many cuts."""
     sums = sums or _sums(uc, st)
     beside = sched.beside_grads(flights, m, v)
-    n = m * v if holds else 0
-    return [_one_rank(sums, starts, r, U, p, v, flights[r], beside[r], n) for r in range(p)]
+    n, released = _sent_held(held, m, v)
+    return [_one_rank(sums, starts, r, U, p, v, flights[r], beside[r], n, released) for r in range(p)]
 
 
-def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int, beside: int, n: int = 0) -> float:
+def _one_rank(sums: tuple, starts: tuple[int, ...], r: int, U: int, p: int, v: int, flight: int, beside: int, n: int = 0,
+              released: bool = False) -> float:
     """Rank r's bytes in ``_rank_memory``: its stages are r, r + p, ..."""
     S = len(starts)
     return _held([_stage_bytes(sums, starts[k], starts[k + 1] if k + 1 < S else U, v, k == 0, k == S - 1)
-                  for k in range(r, S, p)], flight, sums[-1], beside, n)
+                  for k in range(r, S, p)], flight, sums[-1], beside, n, released)
 
 
 def _stage_bytes(sums: tuple, i: int, j: int, v: int, first: bool, last: bool) -> tuple[float, float, float, float, float, float, float, float]:
     """A stage of units i..j-1 (``first`` and ``last`` of the pipeline or not): its (parameter state, its
     activations and received input / v, largest backward transient with the gradients it receives and sends back
     (``receive_buffers``), its gradients' flat copy, its parameters' compute copies, its optimizer step's
-    temporaries, its accumulated gradients, the gradient it sends back / v (``sent_back``))."""
+    temporaries, its accumulated gradients, the gradient it sends back (``sent_back``))."""
     ps, pa, backs, flat, cast, temps, pg, uc, _adds = sums
     received, held = receive_buffers(uc, i, j, first, last)
     return (ps[j] - ps[i], (pa[j] - pa[i] + received) / v, (backs(i, j) if backs is not None else 0.0) + held,
             flat(i, j) if flat is not None else 0.0, cast(i, j) if cast is not None else 0.0,
-            temps(i, j) if temps is not None else 0.0, pg[j] - pg[i], sent_back(uc, i, first) / v)
+            temps(i, j) if temps is not None else 0.0, pg[j] - pg[i], sent_back(uc, i, first))
 
 
-def _held(stages, flight: int, adds: bool, beside: int, n: int = 0) -> float:
+def _held(stages, flight: int, adds: bool, beside: int, n: int = 0, released: bool = False) -> float:
     """A rank's bytes from its stages' ``_stage_bytes`` (in stage order): the state, and the largest of ``flight``
     microbatches of activations (``beside`` once its gradients exist, beside the gradients it sent back where the
-    schedule holds them, ``n`` > 0: ``_in_schedule``) with the largest backward transient and the compute copies,
+    schedule holds them, ``n`` > 0, ``released``: ``_in_schedule``) with the largest backward transient and the compute copies,
     its stages' gradients' flat copy (one buffer for the rank), and its optimizer step's temporaries (summed over
     its stages where ``adds``, else the largest). (Conditionals, not max(): the mesh search runs this for every
     move of every refined cut.)"""
@@ -837,7 +851,8 @@ def _held(stages, flight: int, adds: bool, beside: int, n: int = 0) -> float:
     for a, b, c, d, e, f, g, h in stages:
         state += a
         act += b
-        sent += h
+        if h > sent:
+            sent = h
         if c > back:
             back = c
         bucket += d
@@ -847,7 +862,7 @@ def _held(stages, flight: int, adds: bool, beside: int, n: int = 0) -> float:
         elif f > temp:
             temp = f
         grad += g
-    held = _in_schedule(flight, beside, act, grad, sent, n) + back + copies
+    held = _in_schedule(flight, beside, act, grad, sent, n, released) + back + copies
     if bucket > held:
         held = bucket
     return state + (temp if temp > held else held)
@@ -865,7 +880,7 @@ def memory_floor(uc: UnitCosts, st: list[float], p: int, m: int, v: int, flights
 
 
 def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int, v: int, flights: list[int], budget: float,
-           holds: bool = False) -> tuple[int, ...]:
+           held: str | None = None) -> tuple[int, ...]:
     """Move single cuts by one unit while the schedule's analytic step (``analytic_step``) improves and every rank
     still fits. Balancing the slowest stage is the whole story for one stage per rank; with several per rank it is
     their sum per rank that the steady state runs. From cuts that overflow a rank, moves that shrink the overflow
@@ -874,13 +889,13 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
 
     A move changes two stages: the ranks' bytes are updated from the current cut's per-stage values (``_stage_bytes``,
     summed by ``_held`` in the same order as ``_one_rank``: the same numbers), not priced again from scratch -- the
-    mesh search refines every interleaved candidate it screens. ``holds``: ``schedule.holds_sent_gradients``."""
+    mesh search refines every interleaved candidate it screens. ``held``: ``schedule.sent_gradients_held``."""
     U = len(units.labels)
     pt = _prefix([f + b for f, b in zip(uc.fwd, uc.bwd)])
     sums = _sums(uc, unit_state(uc, U))
     S = len(starts)
     beside = sched.beside_grads(flights, m, v)
-    n = m * v if holds else 0
+    n, released = _sent_held(held, m, v)
 
     def stage(cuts, k: int) -> tuple[float, tuple[float, float, float, float, float]]:
         """Stage k's seconds and ``_stage_bytes``."""
@@ -888,7 +903,7 @@ def refine(uc: UnitCosts, units: Units, starts: tuple[int, ...], p: int, m: int,
         return pt[j] - pt[i], _stage_bytes(sums, i, j, v, k == 0, k == S - 1)
 
     def rank_bytes(mems: list, r: int) -> float:  # ``_one_rank`` from the stages' values
-        return _held([mems[k] for k in range(r, S, p)], flights[r], uc.temp_adds, beside[r], n)
+        return _held([mems[k] for k in range(r, S, p)], flights[r], uc.temp_adds, beside[r], n, released)
 
     cur = tuple(starts)
     ts, mems = map(list, zip(*(stage(cur, k) for k in range(S))))
@@ -1176,16 +1191,16 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
             for order, (name, v) in enumerate(options):
                 S = p * v
                 flights = sched.in_flight(name, p, m, v)
-                holds = sched.holds_sent_gradients(name)
+                held = sched.sent_gradients_held(name)
                 if pin.cuts is None:
                     cands = []
-                    starts = balance(uc, units, S, p, m, flights, v, budget, holds)
+                    starts = balance(uc, units, S, p, m, flights, v, budget, held)
                     if starts is not None:
-                        cands.append(refine(uc, units, starts, p, m, v, flights, budget, holds))
+                        cands.append(refine(uc, units, starts, p, m, v, flights, budget, held))
                     if L % S == 0:  # Megatron's even cut is always a candidate: the search never does worse
                         cands.append(equal_starts(units, S))
                         if starts is None:  # no balanced cut fits: repair the even one
-                            cands.append(refine(uc, units, cands[-1], p, m, v, flights, budget, holds))
+                            cands.append(refine(uc, units, cands[-1], p, m, v, flights, budget, held))
                 else:
                     cands = [equal_starts(units, S, None if pin.cuts == "equal" else tuple(pin.cuts))]
                 fits = False

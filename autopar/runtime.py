@@ -854,6 +854,21 @@ class _PipelineRun:
         coord[self.axis] = pp_coord
         return sum(c * self.mesh.stride(a) for a, c in enumerate(coord))
 
+    def _release_points(self, releases: dict) -> None:
+        """Fills ``releases`` (``_compat.pipeline_stage_receiving_fresh``) for this rank from the schedule's own
+        order (``schedule.gradient_send_releases``); left empty where torch runs kinds of actions it does not read,
+        each sent gradient then waited for at the step's end."""
+        from autopar import schedule as sched
+
+        order = _compat.pipeline_compute_order(self.schedule)
+        if order is None or sorted(order) != list(range(self.p)):
+            return
+        orders = [[sched.Action(k, s, mb) for k, s, mb in order[r]] for r in range(self.p)]
+        me = self.stages[0].group_rank
+        for at, sends in sched.gradient_send_releases(orders, self.p)[me].items():
+            a = orders[me][at]
+            releases[(a.kind, a.stage, a.microbatch)] = [(orders[me][j].stage, orders[me][j].microbatch) for j in sends]
+
     def build(self) -> None:
         if self.sequential:
             return
@@ -867,9 +882,12 @@ class _PipelineRun:
         S = len(self.ios)
         self.stages = []
         # receive buffers made per transfer; where the schedule posts its forward sends alone (GPipe, interleaved),
-        # each let go at its microbatch's backward rather than at the step's end (its docstring). 1F1B batches them
-        # with receives, which NCCL needs coalesced to not hang: left to it (it waits for them at its next transfer)
-        stage_cls = _compat.pipeline_stage_receiving_fresh(sends_itself=self.plan.pipeline.schedule in ("gpipe", "interleaved"))
+        # each let go at its microbatch's backward rather than at the step's end, and on torch's runtime schedule
+        # (interleaved) the gradients sent back too, once they have surely arrived (its docstring). 1F1B batches
+        # its sends with receives, which NCCL needs coalesced to not hang: left to it (it waits at its next transfer)
+        schedule = self.plan.pipeline.schedule
+        releases: dict | None = {} if schedule == "interleaved" else None
+        stage_cls = _compat.pipeline_stage_receiving_fresh(sends_itself=schedule in ("gpipe", "interleaved"), releases=releases)
         for s in self.mine:
             io = self.ios[s]
             keys = [(tg.kinds[n], tg.fqns[n]) for n in io.params]
@@ -887,6 +905,8 @@ class _PipelineRun:
         loss_fn = lambda out, weight: _weighed(out, weight.reshape(()))  # noqa: E731
         stage_arg = self.stages if self.plan.pipeline.schedule == "interleaved" else self.stages[0]
         self.schedule = cls(stage_arg, m, loss_fn=loss_fn, scale_grads=False)
+        if releases is not None:
+            self._release_points(releases)
         self.last_rank = self._rank_at((S - 1) % self.p)
         # groups over the pp ranks that share a parameter: every rank creates every group, in the same order
         self.tied_groups: dict[str, str] = {}

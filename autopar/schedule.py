@@ -16,6 +16,7 @@ GPipe and 1F1B, (p - 1) / (v m + p - 1) for interleaved 1F1B.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -103,13 +104,55 @@ def in_flight_beside_grads(schedule: str, p: int, m: int, v: int = 1) -> list[in
     return beside_grads(in_flight(schedule, p, m, v), m, v)
 
 
-def holds_sent_gradients(schedule: str) -> bool:
-    """Whether a rank holds each gradient it sends back to the end of the step's backward: torch's GPipe waits for
-    its backward sends after its last backward, and its runtime schedules (interleaved 1F1B) for every send at the
-    step's end, and a send's work holds the tensor it sends till then. Nothing coming back proves a gradient has
-    arrived, so autopar cannot let go of one earlier as it does its forward sends
-    (``_compat.pipeline_stage_receiving_fresh``). 1F1B waits for each with its next transfer."""
-    return schedule in ("gpipe", "interleaved")
+# sent-back gradients a rank holds beside its microbatches in flight at the steady state's fullest moment, where
+# they are let go at ``gradient_send_releases`` (``tests/test_schedule.py`` walks a grid of p, m, v)
+RELEASED_PENDING = 2
+
+
+def sent_gradients_held(schedule: str) -> str | None:
+    """How long a rank holds each gradient it sends back (a send's work holds the tensor it sends until waited, and
+    torch waits late): ``"end"`` -- to the end of the step's backward (GPipe waits after its last backward);
+    ``"released"`` -- torch's runtime schedules (interleaved 1F1B) wait at the step's end, but autopar's stages
+    post these sends themselves and wait for each once it has surely arrived (``gradient_send_releases``), so at
+    most ``RELEASED_PENDING`` are held at the steady state's fullest moment; None -- 1F1B waits for each with its
+    next transfer (one in flight, priced with the backward: ``pipeline.receive_buffers``)."""
+    return {"gpipe": "end", "interleaved": "released"}.get(schedule)
+
+
+def gradient_send_releases(orders: list[list[Action]], p: int) -> list[dict[int, list[int]]]:
+    """When a rank may wait for each gradient it sent back, without blocking: per rank, {index of one of its actions:
+    indices of its backwards whose sends to wait for as that action starts}. ``orders``: each rank's actions in run
+    order (``actions``, or torch's own); stage s on rank s mod p.
+
+    A send can be waited for once its receive is posted: the transfer then needs nothing more from either side.
+    The previous stage's rank q posts it before the backward that reads it, and then tells this rank so by any
+    transfer it starts after that backward -- a forward's output (every forward of q's but the last stage's goes to
+    this rank), or on 2 ranks a gradient too. So the send is waited for as this rank starts the first action
+    reading such a transfer after the send; a send with none (q's cooldown runs backwards alone) waits for the end
+    of the step. The first stage sends nothing back."""
+    stages = p * max((a.stage // p + 1 for seq in orders for a in seq), default=1)
+    pos = [{(a.kind, a.stage, a.microbatch): i for i, a in enumerate(seq)} for seq in orders]
+    out: list[dict[int, list[int]]] = []
+    for r, seq in enumerate(orders):
+        q = (r - 1) % p
+        msgs = []  # (index on q, index on r of the action reading it), in q's order
+        for i, a in enumerate(orders[q]):
+            if a.kind == "F" and a.stage + 1 < stages and (a.stage + 1) % p == r:
+                msgs.append((i, pos[r][("F", a.stage + 1, a.microbatch)]))
+            elif a.kind == "B" and a.stage > 0 and (a.stage - 1) % p == r:
+                msgs.append((i, pos[r][("B", a.stage - 1, a.microbatch)]))
+        at: dict[int, list[int]] = {}
+        for j, a in enumerate(seq):
+            if a.kind != "B" or a.stage == 0:
+                continue
+            iq = pos[q][("B", a.stage - 1, a.microbatch)]
+            k = bisect.bisect_right(msgs, (iq, len(seq)))
+            while k < len(msgs) and msgs[k][1] <= j:  # (read before the send was made: no news of it)
+                k += 1
+            if k < len(msgs):
+                at.setdefault(msgs[k][1], []).append(j)
+        out.append(at)
+    return out
 
 
 def beside_grads(flights: list[int], m: int, v: int = 1) -> list[int]:

@@ -190,15 +190,17 @@ def main() -> None:
 def held_sends() -> None:
     """An interleaved pipeline's peak per rank, priced and measured by torch's MemTracker over two steps: the outputs
     it sent are let go at their microbatch's backward (``_compat.pipeline_stage_receiving_fresh``), the gradients it
-    sent back held to the step's end, as priced (``pipeline._in_schedule``). Hidden states of 2 x 256 x 256 floats
-    (0.5 MiB), large beside the parameters, so that a few held sends show."""
+    sent back once the previous rank has said they arrived (``schedule.gradient_send_releases``, on torch's own
+    order, which ``schedule.actions`` is, as the price assumes), as priced (``pipeline._in_schedule``). Hidden
+    states of 256 x 256 floats (0.25 MiB), large beside the parameters, so that a few held sends show."""
     from autopar import _compat
+    from autopar import schedule as sched
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=8, n_embd=256))
     x = torch.randint(0, 512, (8, 256), generator=torch.Generator().manual_seed(1))
     mesh = autopar.Mesh({"pp": 2}, hardware="cpu-gloo")
-    pm = autopar.parallelize(model, mesh, (x, torch.roll(x, -1, 1)), constraints=[autopar.PipelinePin("interleaved", 4, 2)])
+    pm = autopar.parallelize(model, mesh, (x, torch.roll(x, -1, 1)), constraints=[autopar.PipelinePin("interleaved", 8, 2)])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, **mesh.hardware.adamw_kwargs())
     inputs = pm.local_inputs(x, torch.roll(x, -1, 1))
     tracker = _compat.mem_tracker()
@@ -214,7 +216,10 @@ def held_sends() -> None:
     dist.all_gather(peaks, peak)
     if dist.get_rank() == 0:  # (rank r of the group is pp rank r: the mesh is pp alone)
         ratios = " ".join(f"{pred / float(meas):.4f}" for pred, meas in zip(pm.plan.pipeline.rank_memory, peaks))
-        print(f"PIPE-SENT {pm.plan.pipeline.label.replace(' ', '')} {ratios}", flush=True)
+        order = _compat.pipeline_compute_order(pm._pipe.schedule)
+        mirror = [[(a.kind, a.stage, a.microbatch) for a in seq] for seq in sched.actions("interleaved", 2, 8, 2)]
+        same = order is not None and [order[r] for r in range(2)] == mirror
+        print(f"PIPE-SENT {pm.plan.pipeline.label.replace(' ', '')} {int(same)} {ratios}", flush=True)
 
 
 def received() -> None:

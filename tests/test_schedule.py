@@ -101,3 +101,35 @@ def test_a_stage_alone_in_the_bubble_runs_at_the_cores_its_idle_neighbour_leaves
     assert [(a.kind, a.microbatch, s, e) for a, s, e in t.spans[1]] == [
         ("F", 0, 0.5, 1.5), ("B", 0, 1.5, 2.5), ("F", 1, 2.5, 3.5), ("B", 1, 3.5, 5.0)]
     assert schedule.simulate("1f1b", 2, 2, 1, [1.0, 1.0], [2.0, 2.0]).step == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (3, 2), (4, 3), (2, 4)])
+def test_a_sent_gradient_is_let_go_only_once_its_receiver_has_said_so(p, v):
+    """``gradient_send_releases``: a rank waits for a gradient it sent back (stage s, microbatch k) as it starts an
+    action after the send that reads a transfer the previous stage's rank started after its backward of (s - 1, k),
+    which it ran on that very gradient: so the receive was posted and the wait cannot block. Each send is listed
+    once at most; those never listed wait for the step's end (the previous rank's cooldown sends nothing back)."""
+    for m in (p, 2 * p, 3 * p):
+        orders = schedule.actions("interleaved", p, m, v)
+        pos = [{(a.kind, a.stage, a.microbatch): i for i, a in enumerate(seq)} for seq in orders]
+        releases = schedule.gradient_send_releases(orders, p)
+        listed = 0
+        for r, seq in enumerate(orders):
+            q = (r - 1) % p
+            seen = set()
+            for at, sends in releases[r].items():
+                reader = seq[at]
+                # the transfer the action at ``at`` reads, and when q started it
+                started = (pos[q][("F", reader.stage - 1, reader.microbatch)] if reader.kind == "F"
+                           else pos[q][("B", reader.stage + 1, reader.microbatch)])
+                assert (reader.stage - 1 if reader.kind == "F" else reader.stage + 1) % p == q
+                for j in sends:
+                    sent = seq[j]
+                    assert sent.kind == "B" and sent.stage > 0 and j < at and j not in seen
+                    assert started > pos[q][("B", sent.stage - 1, sent.microbatch)]
+                    seen.add(j)
+            listed += len(seen)
+        sends = sum(a.kind == "B" and a.stage > 0 for seq in orders for a in seq)
+        # most are let go early (with one round of microbatches every forward may run first: none), the last few
+        # wait for the end
+        assert listed < sends and (listed > 0 or m == p), (m, listed, sends)

@@ -616,7 +616,7 @@ def receive_buffers(uc: UnitCosts, i: int, j: int, first: bool, last: bool) -> t
 
 def sent_back(uc: UnitCosts, i: int, first: bool) -> float:
     """Bytes of the gradient a stage starting at unit i sends back per microbatch (none from the first stage): where
-    the schedule holds each to the end of the step's backward (``schedule.holds_sent_gradients``), they pile up."""
+    the schedule holds each for a while (``schedule.sent_gradients_held``), they pile up."""
     back = uc.cross_back if uc.cross_back else uc.cross
     return float(back[i]) if not first and uc.cross_grad[i] else 0.0
 
@@ -843,10 +843,10 @@ def _stage_bytes(sums: tuple, i: int, j: int, v: int, first: bool, last: bool) -
 def _held(stages, flight: int, adds: bool, beside: int, n: int = 0, released: bool = False) -> float:
     """A rank's bytes from its stages' ``_stage_bytes`` (in stage order): the state, and the largest of ``flight``
     microbatches of activations (``beside`` once its gradients exist, beside the gradients it sent back where the
-    schedule holds them, ``n`` > 0, ``released``: ``_in_schedule``) with the largest backward transient and the compute copies,
-    its stages' gradients' flat copy (one buffer for the rank), and its optimizer step's temporaries (summed over
-    its stages where ``adds``, else the largest). (Conditionals, not max(): the mesh search runs this for every
-    move of every refined cut.)"""
+    schedule holds them, ``n`` > 0, ``released``: ``_in_schedule``) with the largest backward transient and the
+    compute copies, its stages' gradients' flat copy (one buffer for the rank), and its optimizer step's temporaries
+    (summed over its stages where ``adds``, else the largest). (Conditionals, not max(): the mesh search runs this
+    for every move of every refined cut.)"""
     state = act = back = bucket = copies = temp = grad = sent = 0.0
     for a, b, c, d, e, f, g, h in stages:
         state += a

@@ -1121,7 +1121,7 @@ def test_a_stage_receives_into_buffers_made_per_transfer():
         assert got == pytest.approx([nothing[0][0], nothing[0][1] + flights[1] * 5])
     # GPipe keeps every microbatch in flight, and so every input it received (m - 1 of them beside the gradients,
     # its peak here), and it holds each gradient it sent back to the end of its backwards (the first's, beside the
-    # second's being sent: ``schedule.holds_sent_gradients``)
+    # second's being sent: ``schedule.sent_gradients_held``)
     gpipe = [evaluate(u, units, starts, "gpipe", p, m, 1, mesh, 0, mesh.without(0)).rank_memory[1] for u in (none, uc)]
     assert gpipe[1] - gpipe[0] == pytest.approx((m - 1) * 5 + 5 + 5) and sched.in_flight("gpipe", p, m)[1] == m
     # the cut search sees them: the even cut fits its own peak, not a byte less

@@ -373,6 +373,32 @@ def probe_backward_peak(target, args: tuple, kwargs: dict, requires_grad: tuple)
 RECOMPUTE = ("none", "selective", "full")
 
 
+def unfused_attention(hw, batch: int, t: int, s: int, d: int, dtype: torch.dtype, dropout: bool) -> tuple[float, float]:
+    """Seconds of one attention (``batch`` = batch x heads, ``t`` queries over ``s`` keys of width ``d``) run unfused,
+    as Megatron-LM's and DeepSpeed's 2021 GPTs ran it (``Hardware.attention_unfused``), forward and backward. The
+    whole score matrix (E = batch x t x s elements, the causal mask applied to it) passes through memory kernel by
+    kernel. Forward: Q K^T writes it; a fused scale-mask-softmax reads and writes it; with dropout, a pass reads it
+    and writes it and a one-byte mask; P V reads it. Backward: dO V^T writes the probabilities' gradient, P^T dO
+    reads the probabilities; dropout's backward reads the gradient and the mask and writes it; the softmax's reads
+    its output and gradient and writes the scores'; dS K and dS^T Q read that. Each kernel takes the longer of its
+    FLOPs at the rate of a large matmul and its bytes at the elementwise rate: the batched matmuls are thin only in
+    their contraction (a head's width), which shortens each output tile's work rather than leaving tensor cores
+    idle, and what that costs is the score matrix's traffic, the bytes term."""
+    isz = itemsize(dtype)
+    e = batch * t * s
+    q, kv = batch * t * d * isz, batch * s * d * isz
+    rate = hw.flops(dtype) * hw.matmul_efficiency
+    bw = hw.hbm_bandwidth * hw.memory_efficiency
+
+    def mm(moved: float) -> float:  # one batched matmul of 2 E d FLOPs
+        return max(2 * e * d / rate, moved / bw)
+    drop = (2 * e * isz + e) / bw if dropout else 0.0
+    fwd = mm(q + kv + e * isz) + 2 * e * isz / bw + drop + mm(e * isz + kv + q)
+    bwd = (mm(q + kv + e * isz) + mm(e * isz + q + kv) + drop + 3 * e * isz / bw  # dO V^T, P^T dO, dropout, softmax
+           + mm(e * isz + kv + q) + mm(e * isz + q + kv))  # dS K, dS^T Q
+    return fwd, bwd
+
+
 def recomputes(mode: str, target) -> bool:
     """Whether activation recomputation ``mode`` recomputes an op of a repeated block in backward instead of keeping
     what it saves: ``full`` recomputes every op of the block from the block's input (Megatron-LM's full
@@ -487,10 +513,14 @@ class CostModel:
         launch = 0.0 if info.target in VIEW_OPS else self.hw.op_overhead
         work = flops * self.attention_work(info, ins)  # the FLOPs the kernel runs; ``flops`` (MFU's count) stays whole
         sends = self.op_priced(info, st, requires_grad, node) if heavy else []  # on the critical path, with the kernel
-        fwd = max(work / peak, moved / bw) + launch + sum(p.seconds for p in sends if p.phase == "forward")
+        kernel = (max(work / peak, moved / bw), max(2 * work / peak, 2 * moved / bw))
+        if info.target in ATTENTION_OPS and self.hw.attention_unfused:
+            (t, d), s, drop = ins[0][-2:], ins[1][-2], bool(info.arg(4, "dropout_p", 0.0))
+            kernel = unfused_attention(self.hw, math.prod(ins[0][:-2]), t, s, d, info.inputs[0].dtype, drop)
+        fwd = kernel[0] + launch + sum(p.seconds for p in sends if p.phase == "forward")
         bwd = sum(p.seconds for p in sends if p.phase == "backward")
         if requires_grad:
-            bwd += max(2 * work / peak, 2 * moved / bw) + launch
+            bwd += kernel[1] + launch
         cast = 3 if self.hw.fused_elementwise else 5  # bytes an element of a dynamic float8 cast, see below
         if node in self.casts:
             # this output feeds float8 linears: dynamic scaling reads it for its amax and again to cast it (2 + 2 + 1

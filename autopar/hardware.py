@@ -18,8 +18,8 @@ takes it); on whole training steps forward and backward measured 0.85x the predi
 bf16/fp32, the foreach optimizer step 1.05-1.06x, the peak 1.003x and 1.036x. torchtitan's published H100 runs were on 500 W parts with HBM2e: ``h100-500w`` describes them, with one
 constant fitted (the tensor-core clocks the power limit leaves) on one of their runs and checked on the others.
 The runtime fields (``overlap``, ``reduce_overlap``, ``grad_reduce_bytes``, ``attention_skips_masked``,
-``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``, ``fused_elementwise``) describe autopar's runtime
-by default (no overlap priced,
+``attention_unfused``, ``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``, ``fused_elementwise``)
+describe autopar's runtime by default (no overlap priced,
 gradients reduced in the parameter's dtype, SDPA's fused kernels, selective recomputation keeping every matmul's
 output, the model's dtype, tensor-parallel collectives between the linears, not under them, one kernel per op;
 ZeRO-3 gathered a block at a time, as FSDP2 does, is no field: every runtime priced does it); the benchmark sets
@@ -109,9 +109,14 @@ class Hardware:
     matmul_half_dim: float = 0.0  # a matmul whose smallest dim is this reaches half of matmul_efficiency
     attention_efficiency: float = 0.7  # fraction of peak fused attention (forward and backward) reaches
     attention_skips_masked: bool = True  # a causal fused attention kernel skips the score tiles above the diagonal
-    # (FlashAttention, SDPA's flash/efficient kernels: about half the work); 2021's unfused attention computed the
-    # whole score matrix and masked it. The model FLOPs (and so MFU) count the whole matrix either way, as
-    # Megatron-LM's and torchtitan's MFU formulas do.
+    # (FlashAttention, SDPA's flash/efficient kernels: about half the work); unfused attention computes the whole
+    # score matrix and masks it (``attention_unfused``). The model FLOPs (and so MFU) count the whole matrix either
+    # way, as Megatron-LM's and torchtitan's MFU formulas do.
+    attention_unfused: bool = False  # attention runs as Megatron-LM's and DeepSpeed's 2021 GPTs ran it, kernel by
+    # kernel over the whole score matrix in memory (``cost.unfused_attention``): a batched matmul writes the scores,
+    # one fused scale-mask-softmax reads and writes them, a second batched matmul reads them (a dropout pass between,
+    # where the op has dropout), and backward likewise; attention_efficiency and attention_skips_masked then do not
+    # apply. autopar's runtime calls SDPA's fused kernels
     memory_efficiency: float = 0.8  # fraction of HBM bandwidth an elementwise op reaches
     op_overhead: float = 0.0  # seconds per op launched (forward; backward pays it again), beyond its roofline time
     optimizer_step_bytes: "tuple[tuple[str, float], ...] | float" = STEP_TRAFFIC  # memory traffic of one AdamW
@@ -236,6 +241,7 @@ class Hardware:
             "matmul_half_dim": self.matmul_half_dim,
             "attention_efficiency": self.attention_efficiency,
             "attention_skips_masked": self.attention_skips_masked,
+            "attention_unfused": self.attention_unfused,
             "op_overhead": self.op_overhead,
             "optimizer_step_bytes": dict(self.optimizer_step_bytes),
             "optimizer_kernel": self.optimizer_kernel,
@@ -290,6 +296,7 @@ class Hardware:
             matmul_half_dim=d.get("matmul_half_dim", 0.0),
             attention_efficiency=d.get("attention_efficiency", 0.7),
             attention_skips_masked=bool(d.get("attention_skips_masked", True)),
+            attention_unfused=bool(d.get("attention_unfused", False)),
             op_overhead=d.get("op_overhead", 0.0),
             optimizer_step_bytes=d.get("optimizer_step_bytes", STEP_TRAFFIC),  # a number: every kernel's
             optimizer_kernel=str(d.get("optimizer_kernel", "foreach")),
@@ -309,10 +316,11 @@ _GB = 1e9  # decimal, as vendors state sizes and rates. A preset's memory is the
 # (an "80 GB" part: 80e9 bytes, 74.5 GiB, of the 79.2-79.6 GiB a process can allocate there): the ~5 GiB left over
 # stand for what plans do not price -- the CUDA context, NCCL's buffers, the caching allocator's fragmentation
 # runtime fields autopar's own runtime does not realise (its gathers wait, and the hiding of its reductions is
-# not measured; it reduces gradients in their dtype,
-# runs linears in the model's dtype, one kernel per op): set, they price another runtime, and parallelize refuses
-# such hardware rather than run a plan whose every number describes something else
-FOREIGN_RUNTIME = ("overlap", "grad_reduce_bytes", "float8_linears", "tp_overlap", "fused_elementwise")
+# not measured; it reduces gradients in their dtype, runs linears in the model's dtype, one kernel per op, attention
+# in SDPA's fused kernels): set, they price another runtime, and parallelize refuses such hardware rather than run a
+# plan whose every number describes something else
+FOREIGN_RUNTIME = ("overlap", "grad_reduce_bytes", "float8_linears", "tp_overlap", "fused_elementwise",
+                   "attention_unfused")
 _AUTOPAR_RUNTIME = {f.name: f.default for f in dataclasses.fields(Hardware) if f.name in FOREIGN_RUNTIME}
 
 H100_500W_CLOCKS = 0.71  # share of the 700 W H100's tensor-core peak a 500 W limit leaves ("h100-500w" below)

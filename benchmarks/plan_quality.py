@@ -72,23 +72,25 @@ from models.gpt import MEGATRON_SIZES  # noqa: E402
 
 A100_PEAK = 312e12
 # The runtimes the published numbers ran on, as the cost model describes them: the share of the shorter of compute and
-# data-parallel communication each hides, and whether ZeRO-3 gathers a block at a time. Megatron-LM (2021) reduced
-# its fp32 main gradients after backward; torchtitan's FSDP2 prefetches each block's all-gather under the previous
-# block. DeepSpeed's ZeRO-3 (2021) prefetches with a bounded budget, and its collectives across nodes took longer per
-# ring step than NCCL's ring alone (the preset's 10 us): Table 2's ZeRO-3 step stops falling from 768 to 1536 GPUs
-# although its compute halves, so the cost of a collective grows with the ring. Two constants are fitted to that
-# column (three points): half the shorter of compute and communication hidden, and 30 us per ring step across nodes
-# (with 10 us the 1536-GPU run is over-predicted by 13%). Both 2021 stacks computed attention unfused (two batched
-# matmuls around a fused softmax): half of peak, on the whole score matrix (the causal mask applied after), where
-# torchtitan's SDPA runs FlashAttention-2 (the presets' 0.6) on the tiles on and below the diagonal only. torchtitan
-# (its defaults, which the published runs used) reduces FSDP2's bf16 gradients in fp32, and its op-level selective
-# AC saves every other matmul's output, recomputing the rest (torchtitan/.../activation_checkpoint.py).
+# data-parallel communication each hides, and whether ZeRO-3 gathers a block at a time. Megatron-LM (2021)
+# all-reduced its fp16 gradients after backward: its GPT-3 175B script trains with --fp16, and it reduced in fp32
+# only under --accumulate-allreduce-grads-in-fp32, which that script does not set (bf16 alone forced it).
+# torchtitan's FSDP2 prefetches each block's all-gather under the previous block. DeepSpeed's ZeRO-3 (2021)
+# prefetches with a bounded budget, and its collectives across nodes took longer per ring step than NCCL's ring
+# alone (the preset's 10 us): Table 2's ZeRO-3 step stops falling from 768 to 1536 GPUs although its compute halves,
+# so the cost of a collective grows with the ring. Two constants are fitted to that column (three points): half the
+# shorter of compute and communication hidden, and 30 us per ring step across nodes (with 10 us the 1536-GPU run is
+# over-predicted by 13%). Both 2021 stacks computed attention unfused: two batched matmuls around a fused
+# scale-mask-softmax, the whole score matrix through memory, the causal mask applied to it
+# (``Hardware.attention_unfused``), where torchtitan's SDPA runs FlashAttention-2 (the presets' 0.6) on the tiles on
+# and below the diagonal only. Their dropout (Megatron-LM's default, 0.1) is not priced: the models here have none.
+# torchtitan (its defaults, which the published runs used) reduces FSDP2's bf16 gradients in fp32, and its op-level
+# selective AC saves every other matmul's output, recomputing the rest (torchtitan/.../activation_checkpoint.py).
 # All three step AdamW fused (apex's / Transformer Engine's FusedAdam, DeepSpeed's FusedAdam, torchtitan's default
 # ``implementation = "fused"``): nothing allocated beside the state at the step.
-RUNTIMES = {"megatron-lm": dict(overlap=0.0, grad_reduce_bytes=4, attention_efficiency=0.5, attention_skips_masked=False,
-                                optimizer_kernel="fused"),
-            "deepspeed-zero3": dict(overlap=0.5, attention_efficiency=0.5, attention_skips_masked=False,
-                                    ring_step_latency=30e-6, optimizer_kernel="fused"),
+RUNTIMES = {"megatron-lm": dict(overlap=0.0, attention_unfused=True, optimizer_kernel="fused"),
+            "deepspeed-zero3": dict(overlap=0.5, attention_unfused=True, ring_step_latency=30e-6,
+                                    optimizer_kernel="fused"),
             "fsdp2": dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2, optimizer_kernel="fused")}
 RUNTIMES["fsdp2+float8"] = dict(RUNTIMES["fsdp2"], float8_linears=True)
 # torchtitan with torch.compile (block by block): Inductor fuses each block's chains of memory-bound ops

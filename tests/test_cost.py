@@ -86,6 +86,43 @@ def test_causal_fused_attention_runs_half_its_flops_and_mfu_still_counts_them_al
     assert fused.op(causal, st, True).flops == fused.op(whole, st, True).flops == 3 * 4 * 8 * 1024 * 1024 * 64
 
 
+def test_unfused_attention_is_priced_as_the_kernels_2021_runtimes_ran_over_the_whole_score_matrix():
+    """``attention_unfused`` (Megatron-LM's and DeepSpeed's 2021 GPTs): a head 64 wide on an A100 makes every kernel
+    bound by the score matrix's traffic, so the op's time is its bytes at the elementwise rate, counted here kernel
+    by kernel; the causal mask saves nothing, dropout adds its passes, MFU's FLOPs are unchanged, the field survives
+    JSON and marks the hardware as another runtime's."""
+    import dataclasses
+
+    from autopar.hardware import Hardware, get_hardware
+    from autopar.spec import Strategy
+    from autopar.strategies import OpInfo
+
+    b, h, t, d = 2, 8, 1024, 64
+    q = TensorMeta((b, h, t, d), torch.bfloat16)
+    causal = OpInfo(aten.scaled_dot_product_attention.default, (None, None, None, None, 0.0, True), {}, (q, q, q), (q,))
+    whole = OpInfo(aten.scaled_dot_product_attention.default, (None, None, None), {}, (q, q, q), (q,))
+    dropped = OpInfo(aten.scaled_dot_product_attention.default, (None, None, None, None, 0.1, True), {}, (q, q, q), (q,))
+    st = Strategy.parse("(R, R, R) -> R")
+    base = get_hardware("a100-80gb")
+    hw = dataclasses.replace(base, attention_unfused=True)
+    cm = CostModel(Mesh({"dp": 1}, hardware=hw))
+    bw = hw.hbm_bandwidth * hw.memory_efficiency
+    e, x = b * h * t * t * 2, b * h * t * d * 2  # bytes of the score matrix and of one of q, k, v, out
+    assert 2 * d / (hw.flops(torch.bfloat16) * hw.matmul_efficiency) < 2 / bw  # per score element: bytes-bound
+    # forward: Q K^T (reads q, k; writes the scores), softmax (reads, writes), P V (reads the scores and v; writes out)
+    fwd = ((2 * x + e) + 2 * e + (e + 2 * x)) / bw
+    # backward: dO V^T, P^T dO, the softmax's backward (reads two, writes one), dS K, dS^T Q
+    bwd = ((2 * x + e) + (e + 2 * x) + 3 * e + (e + 2 * x) + (e + 2 * x)) / bw
+    got = cm.op(causal, st, True)
+    assert got.fwd == pytest.approx(fwd, rel=1e-9) and got.compute == pytest.approx(fwd + bwd, rel=1e-9)
+    assert cm.op(whole, st, True).compute == pytest.approx(got.compute)
+    # dropout: forward reads the probabilities and writes them and a one-byte mask; backward as much
+    assert cm.op(dropped, st, True).compute == pytest.approx(fwd + bwd + 2 * (2 * e + e / 2) / bw, rel=1e-9)
+    fused = CostModel(Mesh({"dp": 1}, hardware=base)).op(causal, st, True)
+    assert got.compute > 2 * fused.compute and got.flops == fused.flops
+    assert Hardware.from_json(hw.to_json()) == hw and hw.foreign_runtime() == {"attention_unfused": True}
+
+
 def test_balanced_context_parallel_attention_prices_half_its_rectangle_and_its_swaps():
     """Queries split by sequence over cp 4, keys and values whole: with even rows each rank runs half the rectangle
     of its rows by all keys (mirrored ranks swap half their queries) and pays four sends of half its queries (the

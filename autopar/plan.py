@@ -308,7 +308,7 @@ class Plan:
         # the model FLOPs count a causal attention's whole score matrix (Megatron-LM's, torchtitan's and PaLM's MFU
         # formulas do, so published MFUs compare), where the kernel runs the half on and below the diagonal: with
         # long sequences the MFU passes what any kernel reaches, and says why
-        over = c.mfu > max(hw.matmul_efficiency, hw.attention_efficiency) and hw.attention_skips_masked
+        over = c.mfu > max(hw.matmul_efficiency, hw.attention_efficiency) and hw.attention_skips_masked and not hw.attention_unfused
         mfu = f"MFU {100 * c.mfu:.1f}%" + (" (counting causal attention's whole score matrix, as Megatron-LM's and "
                                           "torchtitan's MFU do; its kernel runs about half)" if over else "")
         rest = (f"  |  inputs {self.input_spec}{'' if self.recompute == 'none' else '  |  recompute ' + self.recompute}"

@@ -82,7 +82,10 @@ nodes v, strategies s:
   what its ops kept -- the last block's beside the kept activations, the first's beside the gradients. Walked op by
   op (``block_backward_steps``: at step k, the terms alive), ``B >= sum_{t alive at k} bytes[t, s] x[root(t), s]``
   for each step k (what its ops kept or recomputation brought back that a backward still reads, and the gradients
-  alive, each in the layout its node's strategy s gives it), ``transient_g >= B``, and ``transient_a >= B -
+  alive, each in the layout its node's strategy s gives it), plus ``sum_{o,d} walk_e(o, d) ind[e, o, d]`` for each
+  value redistributed on an edge e into fully recomputed ops that keep it, alive at k (a sequence-parallel
+  gather's output, made again: its size at d less its size at o, ``edge_walk_bytes``, on the edge's indicators),
+  ``transient_g >= B``, and ``transient_a >= B -
   sum_{v in the first block or after the last} act[v, s] x[v, s]``: the activations count what the block's ops keep
   already, and the last block's backward runs after the loss's and the head's, which free what those kept
   (``tail_nodes``). (Only blocks are recomputed: without them there is no B.)
@@ -212,6 +215,7 @@ class Problem:
     output_roots: list[str] = field(default_factory=list)  # per output, the node owning its storage
     # one block's backward, as it starts and op by op: the terms alive at each (``block_backward_steps``)
     block_steps: tuple = ()
+    full_recompute: frozenset = frozenset()  # ops fully recomputed (``CostModel.recompute``): ``edge_walk_bytes``
 
     def index(self, node: str, root_index: int) -> int:
         """The strategy index of ``node`` when its root runs strategy ``root_index``."""
@@ -485,8 +489,11 @@ def block_backward_steps(tg: TracedGraph, rg: dict[str, bool], saved_in: frozens
     the layout ``node``'s strategy gives its input ``slot``, or its output for slot -1). A view's backward, and an
     add's, hand the gradient on without a copy (``GRAD_VIEWS``, ``GRAD_PASS``); a gradient reaching a value a second
     time is summed into a new tensor when the first is shared with another value (the residual stream's), in place
-    otherwise. Left out: an op's own temporaries in backward, the redistributions of the gradients between
-    layouts, and values redistributed on edges that a recomputed op keeps (a sequence-parallel gather's output).
+    otherwise. A value redistributed on its way into ops that keep it (``("edge", producer, op, slot, shape,
+    dtype)``: a sequence-parallel gather's output into the linears reading it, one value for all of them, named by
+    the first) is alive until their backwards have run; it counts where recomputation made it again
+    (``edge_walk_bytes``). Left out: an op's own temporaries in backward
+    and the redistributions of the gradients between layouts.
 
     Measured by torch's MemTracker, a fully recomputed 4-layer GPT (width 256, 2048 tokens, one process) peaked at
     the GELU's backward of its first block, 7.5 MiB (8%) over a price holding the recomputed activations alone:
@@ -544,7 +551,17 @@ def block_backward_steps(tg: TracedGraph, rg: dict[str, bool], saved_in: frozens
             hold(n.name, make(("grad", src(n), -1, m.shape, m.dtype)))
     # as it starts: all the block kept or made again, beside the gradients coming in (a lower bound on the rest,
     # whichever ops the walk below finds a gradient for)
-    steps = [tuple(("regen", r, part) for r in pos for part in (0, 1)) + tuple(bufs.values())]
+    # each value redistributed into ops that keep it: one per producer, as the runtime gathers it once for all its
+    # readers (q, k and v's linears read one normed input), named by its first keeper in graph order, whose backward
+    # runs last: (that op, the term)
+    firsts: dict[str, tuple] = {}
+    for n in ops:
+        for i, a in enumerate(tensor_inputs(n)):
+            if (n.name, i) in saved_in and a.op == "call_function" and src(a) not in firsts:
+                m = meta_of(a)
+                firsts[src(a)] = (n.name, ("edge", src(a), n.name, i, m.shape, m.dtype))
+    edges = list(firsts.values())
+    steps = [tuple(("regen", r, part) for r in pos for part in (0, 1)) + tuple(t for _, t in edges) + tuple(bufs.values())]
     for n in reversed(ops):
         outs = [n.name] + [u.name for u in n.users if u.target is operator.getitem]
         held = [t for t in outs if t in holder]
@@ -566,6 +583,7 @@ def block_backward_steps(tg: TracedGraph, rg: dict[str, bool], saved_in: frozens
             refs[b] += 1  # held by this step until it is placed
         alive_regen = tuple(("regen", r, part) for r in pos for part in (0, 1)
                             if (first_saver.get(r, pos[r]) if part == 0 else pos[r]) <= pos[n.name])
+        alive_regen += tuple(t for keeper, t in edges if pos[keeper] <= pos[n.name])
         before = tuple(bufs.values())  # the output's gradients beside the inputs' and the values' earlier ones
         for t, b in made:
             if t not in holder:
@@ -613,6 +631,18 @@ def step_term_bytes(problem: Problem, term: tuple, index: int, sizes: tuple[int,
     return float(math.prod((st.output if slot < 0 else st.inputs[slot]).local_shape(shape, sizes)) * itemsize(dtype))
 
 
+def edge_walk_bytes(problem: Problem, term: tuple, src: Spec, dst: Spec, sizes: tuple[int, ...]) -> float:
+    """Bytes per device an ``("edge", producer, op, slot, shape, dtype)`` term of ``Problem.block_steps`` holds, the
+    producer's output laid out as ``src`` and the op reading it as ``dst``: where the op is fully recomputed, the
+    redistributed value its recomputation made again beyond the producer's own (``dst``'s local size less
+    ``src``'s, as ``CostModel.kept_redistribution`` counts it kept without recomputation); nothing otherwise (kept
+    from forward, it is counted with the activations)."""
+    _, _u, v, _i, shape, dtype = term
+    if v not in problem.full_recompute or problem.kind.get(v) != DECISION or src == dst:
+        return 0.0
+    return float(max(math.prod(dst.local_shape(shape, sizes)) - math.prod(src.local_shape(shape, sizes)), 0) * itemsize(dtype))
+
+
 def block_backward_peak(problem: Problem, index_of, sizes: tuple[int, ...]) -> float:
     """The most one block's backward holds at once (``Problem.block_steps``), its nodes on the strategy indices
     ``index_of(node)``: what its ops kept from forward or its recomputation brought back, still alive, and the
@@ -621,7 +651,12 @@ def block_backward_peak(problem: Problem, index_of, sizes: tuple[int, ...]) -> f
 
     def b(term) -> float:
         if term not in cache:
-            cache[term] = step_term_bytes(problem, term, index_of(term[1]), sizes) if term[1] in problem.costs else 0.0
+            if term[0] == "edge":
+                u, v, i = term[1:4]
+                cache[term] = (edge_walk_bytes(problem, term, problem.cands[u][index_of(u)].output, problem.cands[v][index_of(v)].inputs[i], sizes)
+                               if u in problem.costs and v in problem.costs else 0.0)
+            else:
+                cache[term] = step_term_bytes(problem, term, index_of(term[1]), sizes) if term[1] in problem.costs else 0.0
         return cache[term]
     return max((sum(b(t) for t in step) for step in problem.block_steps), default=0.0)
 
@@ -853,6 +888,7 @@ def build_problem(tg: TracedGraph, mesh: Mesh, cost: CostModel) -> Problem:
     if ("block_backward", device_type) not in tg.memo:
         tg.memo[("block_backward", device_type)] = block_backward_steps(tg, rg, saved_in, own)
     problem.block_steps = tg.memo[("block_backward", device_type)]
+    problem.full_recompute = frozenset(n for n, mode in cost.recompute.items() if mode == "full")
     # derived strategies of followers (graph order: a follower's input is resolved before it) and folded nodes
     ins_of = {v: {} for v in order}
     for u, v, i, m in edges:
@@ -1309,6 +1345,14 @@ def solve(
         # a lower bound on the peak: leave the redistributions' variables out (what backward keeps of a redistributed
         # value only adds to it); the exact smallest plan keeps them
         groups = {}
+    # the values redistributed into the fully recomputed ops of the block ``P_.block_steps`` walks: what they hold in
+    # the walk is a function of their edge's (source, destination) Specs, on the edge's indicators below
+    walk_edges: dict[tuple, tuple] = {}
+    for t in dict.fromkeys(t for step in P_.block_steps for t in step if t[0] == "edge"):
+        u_, v_, i_ = t[1:4]
+        if v_ in P_.full_recompute and P_.kind.get(v_) == DECISION and u_ in P_.costs and P_.kind.get(u_) != FOLDED:
+            walk_edges[(rep(P_.root[u_]), rep(u_)), (rep(v_), i_)] = t
+    walk_expr: dict[tuple, list] = {}  # term -> [(bytes, indicator)]
     for (r, ur), g in groups.items():
         u = g["src"]
         outs = [P_.strategy(u, s).output for s in range(len(P_.cands[r]))]
@@ -1328,6 +1372,9 @@ def solve(
                 for s, (o, d) in enumerate(zip(outs, specs_v)):
                     t_lin[r][s] += g["count"][ek] * cost.edge_time(m, o, d, rgrad, consumer, g["src"])
                     m_act[r][s] += g["count"][ek] * cost.kept_redistribution(m, o, d, consumer, (consumer, i) in P_.saved_in)
+                if ((r, ur), ek) in walk_edges:
+                    t = walk_edges[(r, ur), ek]
+                    walk_expr[t] = [(edge_walk_bytes(P_, t, o, d, mesh.sizes), xv) for o, d, xv in zip(outs, specs_v, x[r]) if xv is not None]
                 continue
             vd = list(dict.fromkeys(d for d, live in zip(specs_v, xs_v) if live is not None))
             ind = {}
@@ -1345,6 +1392,9 @@ def solve(
                     add_row(0.0, 0.0, [(1.0, y[o, d]) for o in uo] + [(-1.0, v) for v in xsum(xs_v, specs_v, d)])
                 ind = {od: [yv] for od, yv in y.items()}
             indicators[ek] = ind
+            if ((r, ur), ek) in walk_edges:
+                t = walk_edges[(r, ur), ek]
+                walk_expr[t] = [(edge_walk_bytes(P_, t, o, d, mesh.sizes), iv) for (o, d), ivs in ind.items() for iv in ivs]
         classes: dict[tuple, int] = {}
         for sig in g["sig"].values():
             key = tuple(ek for ek in sig if ek in indicators)
@@ -1516,10 +1566,13 @@ def solve(
                     into[r, s_] = into.get((r, s_), 0.0) + cache[k]
         for step in P_.block_steps:
             coef: dict[tuple[str, int], float] = {}
+            edge_terms: list = []
             for term in step:
-                if term[1] in P_.costs:
+                if term[0] == "edge":
+                    edge_terms += [(-b * MB, iv) for b, iv in walk_expr.get(term, ()) if b]
+                elif term[1] in P_.costs:
                     add_bytes(term[1], term, lambda k: step_term_bytes(P_, term, k, mesh.sizes), coef)
-            add_row(0.0, inf, [(1.0, back)] + [(-c * MB, x[r][s_]) for (r, s_), c in coef.items() if c])
+            add_row(0.0, inf, [(1.0, back)] + [(-c * MB, x[r][s_]) for (r, s_), c in coef.items() if c] + edge_terms)
         form = [(-1.0, back)]
         # beside the activations, which count what the block's ops keep from forward (``block_kept``) and, for the
         # last block, whose backward runs after the loss's and the head's, what those kept, gone by then

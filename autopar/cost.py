@@ -399,6 +399,13 @@ def unfused_attention(hw, batch: int, t: int, s: int, d: int, dtype: torch.dtype
     return fwd, bwd
 
 
+def redistributed_growth(shape: tuple[int, ...], dtype: torch.dtype, src, dst, sizes: tuple[int, ...]) -> float:
+    """Bytes per device a redistribution from Spec ``src`` to ``dst`` makes beyond the source's own local value (a
+    gather: the whole less the shard); none where it keeps or shrinks the local size."""
+    grown = math.prod(dst.local_shape(shape, sizes)) - math.prod(src.local_shape(shape, sizes))
+    return float(max(grown, 0) * itemsize(dtype))
+
+
 def recomputes(mode: str, target) -> bool:
     """Whether activation recomputation ``mode`` recomputes an op of a repeated block in backward instead of keeping
     what it saves: ``full`` recomputes every op of the block from the block's input (Megatron-LM's full
@@ -618,7 +625,7 @@ class CostModel:
         if mode in ("selective", "recomputed"):
             launched = any(p.phase == "forward" for p in price_steps(redistribute(src, dst, shape, sizes), dtype, self.mesh, False, False))
             return float(out) if launched else 0.0
-        return float(max(out - math.prod(src.local_shape(shape, sizes)) * isz, 0)) if saved else 0.0
+        return redistributed_growth(shape, dtype, src, dst, sizes) if saved else 0.0
 
     def edge_priced(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None,
                     producer: str | None = None) -> list[Priced]:

@@ -126,7 +126,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.cost import ATTENTION_OPS, CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_backward_peak, probe_saved
+from autopar.cost import (ATTENTION_OPS, CostModel, NodeCost, Saved, VIEW_OPS, grad_sync_axes, itemsize, probe_backward_peak, probe_saved,
+                          redistributed_growth)
 from autopar.errors import AutoparError, InfeasibleError, ShardingError
 from autopar.mesh import Mesh
 from autopar.milp import INF, NODE_LIMIT, Model, Solution
@@ -634,13 +635,13 @@ def step_term_bytes(problem: Problem, term: tuple, index: int, sizes: tuple[int,
 def edge_walk_bytes(problem: Problem, term: tuple, src: Spec, dst: Spec, sizes: tuple[int, ...]) -> float:
     """Bytes per device an ``("edge", producer, op, slot, shape, dtype)`` term of ``Problem.block_steps`` holds, the
     producer's output laid out as ``src`` and the op reading it as ``dst``: where the op is fully recomputed, the
-    redistributed value its recomputation made again beyond the producer's own (``dst``'s local size less
-    ``src``'s, as ``CostModel.kept_redistribution`` counts it kept without recomputation); nothing otherwise (kept
-    from forward, it is counted with the activations)."""
+    redistributed value its recomputation made again beyond the producer's own (``cost.redistributed_growth``, as
+    ``CostModel.kept_redistribution`` counts it kept without recomputation); nothing otherwise (kept from forward,
+    it is counted with the activations)."""
     _, _u, v, _i, shape, dtype = term
     if v not in problem.full_recompute or problem.kind.get(v) != DECISION or src == dst:
         return 0.0
-    return float(max(math.prod(dst.local_shape(shape, sizes)) - math.prod(src.local_shape(shape, sizes)), 0) * itemsize(dtype))
+    return redistributed_growth(shape, dtype, src, dst, sizes)
 
 
 def block_backward_peak(problem: Problem, index_of, sizes: tuple[int, ...]) -> float:

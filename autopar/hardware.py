@@ -7,14 +7,17 @@ Out: a frozen ``Hardware``: peak FLOP/s per dtype, HBM bandwidth and size, devic
 Sources: NVIDIA datasheets (dense tensor-core peaks, HBM); NVLink 3/4 per-GPU unidirectional bandwidth
 (300 / 450 GB/s); one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100/H200) InfiniBand port per GPU. Efficiencies
 (calibrated with ``benchmarks/plan_quality.py`` against Megatron-LM's SC'21 GPT ladder and GPT-3 175B runs and
-torchtitan's Llama-3 runs on A100s): a large matmul reaches 68% of peak and half of that at a thinnest dimension
-of 128; FlashAttention-2 60% of the FLOPs it runs (causal: the tiles on and below the diagonal); collectives 65%
-of NVLink's and 90% of InfiniBand's line rate. The H100/H200 presets (700 W SXM) reuse the A100's efficiencies and
-are checked, not fitted (plan_quality's check rows): NVIDIA's DGX-H100 Llama3-8B FSDP run in FP8 is predicted
-within 2%. One H200 was measured with ``benchmarks/calibrate_gpu.py`` (its table prints preset beside measured):
-the elementwise rate is the preset's, large bf16 matmuls reach 0.78 of peak (above the 0.68 the A100 runs were
-fitted with, which holds what a whole step loses besides), torch's SDPA forward + backward 0.45 (the h200 preset
-takes it); on whole training steps forward and backward measured 0.85x the prediction in fp32 and 1.07x under
+torchtitan's Llama-3 runs on A100s): on an A100 a large matmul reaches 73% of peak and half of that at a thinnest
+dimension of 128 -- the 73% is the one constant fitted on the ladder (Table 1, each row as Megatron-LM's artifact
+scripts ran it: ``plan_quality.py --fit-matmul``), Table 2 and torchtitan's A100 runs check it --; FlashAttention-2
+60% of the FLOPs it runs (causal: the tiles on and below the diagonal); collectives 65% of NVLink's and 90% of
+InfiniBand's line rate. The H100/H200 presets (700 W SXM) keep the 68% the A100 was fitted with before (on the ladder
+as it was then described: microbatches of one row, 1F1B, no dropout) and its other efficiencies, and are checked,
+not fitted (plan_quality's check rows): NVIDIA's DGX-H100 Llama3 8B FSDP and 70B TP 4 x PP 8 runs in FP8 are
+predicted within 4%, and ``h100-500w``'s clocks were fitted with it. One H200 was measured with
+``benchmarks/calibrate_gpu.py`` (its table prints preset beside measured): the elementwise rate is the preset's,
+large bf16 matmuls reach 0.78 of peak (above the presets' 0.68 and 0.73, which hold what a whole step loses
+besides), torch's SDPA forward + backward 0.45 (the h200 preset takes it); on whole training steps forward and backward measured 0.85x the prediction in fp32 and 1.07x under
 bf16/fp32, the foreach optimizer step 1.05-1.06x, the peak 1.003x and 1.036x. torchtitan's published H100 runs were on 500 W parts with HBM2e: ``h100-500w`` describes them, with one
 constant fitted (the tensor-core clocks the power limit leaves) on one of their runs and checked on the others.
 The runtime fields (``overlap``, ``reduce_overlap``, ``grad_reduce_bytes``, ``attention_skips_masked``,
@@ -334,7 +337,7 @@ PRESETS: dict[str, Hardware] = {
         devices_per_node=8,
         intra_node=Link(bandwidth=0.65 * 300 * _GB, latency=5e-6, launch=10e-6),
         inter_node=Link(bandwidth=0.9 * 25 * _GB, latency=10e-6, launch=15e-6),
-        matmul_efficiency=0.68,
+        matmul_efficiency=0.73,  # fitted on SC'21's ladder as it ran (benchmarks/plan_quality.py --fit-matmul: 0.731)
         matmul_half_dim=128,
         attention_efficiency=0.6,  # FlashAttention-2 through SDPA: ~70% of peak forward, ~55% backward
     ),
@@ -346,7 +349,7 @@ PRESETS: dict[str, Hardware] = {
         devices_per_node=8,
         intra_node=Link(bandwidth=0.65 * 450 * _GB, latency=4e-6, launch=10e-6),
         inter_node=Link(bandwidth=0.9 * 50 * _GB, latency=8e-6, launch=15e-6),
-        matmul_efficiency=0.68,  # the A100 calibration, checked on a DGX-H100 run (plan_quality --cases check)
+        matmul_efficiency=0.68,  # the A100's earlier calibration, checked on DGX-H100 runs (plan_quality --cases check)
         matmul_half_dim=128,
         attention_efficiency=0.6,  # FlashAttention-2 through SDPA: ~70% of peak forward, ~55% backward
     ),
@@ -358,7 +361,7 @@ PRESETS: dict[str, Hardware] = {
         devices_per_node=8,
         intra_node=Link(bandwidth=0.65 * 450 * _GB, latency=4e-6, launch=10e-6),
         inter_node=Link(bandwidth=0.9 * 50 * _GB, latency=8e-6, launch=15e-6),
-        matmul_efficiency=0.68,  # the A100 calibration, checked on a DGX-H100 run (plan_quality --cases check)
+        matmul_efficiency=0.68,  # the A100's earlier calibration, checked on DGX-H100 runs (plan_quality --cases check)
         matmul_half_dim=128,
         attention_efficiency=0.45,  # torch's SDPA (FlashAttention-2) forward + backward, causal, bf16, head dim 128,
         # measured on an H200 (benchmarks/calibrate_gpu.py, 2026-12-04): 0.45 at 8K tokens, 0.40 at 4K; the A100's

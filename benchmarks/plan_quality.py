@@ -442,6 +442,8 @@ def main() -> None:
         carries = f"; the tp axis {_tp_axis_use(auto)}" if tp > 1 else ""
         print(f"  {name} @{n}: autopar's tp = {tp} ({'inside a node' if inside else 'ACROSS NODES'}), mesh {_shape(auto)}{carries}")
     for (name, n, strategy), (pub, auto) in seen.items():
+        if n == 64 and name == "llama3-70b":  # does tensor parallelism join at 64 A100s? what bounds each plan
+            print(f"  {name} @{n}: " + "; ".join(f"{what} {_shape(p)}: {_bounds(p)}" for what, p in (("published", pub), ("autopar", auto))))
         if n == 256 and name == "llama3-70b":
             _tp_sweep(pub, auto)
             _batch_sweep(auto)
@@ -454,6 +456,16 @@ def main() -> None:
             print(f"  gpt3-175b @{n}: ZeRO-3 alone / TP 8 x PP 12, predicted step {a[0].cost.step_time / b[0].cost.step_time:.2f}x "
                   f"(published {dict(((384, 153 / 144), (768, 149 / 88), (1536, 141 / 44)))[n]:.2f}x)")
     print(f"peak process memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+def _bounds(plan) -> str:
+    """A plan's predicted step and what it is made of: without a pipeline, its compute and its collectives (all of
+    them; the data-parallel ones overlapped as the runtime does); with one, a rank's busy time (its stages' compute
+    and collectives) and the rest (the schedule's idle time and the gradient sync)."""
+    c, pp = plan.cost, plan.pipeline
+    if pp is None:
+        return f"{c.step_time:.2f} s (compute {c.compute_time:.2f} s, collectives {c.comm_time:.2f} s)"
+    return f"{c.step_time:.2f} s (busy {c.compute_time:.2f} s a rank, idle and sync {c.comm_time:.2f} s; bubble {100 * pp.bubble:.0f}%)"
 
 
 def _tp_axis_use(plan) -> str:

@@ -1,7 +1,8 @@
 """Plan quality against published results: fidelity of the cost model, quality of autopar's plans, planning time.
 
 Run: ``python benchmarks/plan_quality.py [--cases sc21,175b,titan,check] [--only MODEL] [--fidelity-only]
-[--cp-in-stages]`` (the last: autopar's search also tries context parallelism inside pipeline stages).
+[--cp-in-stages]`` (the last: autopar's search also tries context parallelism inside pipeline stages);
+``--fit-matmul`` alone refits the A100 preset's large-matmul efficiency on SC'21's ladder and prints it (3 minutes).
 Meta-device models: no devices, no memory beyond the planner's own.
 
 For each published run it prints:

@@ -149,7 +149,7 @@ class Case:
     zero: int | None = None  # a pipeline's ZeRO stage (1: the distributed optimizer, or FSDP under a pipeline)
     sp: bool = False  # megatron-3d's tensor parallelism with sequence parallelism (torchtitan's TP; Megatron-Core's
     # runs by NVIDIA); SC'21 predates it
-    microbatch: int = 1  # a pipeline's rows per microbatch and replica
+    microbatch: int = 1  # rows per microbatch and replica (a pipeline's; without one, see cases())
     dropout: float = 0.0  # the model's dropout (models.gpt's GPT-2 places) as the run trained it
 
 
@@ -194,7 +194,7 @@ def cases() -> list[Case]:
         # compute and the same gradient reduction, without the memory budget (18.4B: 32 rows at once would not fit)
         out.append(Case("sc21", f"megatron-{size}", n, "a100-80gb", batch, 2048, tp, pp, strategy, "full",
                         f"{what}: {tf} TFLOP/s", _sc21_mfu(size, tf, batch), runtime=f"megatron-lm+{ddp}-ddp",
-                        virtual=virtual, time_only=pp == 1 and mb < local, microbatch=mb if pp > 1 else local,
+                        virtual=virtual, time_only=pp == 1 and mb < local, microbatch=mb,
                         dropout=MEGATRON_DROPOUT))
     for n, tf, z3 in ((384, 153, 144), (768, 149, 88), (1536, 141, 44)):
         out.append(Case("175b", "gpt3-175b", n, "a100-80gb", 1536, 2048, 8, 12, "megatron-3d", "full",
@@ -302,11 +302,7 @@ def _fit_matmul(hardware: str = "a100-80gb") -> tuple[float, list[tuple[Case, fl
         return table[i][k] + w * (table[i][k + 1] - table[i][k])
 
     def fit(rows: list[int]) -> float:
-        lo, hi = grid[0], grid[-1]
-        for _ in range(30):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if sum(at(i, mid) for i in rows) < 0 else (lo, mid)
-        return (lo + hi) / 2
+        return _bisect(lambda eff: sum(at(i, eff) for i in rows) < 0, grid[0], grid[-1], 30)
 
     everyone = list(range(len(ladder)))
     held = []
@@ -323,12 +319,19 @@ def _fit_clocks(case: Case) -> float:
     inputs = make(case.batch, case.seq)
     hw = runtime_hardware(case.hardware, case.runtime)
     measured = case.batch * case.seq / (case.devices * case.tps)
-    lo, hi = 0.3, 1.0
-    for _ in range(14):
+
+    def slow(clocks: float) -> bool:
+        scaled = dataclasses.replace(hw, peak_flops=tuple((k, v * clocks / H100_500W_CLOCKS) for k, v in hw.peak_flops))
+        return _published_plan(case, model, inputs, Cluster(case.devices // 8, 8, scaled)).cost.step_time > measured
+
+    return _bisect(slow, 0.3, 1.0, 14)
+
+
+def _bisect(below, lo: float, hi: float, steps: int) -> float:
+    """The point of [lo, hi] where ``below(x)`` (true left of it, false right of it) turns, to (hi - lo) / 2^steps."""
+    for _ in range(steps):
         mid = (lo + hi) / 2
-        scaled = dataclasses.replace(hw, peak_flops=tuple((k, v * mid / H100_500W_CLOCKS) for k, v in hw.peak_flops))
-        step = _published_plan(case, model, inputs, Cluster(case.devices // 8, 8, scaled)).cost.step_time
-        lo, hi = (mid, hi) if step > measured else (lo, mid)
+        lo, hi = (mid, hi) if below(mid) else (lo, mid)
     return (lo + hi) / 2
 
 

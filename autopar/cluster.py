@@ -231,7 +231,8 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
     # no overlap in the proxy's ILP: the screen prices data-parallel communication itself, and the max() of an
     # overlapped step makes the ILP's relaxation weak (seconds instead of a fraction of one)
     mesh = Mesh({"dp": 2, "tp": t} if ep == 1 else {"ep": ep, "tp": t}, dataclasses.replace(hw, overlap=0.0, reduce_overlap=0.0))
-    mesh._spans = {"dp": spans_nodes, "tp": False} if ep == 1 else {"ep": False, "tp": False}
+    # dp spans nodes as the cluster's does: its groups hold as many ranks a node as tp leaves there (``Mesh.rails``)
+    mesh._spans = {"dp": max(1, hw.devices_per_node // t) if spans_nodes else 0, "tp": 0} if ep == 1 else {"ep": 0, "tp": 0}
     units = [graph_units(tg) for tg in tgs]
     cost0 = cost_model(tgs[0], mesh, "none")
     problem = build_problem(tgs[0], mesh, cost0)
@@ -520,7 +521,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     sizes = ({"dp": c.dp, "cp": c.cp, "tp": c.tp} if c.cp > 1 else {"dp": c.dp // c.ep, "ep": c.ep, "tp": c.tp} if c.ep > 1
              else {"dp": c.dp, "tp": c.tp})
     inner = Mesh(sizes, cluster.hw())
-    inner._spans = {n: mesh.spans_nodes(n) if n in mesh.names else False for n in sizes}
+    inner._spans = {n: mesh.rails(n) if n in mesh.names else 0 for n in sizes}
     if c.cp > 1:
         uc = _context_parallel_units(prof, c, inner, uc, rows, L)
     units = _units(L)

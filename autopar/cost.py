@@ -156,7 +156,7 @@ def grad_sync_bandwidth_time(spec: Spec, meta: TensorMeta, mesh: Mesh) -> float:
     if not axes:
         return 0.0
     wire = b * mesh.hardware.reduce_factor(meta.dtype)
-    return sum(wire_bytes("all_reduce", wire, mesh.sizes[a]) / mesh.link(a).bandwidth for a in axes)
+    return sum(wire_bytes("all_reduce", wire, mesh.sizes[a]) / mesh.link(a).rate("all_reduce") for a in axes)
 
 
 VIEW_OPS = {

@@ -2,7 +2,9 @@
 
 In: a preset name (``a100-80gb``, ``h100-80gb``, ``h100-500w``, ``h200``, ``cpu-gloo``) or a ``Hardware`` built by hand.
 Out: a frozen ``Hardware``: peak FLOP/s per dtype, HBM bandwidth and size, devices per node, and two ``Link``s
-(inside a node, across nodes) with an alpha-beta model (latency per ring step, bandwidth per device).
+(inside a node, across nodes) with an alpha-beta model (latency per ring step, bandwidth per device). A ring
+collective across nodes over a group with k ranks in each node reaches k devices' share of the network (its rings
+leave a node on k NICs: ``Hardware.rails``, ``Mesh.link``), up to NVLink's.
 
 Sources: NVIDIA datasheets (dense tensor-core peaks, HBM); NVLink 3/4 per-GPU unidirectional bandwidth
 (300 / 450 GB/s); one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100/H200) InfiniBand port per GPU. Efficiencies
@@ -79,6 +81,9 @@ ADAMW_KWARGS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loo
 # torch.optim.AdamW arguments
 
 
+RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives NCCL runs as rings over a group's ranks
+
+
 @dataclass(frozen=True)
 class Link:
     """Alpha-beta model of one link class: ``time = launch + steps * latency + wire_bytes / bandwidth``."""
@@ -91,11 +96,16 @@ class Link:
     all_gather_bandwidth: float = 0.0  # an all-gather's own bandwidth where the library's reaches another than its
     # all-reduce's (torch's gloo: 0.62-0.68x, measured, benchmarks/calibrate_cpu.py); 0: ``bandwidth``
     reduce_scatter_bandwidth: float = 0.0  # a reduce-scatter's, likewise (gloo's, run as an all-reduce: 0.70-0.74x)
+    ring_bandwidth: float = 0.0  # a ring collective's (all-reduce, all-gather, reduce-scatter) over a group with several
+    # ranks in each node, whose rings leave each node through that many NICs at once (``Mesh.link``, ``Hardware.rails``);
+    # 0: ``bandwidth``
 
     def rate(self, kind: str) -> float:
         """Bytes/s per device a collective of ``kind`` reaches on this link."""
         own = {"all_gather": self.all_gather_bandwidth, "reduce_scatter": self.reduce_scatter_bandwidth}.get(kind, 0.0)
-        return own or self.bandwidth
+        if own:
+            return own
+        return self.ring_bandwidth if self.ring_bandwidth and kind in RING_KINDS else self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,12 @@ class Hardware:
     fused_elementwise: bool = False  # torch.compile's Inductor fuses each chain of memory-bound ops of a repeated
     # block into one kernel: a value passed between two of them is neither written nor read back (torchtitan compiles
     # block by block); autopar's runtime runs each op as its own kernel
+    rails: bool = True  # a ring collective (all-reduce, all-gather, reduce-scatter) over a group with k ranks in each
+    # node crosses the nodes on k NICs at once, up to the node's NVLink (``Mesh.link``): NCCL runs one ring a channel,
+    # each leaving the node through another NIC, the rest of its path on NVLink (NVIDIA/nccl#412, #569, #1168: 8 GPUs
+    # over 4 or 2 nodes all-reduce 2.1x / 2.8x faster than over 8, and
+    # 90 against 45 GB/s with 8 GPUs a node against 4). False: one NIC's share a device whatever the group
+    # (``benchmarks/plan_quality.py``'s DeepSpeed ZeRO-3 of 2021, whose step stays flat from 768 to 1536 GPUs)
 
     def __post_init__(self):
         traffic = self.optimizer_step_bytes

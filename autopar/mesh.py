@@ -7,11 +7,14 @@ Out: axis sizes, the link each axis runs over, rank <-> coordinate, and (under t
 Ranks are laid out row-major over the axes, so the innermost (last) axis is contiguous in rank order: it fills
 a node before any axis spans nodes (torchtitan's convention). An axis whose group of ranks fits in one node
 runs over the intra-node link (NVLink); one that spans nodes runs over the inter-node link (InfiniBand) and is
-slow. A Mesh is plain data: equal meshes plan equally, whatever process group they are attached to.
+slow: one NIC's share a device where one rank of the group sits in each node (an axis outside a full node's inner
+axes), k NICs' where k of its ranks share each node, its ring collectives leaving the node on all k at once
+(``rails``). A Mesh is plain data: equal meshes plan equally, whatever process group they are attached to.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -36,8 +39,13 @@ class Mesh:
         self._names = tuple(n for n, _ in self.axes)
         self._sizes = tuple(s for _, s in self.axes)
         self._node_spans = tuple(math.prod(self._sizes[a:]) > self.hardware.devices_per_node for a in range(len(self._sizes)))
+        per_node = self.hardware.devices_per_node
+        strides = tuple(math.prod(self._sizes[a + 1:]) for a in range(len(self._sizes)))
+        self._rails = tuple(0 if not spans else max(1, min(size, per_node // stride)) if stride < per_node else 1
+                            for spans, size, stride in zip(self._node_spans, self._sizes, strides))
+        self._rail_links: dict[int, Link] = {}
         self._device_mesh = None  # attached by from_device_mesh / to_device_mesh; never part of equality
-        self._spans: dict[str, bool] | None = None  # set by without(): the axes' node spans in the full mesh
+        self._spans: dict[str, int] | None = None  # set by without(): the axes' ``rails`` in the full mesh
 
     # --- plain data -------------------------------------------------------------------------------------------
     @property
@@ -69,11 +77,30 @@ class Mesh:
     def spans_nodes(self, axis: "str | int") -> bool:
         a = self.axis_index(axis)
         if self._spans is not None:
-            return self._spans[self._names[a]]
+            return bool(self._spans[self._names[a]])
         return self._node_spans[a]  # its stride times its size: the ranks one group of it reaches
 
+    def rails(self, axis: "str | int") -> int:
+        """How many ranks of one group of ``axis`` share each node, when the group spans nodes (0 when it fits in
+        one): its ring collectives leave each node through that many NICs at once (one a device: NCCL runs a ring
+        a channel, each crossing the nodes through another NIC, the rest of it on NVLink)."""
+        a = self.axis_index(axis)
+        if self._spans is not None:
+            return int(self._spans[self._names[a]])
+        return self._rails[a]  # a node holds per_node / stride of its ranks, when its stride is under a node
+
     def link(self, axis: "str | int") -> Link:
-        return self.hardware.inter_node if self.spans_nodes(axis) else self.hardware.intra_node
+        """The link an axis's collectives run on: inside a node, or across nodes; a group with k ranks in each node
+        reaches k times a device's share of the network in its ring collectives (``Link.ring_bandwidth``), up to
+        the link inside the node its rings also run on (where the hardware's runtime uses the node's NICs so:
+        ``Hardware.rails``)."""
+        k = self.rails(axis)
+        hw = self.hardware
+        if k <= 1 or not hw.rails:
+            return hw.inter_node if k else hw.intra_node
+        if k not in self._rail_links:
+            self._rail_links[k] = dataclasses.replace(hw.inter_node, ring_bandwidth=min(k * hw.inter_node.bandwidth, hw.intra_node.bandwidth))
+        return self._rail_links[k]
 
     def role(self, axis: "str | int") -> str | None:
         """What the axis name promises: "data" for dp* axes (each rank gets its share of the batch there and holds
@@ -112,7 +139,7 @@ class Mesh:
             return Mesh({"_": 1}, self.hardware)
         inner = Mesh({n: s for i, (n, s) in enumerate(self.axes) if i != a}, self.hardware)
         # an axis outside the removed one keeps its real stride, so it spans nodes exactly when it does here
-        inner._spans = {n: self.spans_nodes(n) for i, n in enumerate(self.names) if i != a}
+        inner._spans = {n: self.rails(n) for i, n in enumerate(self.names) if i != a}
         return inner
 
     def with_hardware(self, hardware: "Hardware") -> "Mesh":

@@ -86,7 +86,11 @@ A100_PEAK = 312e12
 # alone (the preset's 10 us): Table 2's ZeRO-3 step stops falling from 768 to 1536 GPUs although its compute halves,
 # so the cost of a collective grows with the ring. Two constants are fitted to that column (three points): half the
 # shorter of compute and communication hidden, and 30 us per ring step across nodes (with 10 us the 1536-GPU run is
-# over-predicted by 14%). Both 2021 stacks computed attention unfused: two batched matmuls around a fused
+# over-predicted by 14%). Its collectives are priced at one NIC's share a GPU (``rails=False``), not at the node's
+# eight NICs NCCL's rings reach with 8 ranks a node (``Hardware.rails``): the column's flat step says its traffic ran
+# so (our guess at why: it gathered parameter by parameter, a few hundred KB a rank, and NCCL runs a small collective
+# on few channels, so few NICs). Priced on all eight, its step falls with its compute: the three rows come out
+# +32 / +89 / +149 %, and the best refit of the two constants found (no overlap, ~120 us a ring step) is off by ~10 %. Both 2021 stacks computed attention unfused: two batched matmuls around a fused
 # scale-mask-softmax, the whole score matrix through memory, the causal mask applied to it
 # (``Hardware.attention_unfused``), where torchtitan's SDPA runs FlashAttention-2 (the presets' 0.6) on the tiles on
 # and below the diagonal only.
@@ -95,7 +99,7 @@ A100_PEAK = 312e12
 # All three step AdamW fused (apex's / Transformer Engine's FusedAdam, DeepSpeed's FusedAdam, torchtitan's default
 # ``implementation = "fused"``): nothing allocated beside the state at the step.
 RUNTIMES = {"megatron-lm": dict(overlap=0.0, attention_unfused=True, optimizer_kernel="fused"),
-            "deepspeed-zero3": dict(overlap=0.5, attention_unfused=True, ring_step_latency=30e-6,
+            "deepspeed-zero3": dict(overlap=0.5, attention_unfused=True, ring_step_latency=30e-6, rails=False,
                                     optimizer_kernel="fused"),
             "fsdp2": dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2, optimizer_kernel="fused")}
 # Megatron-LM's two data-parallel wrappers (--DDP-impl): its "local" one all-reduces the gradients after backward

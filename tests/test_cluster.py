@@ -341,7 +341,7 @@ def test_gpt3_175b_on_1536_a100s_at_scale():
     assert plan.cost.step_time <= published.cost.step_time
     # ZeRO-3 alone on the same 1536 GPUs (SC'21 Table 2: 44 TFLOP/s = 10.6% MFU) under DeepSpeed 2021's runtime as
     # benchmarks/plan_quality.py describes it: within 10%, and far slower than TP 8 x PP 12 (published 3.2x)
-    ds = dataclasses.replace(get_hardware("a100-80gb"), name="a100/deepspeed-zero3", overlap=0.5,
+    ds = dataclasses.replace(get_hardware("a100-80gb"), name="a100/deepspeed-zero3", overlap=0.5, rails=False,
                              attention_unfused=True, inter_node=dataclasses.replace(hw.inter_node, latency=30e-6))
     zero3 = autopar.handwritten(model, Cluster(192, 8, ds).mesh(1536, 1, 1), inputs, "fsdp", recompute="full")
     assert zero3.cost.mfu == pytest.approx(0.106, rel=0.10)
@@ -434,13 +434,15 @@ def test_a_block_syncs_its_gradients_in_one_bucket_when_that_is_cheaper():
     """Stage-0 gradients are bucketed per block copy and per set of axes they are summed over, and each bucket pays
     its all-reduces' latency once. On dp = 8 x tp = 2 across two nodes the ILP used to split a few weights on tp
     and the batch elsewhere: two buckets per block (one over dp, one over dp and tp), whose latencies it did not
-    see -- 49.0 ms against 45.3 ms for the batch over both axes in one bucket. It sees them now."""
+    see -- 49.0 ms against 45.3 ms for the batch over both axes in one bucket. It sees them now. The plan stays
+    faster than the batch over one dp axis of 16 (the same bytes, summed over tp on NVLink and then a ring of 8 on
+    the 4 NICs a node its ranks use, against a ring of 16 on all 8)."""
     model, inputs, cl = _gpt(layers=32, width=512, block=1024), _ids(64, 1024), Cluster(2, 8, "a100-80gb")
     plan = autopar.plan(model, cl.mesh(8, 1, 2), inputs, recompute="none", constraints=[autopar.ZeroPin("*", 0)])
     blocks = [b for b in plan.grad_buckets if b.name.startswith("grads[h.")]
     assert len(blocks) == 32 and all(b.axes == ("dp", "tp") for b in blocks), [(b.name, b.axes) for b in plan.grad_buckets][:6]
     flat = autopar.plan(model, cl.mesh(16, 1, 1), inputs, recompute="none", constraints=[autopar.ZeroPin("*", 0)])
-    assert plan.cost.step_time < 0.95 * flat.cost.step_time  # the same bytes, rings of 8 across the nodes, not 16
+    assert plan.cost.step_time < flat.cost.step_time
 
 
 def test_hsdp_candidates_shard_inside_nodes_or_over_whole_nodes():
@@ -455,23 +457,27 @@ def test_hsdp_candidates_shard_inside_nodes_or_over_whole_nodes():
         cl.mesh(32, 1, 1, shard=3)
 
 
-def test_llama3_8b_on_four_a100_nodes_shards_inside_the_node_and_replicates_across_them():
-    """Llama-3-8B, 32 x 8192 tokens, 32 A100s: ZeRO over the 8 GPUs of a node (NVLink) with the nodes holding
-    replicas (HSDP) moves an eighth of full sharding's gradient bytes over InfiniBand. The search finds it, and its
-    real plan beats the real plan of the best screened candidate without HSDP (a pipeline across the nodes)."""
+def test_llama3_8b_on_32_a100_nodes_in_14_gb_shards_over_a_few_nodes_and_replicates_across_them():
+    """Llama-3-8B, 256 x 8192 tokens, 256 A100s with 14 GB a device: only ZeRO-3 (or a pipeline, or tp) fits. Full
+    sharding over 256 ranks runs each block's gathers and reduce-scatters on a ring of 256 (255 steps each); HSDP
+    shards over a few whole nodes (their rings on every NIC of the node, as a flat ring's are: ``Mesh.rails``) and
+    all-reduces each block's shard once across the replicas. The search finds it, and its real plan beats the real
+    plan of the best screened candidate without HSDP. (With the whole 80 GB, ZeRO-1 over all 256 wins: a flat ring
+    on eight NICs a node moves as few bytes over each NIC as HSDP's all-reduce of an eighth, and HSDP's in-node
+    traffic comes on top.)"""
     from autopar.cluster import _real_plan
 
     model, make = models.build("llama3-8b", dtype=torch.bfloat16)
-    # (at 64 x 4096 tokens the pipeline across the nodes ties it: 1.0001x)
-    inputs, cl = make(32, 8192), Cluster(4, 8, "a100-80gb")
-    plan = plan_cluster(model, inputs, cl)
+    inputs, cl = make(256, 8192), Cluster(32, 8, "a100-80gb")
+    plan = plan_cluster(model, inputs, cl, memory_budget=14e9)
     axes = dict(zip(plan.mesh.names, plan.mesh.sizes))
-    assert axes.get("fsdp", 1) > 1 and axes.get("dp", 1) > 1 and not plan.mesh.spans_nodes("fsdp"), plan.mesh
+    assert axes.get("fsdp", 1) > 1 and axes.get("dp", 1) > 1 and axes["fsdp"] % 8 == 0, plan.mesh  # whole nodes
     fsdp = plan.mesh.names.index("fsdp")
     assert plan.zero_stages and all(tuple(v[1]) == ("fsdp",) for v in plan.zero_stages.values())
     assert "HSDP" in plan.groups_table()
+    assert plan.cost.memory_per_device <= 14e9
     flat = min((s for s in plan.search if s.step < math.inf and not s.candidate.shard), key=lambda s: s.step)
-    other = _real_plan(model, inputs, cl, flat, cl.hw().memory)
+    other = _real_plan(model, inputs, cl, flat, 14e9)
     assert plan.cost.step_time < other.cost.step_time, (plan.cost.step_time, flat.candidate, other.cost.step_time)
     assert plan.mesh.names.index("dp") < fsdp  # the shard group is the inner data axis: replicas hold whole groups
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import autopar
@@ -25,6 +27,29 @@ def test_inner_axes_fill_a_node_before_an_axis_spans_nodes():
     assert m.link("tp").bandwidth > 5 * m.link("dp").bandwidth
     m2 = autopar.Mesh({"dp": 4, "tp": 2}, hardware="h100-80gb")  # 8 devices: one node
     assert not m2.spans_nodes("dp")
+
+
+def test_a_group_with_k_ranks_a_node_crosses_the_nodes_on_k_nics():
+    """NCCL's rings over a group with k ranks in each node leave each node on k NICs at once (Hardware.rails): its
+    all-reduces, all-gathers and reduce-scatters reach k devices' share of the network, up to NVLink's rate; a
+    point-to-point send still has one NIC, and so does every collective where the runtime does not use the rails."""
+    from autopar.cost import collective_time
+
+    hw = PRESETS["a100-80gb"]
+    ib, nv = hw.inter_node.bandwidth, hw.intra_node.bandwidth
+    flat = autopar.Mesh({"dp": 32}, hardware=hw)  # 4 nodes of 8: 8 ranks of the group in each
+    assert flat.rails("dp") == 8 and flat.link("dp").rate("all_gather") == min(8 * ib, nv)
+    assert flat.link("dp").rate("send") == ib
+    two = autopar.Mesh({"dp": 8, "tp": 4}, hardware=hw)  # dp's ranks: 2 a node
+    assert two.rails("dp") == 2 and two.rails("tp") == 0 and two.link("dp").rate("reduce_scatter") == 2 * ib
+    outer = autopar.Mesh({"dp": 4, "tp": 8}, hardware=hw)  # one dp rank a node
+    assert outer.rails("dp") == 1 and outer.link("dp") == hw.inter_node
+    # the removed axis's mesh keeps each axis's rails (a pipeline's stage mesh)
+    assert autopar.Mesh({"pp": 2, "dp": 8, "tp": 4}, hardware=hw).without("pp").rails("dp") == 2
+    t8, t1 = (collective_time("all_reduce", 2**30, 32, m.link("dp")) for m in (flat, autopar.Mesh({"dp": 32, "x": 8}, hardware=hw)))
+    assert 7.5 < t1 / t8 < 8.5  # the same ring, on one NIC a node instead of 8: ib * 8 under nv here
+    off = autopar.Mesh({"dp": 32}, hardware=dataclasses.replace(hw, rails=False))
+    assert off.rails("dp") == 8 and off.link("dp") == hw.inter_node
 
 
 def test_presets():

@@ -28,6 +28,8 @@ For each published run it prints:
   degree?), autopar's per-op plan on each in-node tp degree, and what the tp axis carries in each, beside the
   published Megatron layout on tp 8; autopar's cluster plan there at smaller global batches (32 ... 512
   sequences); and both plans again with slower collectives across nodes.
+- for Llama-3-70B on 64 A100s, what bounds the published plan's step and autopar's, and both again with every
+  collective across nodes at one NIC's share a GPU (``Hardware.rails`` off);
 - for both Llama-3-70B cases, autopar's plan for the runtime it emits (the presets as they are: no overlap of
   collectives with compute priced) beside the published layout and FSDP over every device priced the same way: which
   shape answer comes out depends on whether data parallelism's collectives hide under compute.
@@ -477,6 +479,7 @@ def main() -> None:
     for (name, n, strategy), (pub, auto) in seen.items():
         if n == 64 and name == "llama3-70b":  # does tensor parallelism join at 64 A100s? what bounds each plan
             print(f"  {name} @{n}: " + "; ".join(f"{what} {_shape(p)}: {_bounds(p)}" for what, p in (("published", pub), ("autopar", auto))))
+            _one_nic(pub)
         if n == 256 and name == "llama3-70b":
             _tp_sweep(pub, auto)
             _batch_sweep(auto)
@@ -499,6 +502,20 @@ def _bounds(plan) -> str:
     if pp is None:
         return f"{c.step_time:.2f} s (compute {c.compute_time:.2f} s, collectives {c.comm_time:.2f} s)"
     return f"{c.step_time:.2f} s (busy {c.compute_time:.2f} s a rank, idle and sync {c.comm_time:.2f} s; bubble {100 * pp.bubble:.0f}%)"
+
+
+def _one_nic(pub) -> None:
+    """Llama-3-70B on 64 A100s again with every collective across nodes at one NIC's share a GPU (``rails=False``),
+    as the model priced them before it counted the NICs NCCL's rings use: whether this case's shape answer depends on
+    how many NICs the rings reach (not measured on a GPU cluster here)."""
+    case = next(c for c in cases() if c.group == "titan" and c.model == "llama3-70b" and c.devices == 64)
+    model, make = _build(case)
+    inputs = make(case.batch, case.seq)
+    hw = dataclasses.replace(pub.mesh.hardware, rails=False)
+    cluster = Cluster(8, 8, hw)
+    one, auto = _published_plan(case, model, inputs, cluster), plan_cluster(model, inputs, cluster)
+    print(f"  {case.model} @64, each GPU's collectives across nodes on its own NIC alone: published {_shape(one)}: {_bounds(one)}; "
+          f"autopar {_shape(auto)}: {_bounds(auto)} ({auto.cost.step_time / one.cost.step_time:.3f}x)")
 
 
 def _tp_axis_use(plan) -> str:

@@ -46,6 +46,18 @@ def fsdp2_h100(float8: bool = True, **fields):
     return dataclasses.replace(get_hardware("h100-500w"), **{**runtime, **fields})
 
 
+def fsdp2_a100(**fields):
+    """torchtitan's 2024 A100 runs (``a100-80gb``) priced as its FSDP2 runtime, eager, in bf16, as
+    benchmarks/plan_quality.py describes it (its "fsdp2" runtime): overlapped data-parallel communication, fp32
+    gradient reduction, op-level selective recomputation saving every other matmul, AdamW fused."""
+    import dataclasses
+
+    from autopar.hardware import get_hardware
+
+    runtime = dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2, optimizer_kernel="fused")
+    return dataclasses.replace(get_hardware("a100-80gb"), **{**runtime, **fields})
+
+
 def _worst(so_far: float, diff: float) -> float:
     """The larger difference; a nan one is infinite (max(0.0, nan) is 0.0: a nan loss or gradient passed every
     check)."""

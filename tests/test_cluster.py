@@ -482,6 +482,22 @@ def test_llama3_8b_on_32_a100_nodes_in_14_gb_shards_over_a_few_nodes_and_replica
     assert plan.mesh.names.index("dp") < fsdp  # the shard group is the inner data axis: replicas hold whole groups
 
 
+def test_llama3_70b_on_64_a100s_needs_no_tensor_parallelism_under_fsdp2():
+    """Llama-3-70B, 64 x 8192 tokens on 64 A100s, priced as torchtitan ran it (FSDP2, eager, its fp32 RMSNorm): the
+    search answers FSDP over all 64, as the published run: its all-gathers and reduce-scatters, on every NIC of each
+    node, hide under compute (on one NIC a GPU they would take 8x as long)."""
+    from tests._util import fsdp2_a100
+
+    model, make = models.build("llama3-70b", dtype=torch.bfloat16, norm="fp32-composite")
+    inputs, cl = make(64, 8192), Cluster(8, 8, fsdp2_a100())
+    plan = plan_cluster(model, inputs, cl)
+    axes = dict(zip(plan.mesh.names, plan.mesh.sizes))
+    assert axes == {"dp": 64} and plan.pipeline is None, plan.mesh
+    assert plan.zero_stages and all(v[0] == 3 for v in plan.zero_stages.values())
+    assert plan.cost.comm_time < plan.cost.compute_time  # compute-bound: the collectives hide
+    assert plan.cost.memory_per_device <= cl.hw().memory
+
+
 def test_tensor_parallelism_grows_as_the_global_batch_caps_data_parallelism():
     """Llama-3.1-70B on 256 H100s, priced on FSDP2's runtime with Float8 linears (how plan_quality describes
     torchtitan's run): at 32 sequences of 8192 tokens the batch feeds at most 32 replicas, and the search fills each

@@ -102,6 +102,15 @@ class Mesh:
             self._rail_links[k] = dataclasses.replace(hw.inter_node, ring_bandwidth=min(k * hw.inter_node.bandwidth, hw.intra_node.bandwidth))
         return self._rail_links[k]
 
+    def link_text(self, axis: "str | int") -> str:
+        """Where an axis's collectives run, in words: "in node", or across nodes with k ranks of a group in each
+        node and the NICs its rings cross on (``link``)."""
+        k = self.rails(axis)
+        if not k:
+            return "in node"
+        nics = f"{k} NIC{'s' if k > 1 else ''}" if self.hardware.rails or k == 1 else "one NIC's share"
+        return f"across nodes: {k} a node, {nics}"
+
     def role(self, axis: "str | int") -> str | None:
         """What the axis name promises: "data" for dp* axes (each rank gets its share of the batch there and holds
         whole weights), "expert" for ep (a share of the batch too, and whole weights but the experts: a stack of

@@ -291,7 +291,8 @@ class Plan:
     # --- text -------------------------------------------------------------------------------------------------
     def summary(self) -> str:
         c = self.cost
-        comm = ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in c.comm_bytes.items() if b) or "none"
+        comm = ", ".join(f"{a}: {fmt_bytes(b)}" + (f" ({self.mesh.link_text(a)})" if a in self.mesh.names and self.mesh.size > 1 else "")
+                         for a, b in c.comm_bytes.items() if b) or "none"
         mem = ""
         if c.memory_breakdown:
             b = c.memory_breakdown

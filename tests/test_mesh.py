@@ -50,6 +50,10 @@ def test_a_group_with_k_ranks_a_node_crosses_the_nodes_on_k_nics():
     assert 7.5 < t1 / t8 < 8.5  # the same ring, on one NIC a node instead of 8: ib * 8 under nv here
     off = autopar.Mesh({"dp": 32}, hardware=dataclasses.replace(hw, rails=False))
     assert off.rails("dp") == 8 and off.link("dp") == hw.inter_node
+    assert [m.link_text("dp") for m in (flat, two, outer, off)] == [
+        "across nodes: 8 a node, 8 NICs", "across nodes: 2 a node, 2 NICs", "across nodes: 1 a node, 1 NIC",
+        "across nodes: 8 a node, one NIC's share"]
+    assert two.link_text("tp") == "in node"
 
 
 def test_presets():

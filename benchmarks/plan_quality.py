@@ -578,21 +578,24 @@ def _batch_sweep(auto) -> None:
 
 def _link_sweep(pub, auto) -> None:
     """The same case with slower collectives across nodes (the preset's 90% of InfiniBand's line rate, then 75% and
-    60%): how the answer moves if FSDP's collectives over 256 ranks reach less than the preset says -- the one
-    constant the published runs leave loosest (torchtitan's 128-GPU run hides FSDP's traffic at ~66% or more)."""
+    60%; then at 90% and 60% again with every GPU's ring traffic on its own NIC, ``rails`` off): how the answer moves
+    if FSDP's collectives over 256 ranks reach less than the preset says -- the one constant the published runs
+    leave loosest (torchtitan's 128-GPU run hides FSDP's traffic at ~66% or more)."""
     model, make = models.build("llama3-70b", dtype=torch.bfloat16)
     inputs = make(512, 8192)
     hw = auto.mesh.hardware
     case = next(c for c in cases() if c.group == "titan" and c.devices == 256)
     print("  llama3-70b @256, 512 sequences, as collectives across nodes slow down:")
     rows = []
-    for share in (0.9, 0.75, 0.6):
-        slower = dataclasses.replace(hw, inter_node=dataclasses.replace(hw.inter_node, bandwidth=hw.inter_node.bandwidth * share / 0.9))
+    for share, rails in ((0.9, True), (0.75, True), (0.6, True), (0.9, False), (0.6, False)):
+        slower = dataclasses.replace(hw, inter_node=dataclasses.replace(hw.inter_node, bandwidth=hw.inter_node.bandwidth * share / 0.9),
+                                     rails=rails)
         cluster = Cluster(32, 8, slower)
-        p = auto if share == 0.9 else plan_cluster(model, inputs, cluster)
-        q = pub if share == 0.9 else _published_plan(case, model, inputs, cluster)
+        same = share == 0.9 and rails
+        p = auto if same else plan_cluster(model, inputs, cluster)
+        q = pub if same else _published_plan(case, model, inputs, cluster)
         tp = dict(zip(p.mesh.names, p.mesh.sizes)).get("tp", 1)
-        rows.append([f"{share:.0%}", _shape(p), f"{p.cost.step_time:.2f}", _tp_axis_use(p) if tp > 1 else "-",
+        rows.append([f"{share:.0%}" + ("" if rails else ", one NIC a GPU"), _shape(p), f"{p.cost.step_time:.2f}", _tp_axis_use(p) if tp > 1 else "-",
                      f"{q.cost.step_time:.2f}", f"{p.cost.step_time / q.cost.step_time:.3f}"])
     print(tabulate.tabulate(rows, headers=["IB share", "autopar plan", "pred step s", "what tp carries", "published TP 8 s",
                                            "auto/pub"]))

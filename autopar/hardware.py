@@ -179,9 +179,9 @@ class Hardware:
     rails: bool = True  # a ring collective (all-reduce, all-gather, reduce-scatter) over a group with k ranks in each
     # node crosses the nodes on k NICs at once, up to the node's NVLink (``Mesh.link``): NCCL runs one ring a channel,
     # each leaving the node through another NIC, the rest of its path on NVLink (NVIDIA/nccl#412, #569, #1168: 8 GPUs
-    # over 4 or 2 nodes all-reduce 2.1x / 2.8x faster than over 8, and
-    # 90 against 45 GB/s with 8 GPUs a node against 4). False: one NIC's share a device whatever the group
-    # (``benchmarks/plan_quality.py``'s DeepSpeed ZeRO-3 of 2021, whose step stays flat from 768 to 1536 GPUs)
+    # over 4 or 2 nodes all-reduce 2.1x / 2.8x faster than over 8; 90 against 45 GB/s with 8 GPUs a node against 4).
+    # False: one NIC's share a device whatever the group (``benchmarks/plan_quality.py``'s DeepSpeed ZeRO-3 of 2021,
+    # whose step stays flat from 768 to 1536 GPUs)
 
     def __post_init__(self):
         traffic = self.optimizer_step_bytes
@@ -272,6 +272,7 @@ class Hardware:
             "float8_linears": self.float8_linears,
             "tp_overlap": self.tp_overlap,
             "fused_elementwise": self.fused_elementwise,
+            "rails": self.rails,
             "device_type": self.device_type,
         }
 
@@ -327,6 +328,7 @@ class Hardware:
             float8_linears=bool(d.get("float8_linears", False)),
             tp_overlap=float(d.get("tp_overlap", 0.0)),
             fused_elementwise=bool(d.get("fused_elementwise", False)),
+            rails=bool(d.get("rails", True)),
             device_type=str(d.get("device_type", "cuda")),
         )
 

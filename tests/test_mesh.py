@@ -71,6 +71,9 @@ def test_json_round_trip():
 
     fused = autopar.Mesh({"dp": 2}, dataclasses.replace(m.hardware, optimizer_kernel="fused"))
     assert autopar.Mesh.from_json(fused.to_json()).hardware.optimizer_kernel == "fused"
+    one_nic = dataclasses.replace(m.hardware, rails=False)  # every field travels; a file without it keeps the rails
+    assert autopar.Hardware.from_json(one_nic.to_json()) == one_nic
+    assert autopar.Hardware.from_json({k: v for k, v in one_nic.to_json().items() if k != "rails"}).rails
     # the step's traffic per kernel travels as a dict; a number (a file written before it was per kernel) prices
     # every kernel the same, as it did then
     d = m.hardware.to_json()

@@ -22,7 +22,8 @@ For each published run it prints:
   are priced whole. torchtitan's and NVIDIA's tensor-parallel runs are sequence parallel;
 - **quality**: ``autopar.plan`` on ``autopar.Cluster(nodes, 8, hardware)`` with the same global batch -- mesh,
   pipeline, recomputation and per-op plan all searched -- its predicted step and the ratio to the published
-  configuration's predicted step under the same cost model (<= 1.0 is as good or better), and what differs;
+  configuration's predicted step under the same cost model (<= 1.0 is as good or better), and why (a table after
+  it: the choices that differ -- degrees, schedule, ZeRO stage, recomputation -- and what each step is made of);
 - the wall time of autopar's planning (trace, screen, real plan), and the process's peak memory.
 - for Llama-3.1-70B on 256 H100s (the shape question: does tensor parallelism join inside the node, at what
   degree?), autopar's per-op plan on each in-node tp degree, and what the tp axis carries in each, beside the
@@ -440,6 +441,13 @@ def main() -> None:
         print(f"\nfidelity: mean |MFU error| {100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}% over {len(errs)} published results")
     if ratios:
         print(f"quality: autopar / published step, max {max(ratios):.3f}, mean {sum(ratios) / len(ratios):.3f}")
+        print("\nwhy: what autopar's plan chose differently from the published one, and what each step is made of")
+        why = []
+        for (name, n, strategy), (pub, auto) in seen.items():
+            what, made = _differs(pub, auto)
+            why.append([f"{name} @{n}" + (" ZeRO-3" if name == "gpt3-175b" and strategy == "fsdp" else ""),
+                        f"{auto.cost.step_time / pub.cost.step_time:.3f}", what, made])
+        print(tabulate.tabulate(why, headers=["case", "auto/pub", "what differs (published -> autopar)", "what each step is made of"]))
     if checks:
         print("\nthe H100 presets against published H100 runs outside the issue's cases (not in the fidelity mean). torchtitan's")
         print("GPUs (h100-500w: HBM2e, a 500 W limit) on the same page as the 256-GPU run above: one row fits the preset's clocks,")
@@ -492,6 +500,32 @@ def main() -> None:
             print(f"  gpt3-175b @{n}: ZeRO-3 alone / TP 8 x PP 12, predicted step {a[0].cost.step_time / b[0].cost.step_time:.2f}x "
                   f"(published {dict(((384, 153 / 144), (768, 149 / 88), (1536, 141 / 44)))[n]:.2f}x)")
     print(f"peak process memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+def _differs(pub, auto) -> tuple[str, str]:
+    """Why autopar's plan prices differently from the published one: the choices that differ (axis degrees,
+    pipeline schedule and microbatches, ZeRO stages, recomputation, what tp splits) and how each plan's step is made
+    up (``_bounds``)."""
+    def axes(p) -> dict:
+        d = dict(zip(p.mesh.names, p.mesh.sizes))
+        if "fsdp" in d:  # HSDP: the data axis is both
+            d["dp"] = d.get("dp", 1) * d.pop("fsdp")
+        return d
+
+    a, b = axes(pub), axes(auto)
+    out = [f"{k} {a.get(k, 1)}->{b.get(k, 1)}" for k in ("pp", "dp", "cp", "ep", "tp") if a.get(k, 1) != b.get(k, 1)]
+    sched = [p.pipeline.label if p.pipeline else "no pipeline" for p in (pub, auto)]
+    if sched[0] != sched[1]:
+        out.append(f"{sched[0]} -> {sched[1]}")
+    zero = [("ZeRO-" + "/".join(map(str, sorted({st for st, _ in p.zero_stages.values()})))) if p.zero_stages else "ZeRO-0"
+            for p in (pub, auto)]
+    if zero[0] != zero[1]:
+        out.append(f"{zero[0]} -> {zero[1]}")
+    if pub.recompute != auto.recompute:
+        out.append(f"recompute {pub.recompute} -> {auto.recompute}")
+    if b.get("tp", 1) > 1 and "no weight split" in _tp_axis_use(auto):
+        out.append("tp carries the batch, not weights")
+    return (", ".join(out) or "the same choices"), f"published {_bounds(pub)}; autopar {_bounds(auto)}"
 
 
 def _bounds(plan) -> str:

@@ -223,7 +223,7 @@ def _proxy_model(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
     return (tr._truncated(model, path, 2), n) if n > 2 else (model, n)
 
 
-def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tuple[str, ...], ep: int = 1) -> _Profile | None:
+def _profile(tgs: list, t: int, hw: Hardware, dp_rails: int, recompute: tuple[str, ...], ep: int = 1) -> _Profile | None:
     """``tgs``: the proxy traced at one and two rows per rank of dp=2 (with ``ep``: of ep=ep, whose ranks, inside a
     node beside tp's, may split the experts; the all-to-alls that take the tokens to them are in the units' times)."""
     from autopar.planner import cost_model
@@ -231,8 +231,8 @@ def _profile(tgs: list, t: int, hw: Hardware, spans_nodes: bool, recompute: tupl
     # no overlap in the proxy's ILP: the screen prices data-parallel communication itself, and the max() of an
     # overlapped step makes the ILP's relaxation weak (seconds instead of a fraction of one)
     mesh = Mesh({"dp": 2, "tp": t} if ep == 1 else {"ep": ep, "tp": t}, dataclasses.replace(hw, overlap=0.0, reduce_overlap=0.0))
-    # dp spans nodes as the cluster's does: its groups hold as many ranks a node as tp leaves there (``Mesh.rails``)
-    mesh._spans = {"dp": max(1, hw.devices_per_node // t) if spans_nodes else 0, "tp": 0} if ep == 1 else {"ep": 0, "tp": 0}
+    # dp spans nodes as the cluster's dp beside tp = t does (``dp_rails``: its ranks a node, ``Mesh.rails``)
+    mesh._spans = {"dp": dp_rails, "tp": 0} if ep == 1 else {"ep": 0, "tp": 0}
     units = [graph_units(tg) for tg in tgs]
     cost0 = cost_model(tgs[0], mesh, "none")
     problem = build_problem(tgs[0], mesh, cost0)
@@ -829,7 +829,6 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
             if r not in traced and B % r == 0:
                 traced[r] = trace(proxy, slice_batch(args, r))
     proxies = {e: [traced[e], traced[2 * e]] if e > 1 else tgs for e in {c.ep for c in cands} if e == 1 or 2 * e in traced}
-    spans = cluster.devices > cluster.gpus_per_node
     timings["proxy"] += time.perf_counter() - t0
 
     def screen_round(entries: "list | None") -> "tuple[list[Screened], list]":
@@ -841,7 +840,8 @@ def plan_cluster(model, args: tuple, cluster: Cluster, memory_budget: float | No
 
         def made(key: tuple[int, int]) -> "_Profile | None":
             tp, ep = key
-            return _profile(proxies[ep], tp, hw, spans, modes, ep) if ep in proxies else None
+            rails = cluster.mesh(cluster.devices // tp, 1, tp).rails("dp") if cluster.devices > tp else 0
+            return _profile(proxies[ep], tp, hw, rails, modes, ep) if ep in proxies else None
 
         def profile(key: tuple[int, int], after: "list[tuple[int, int]] | None" = None) -> "_Profile | None":
             if key not in profiles:

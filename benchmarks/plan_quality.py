@@ -93,7 +93,8 @@ A100_PEAK = 312e12
 # eight NICs NCCL's rings reach with 8 ranks a node (``Hardware.rails``): the column's flat step says its traffic ran
 # so (our guess at why: it gathered parameter by parameter, a few hundred KB a rank, and NCCL runs a small collective
 # on few channels, so few NICs). Priced on all eight, its step falls with its compute: the three rows come out
-# +32 / +89 / +149 %, and the best refit of the two constants found (no overlap, ~120 us a ring step) is off by ~10 %. Both 2021 stacks computed attention unfused: two batched matmuls around a fused
+# +32 / +89 / +149 %, and the best refit of the two constants found (no overlap, ~120 us a ring step) is off by ~10 %.
+# Both 2021 stacks computed attention unfused: two batched matmuls around a fused
 # scale-mask-softmax, the whole score matrix through memory, the causal mask applied to it
 # (``Hardware.attention_unfused``), where torchtitan's SDPA runs FlashAttention-2 (the presets' 0.6) on the tiles on
 # and below the diagonal only.
@@ -346,14 +347,19 @@ def _bisect(below, lo: float, hi: float, steps: int) -> float:
     return (lo + hi) / 2
 
 
+def _zero(plan) -> str:
+    """The plan's ZeRO stages, e.g. "ZeRO-1", "ZeRO-0/3" (stage 0 where none is set)."""
+    stages = {st for st, _ in plan.zero_stages.values()} if plan.zero_stages else {0}
+    return f"ZeRO-{'/'.join(map(str, sorted(stages)))}"
+
+
 def _shape(plan) -> str:
     pp = plan.pipeline
     s = str(plan.mesh).split(" on ")[0]
     if pp is not None:
         s += f", {pp.label}"
-    stages = {st for st, _ in plan.zero_stages.values()} if plan.zero_stages else {0}
-    if stages != {0}:
-        s += f", ZeRO-{'/'.join(map(str, sorted(stages)))}"
+    if _zero(plan) != "ZeRO-0":
+        s += f", {_zero(plan)}"
     return s + f", recompute {plan.recompute}"
 
 
@@ -517,10 +523,8 @@ def _differs(pub, auto) -> tuple[str, str]:
     sched = [p.pipeline.label if p.pipeline else "no pipeline" for p in (pub, auto)]
     if sched[0] != sched[1]:
         out.append(f"{sched[0]} -> {sched[1]}")
-    zero = [("ZeRO-" + "/".join(map(str, sorted({st for st, _ in p.zero_stages.values()})))) if p.zero_stages else "ZeRO-0"
-            for p in (pub, auto)]
-    if zero[0] != zero[1]:
-        out.append(f"{zero[0]} -> {zero[1]}")
+    if _zero(pub) != _zero(auto):
+        out.append(f"{_zero(pub)} -> {_zero(auto)}")
     if pub.recompute != auto.recompute:
         out.append(f"recompute {pub.recompute} -> {auto.recompute}")
     if b.get("tp", 1) > 1 and "no weight split" in _tp_axis_use(auto):

@@ -32,30 +32,27 @@ def fake_world(n: int):
             dist.destroy_process_group()
 
 
-def fsdp2_h100(float8: bool = True, **fields):
-    """torchtitan's H100s (``h100-500w``) priced as its FSDP2 runtime with torch.compile, as
-    benchmarks/plan_quality.py describes it (its "fsdp2+compile" and "fsdp2+float8+compile" runtimes): overlapped
-    data-parallel communication, one ZeRO-3 bucket per block, fp32 gradient reduction, op-level selective
-    recomputation saving every other matmul, fused memory-bound ops, and (``float8``) Float8 linears."""
+def fsdp2(hardware: str = "h100-500w", **fields):
+    """A preset priced as torchtitan's FSDP2 runtime, as benchmarks/plan_quality.py describes it (its "fsdp2"
+    runtime): overlapped data-parallel communication, one ZeRO-3 bucket per block, fp32 gradient reduction, op-level
+    selective recomputation saving every other matmul; ``fields`` override or add (its compiled, float8 variants)."""
     import dataclasses
 
     from autopar.hardware import get_hardware
 
-    runtime = dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2, float8_linears=float8,
-                   fused_elementwise=True)
-    return dataclasses.replace(get_hardware("h100-500w"), **{**runtime, **fields})
+    runtime = dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2)
+    return dataclasses.replace(get_hardware(hardware), **{**runtime, **fields})
+
+
+def fsdp2_h100(float8: bool = True, **fields):
+    """torchtitan's H100s (``h100-500w``) under FSDP2 with torch.compile (plan_quality's "fsdp2+compile" and
+    "fsdp2+float8+compile"): fused memory-bound ops and (``float8``) Float8 linears."""
+    return fsdp2("h100-500w", **{"float8_linears": float8, "fused_elementwise": True, **fields})
 
 
 def fsdp2_a100(**fields):
-    """torchtitan's 2024 A100 runs (``a100-80gb``) priced as its FSDP2 runtime, eager, in bf16, as
-    benchmarks/plan_quality.py describes it (its "fsdp2" runtime): overlapped data-parallel communication, fp32
-    gradient reduction, op-level selective recomputation saving every other matmul, AdamW fused."""
-    import dataclasses
-
-    from autopar.hardware import get_hardware
-
-    runtime = dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2, optimizer_kernel="fused")
-    return dataclasses.replace(get_hardware("a100-80gb"), **{**runtime, **fields})
+    """torchtitan's 2024 A100 runs (``a100-80gb``): FSDP2 eager, in bf16, AdamW fused (plan_quality's "fsdp2")."""
+    return fsdp2("a100-80gb", **{"optimizer_kernel": "fused", **fields})
 
 
 def _worst(so_far: float, diff: float) -> float:

@@ -593,7 +593,7 @@ def test_the_bound_counts_context_parallel_traffic_and_stays_below_the_screen():
     cl = Cluster(2, 8, "a100-80gb")
     proxy, L = C._proxy_model(model)
     tgs = [C.trace(proxy, C.slice_batch((x, x), r)) for r in (2, 4)]
-    prof = C._profile(tgs, 2, cl.hw(), True, ("selective",))
+    prof = C._profile(tgs, 2, cl.hw(), cl.mesh(cl.devices // 2, 1, 2).rails("dp"), ("selective",))
     cands = [c for c in C.candidates(cl, 8, L, ("selective",), seq, cp_in_stages=True) if c.cp > 1 and c.tp == 2 and c.zero <= 1]
     assert {c.pp > 1 for c in cands} == {True, False}
     for c in cands:
@@ -631,7 +631,7 @@ def test_the_screen_drops_a_pipeline_no_cut_fits_without_cutting_it():
     model, x = _gpt(layers=8, width=512), _ids(64)
     cl = Cluster(4, 8, "a100-80gb")
     proxy, L = C._proxy_model(model)
-    prof = C._profile([C.trace(proxy, C.slice_batch(x, r)) for r in (2, 4)], 1, cl.hw(), True, ("none",))
+    prof = C._profile([C.trace(proxy, C.slice_batch(x, r)) for r in (2, 4)], 1, cl.hw(), cl.mesh(cl.devices, 1, 1).rails("dp"), ("none",))
     cands = [c for c in candidates(cl, 64, L, ("none",)) if c.pp > 1 and c.tp == 1 and c.ep == 1]
     rows = lambda c: 64 / (c.dp * c.cp * c.microbatches)  # noqa: E731
     full = {str(c): C._screen_pipeline(prof, c, cl, rows(c), L, math.inf).memory for c in cands}

@@ -38,11 +38,12 @@ class Mesh:
         # derived once (a Mesh is not changed after it is made): the planner asks for them millions of times
         self._names = tuple(n for n, _ in self.axes)
         self._sizes = tuple(s for _, s in self.axes)
-        self._node_spans = tuple(math.prod(self._sizes[a:]) > self.hardware.devices_per_node for a in range(len(self._sizes)))
+        # an axis spans nodes when its stride times its size (the ranks one group of it reaches) passes a node; its
+        # rails: how many of a group's ranks share a node then (per_node / stride while the stride is under a node)
         per_node = self.hardware.devices_per_node
         strides = tuple(math.prod(self._sizes[a + 1:]) for a in range(len(self._sizes)))
-        self._rails = tuple(0 if not spans else max(1, min(size, per_node // stride)) if stride < per_node else 1
-                            for spans, size, stride in zip(self._node_spans, self._sizes, strides))
+        self._rails = tuple(0 if size * stride <= per_node else max(1, min(size, per_node // stride)) if stride < per_node else 1
+                            for size, stride in zip(self._sizes, strides))
         self._rail_links: dict[int, Link] = {}
         self._device_mesh = None  # attached by from_device_mesh / to_device_mesh; never part of equality
         self._spans: dict[str, int] | None = None  # set by without(): the axes' ``rails`` in the full mesh
@@ -75,10 +76,7 @@ class Mesh:
         return math.prod(self.sizes[self.axis_index(axis) + 1 :])
 
     def spans_nodes(self, axis: "str | int") -> bool:
-        a = self.axis_index(axis)
-        if self._spans is not None:
-            return bool(self._spans[self._names[a]])
-        return self._node_spans[a]  # its stride times its size: the ranks one group of it reaches
+        return self.rails(axis) > 0
 
     def rails(self, axis: "str | int") -> int:
         """How many ranks of one group of ``axis`` share each node, when the group spans nodes (0 when it fits in

@@ -39,7 +39,8 @@ Sources: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
 (SC'21), Table 1 (GPT ladder, 2048 tokens, vocabulary 51200) and Table 2 (GPT-3 175B, PTD-P vs ZeRO-3); Liang et
 al., "TorchTitan" (2024) and torchtitan's docs/performance.md: Llama-3 8B and 70B on 64 A100-80GB at 8192 tokens
 (FSDP, local batch 1); torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, Table 4: Llama-3.1 70B on 256 H100
-(FSDP 32 x TP 8, local batch 16, full activation checkpointing, torch.compile + Float8: 829 tokens/s/GPU). That
+(FSDP 32 x TP 8, local batch 16, full activation checkpointing, torch.compile + Float8: 829 tokens/s/GPU; 876 with
+Async TP, a check row whose ratio to 829 fits the share of the tensor-parallel collectives Async TP hides). That
 run is priced as it ran: on torchtitan's GPUs (``h100-500w``: HBM2e, a 500 W power limit) with FSDP2, its blocks'
 linears in float8 (cast before the tensor-parallel gathers, as torchao does) and torch.compile's fusion of the
 memory-bound ops. Its MFU here is its model FLOPs against that preset's bf16 peak (MFU's relative error does not
@@ -102,6 +103,7 @@ A100_PEAK = 312e12
 # selective AC saves every other matmul's output, recomputing the rest (torchtitan/.../activation_checkpoint.py).
 # All three step AdamW fused (apex's / Transformer Engine's FusedAdam, DeepSpeed's FusedAdam, torchtitan's default
 # ``implementation = "fused"``): nothing allocated beside the state at the step.
+ASYNC_TP_HIDDEN = 0.24  # share of the tensor-parallel collectives torch's Async TP hides (fitted on TABLE4, below)
 RUNTIMES = {"megatron-lm": dict(overlap=0.0, attention_unfused=True, optimizer_kernel="fused"),
             "deepspeed-zero3": dict(overlap=0.5, attention_unfused=True, ring_step_latency=30e-6, rails=False,
                                     optimizer_kernel="fused"),
@@ -115,8 +117,15 @@ RUNTIMES["fsdp2+float8"] = dict(RUNTIMES["fsdp2"], float8_linears=True)
 RUNTIMES["fsdp2+compile"] = dict(RUNTIMES["fsdp2"], fused_elementwise=True)
 RUNTIMES["fsdp2+float8+compile"] = dict(RUNTIMES["fsdp2+float8"], fused_elementwise=True)
 # and with Async TP (torch.compile's micro-pipelining of the tensor-parallel all-gathers and reduce-scatters with the
-# matmuls they feed or follow): the tensor-parallel collectives hidden under those matmuls
-RUNTIMES["fsdp2+float8+compile+asynctp"] = dict(RUNTIMES["fsdp2+float8+compile"], tp_overlap=1.0)
+# matmuls they feed or follow): a share of the tensor-parallel collectives hidden under those matmuls. The share is
+# fitted, not assumed: torchtitan's Table 4 ran the same 70B layout with and without Async TP (829 and 876 tok/s/GPU,
+# TABLE4), and ASYNC_TP_HIDDEN is the share that makes the predicted speedup the measured 1.057x (refitted and
+# printed by ``--cases check``); the 405B rows of Table 5 (Async TP too, same page, same torch) check it. Hiding all
+# (1.0) would make the 70B layout 1.29x faster. PyTorch's own report of Async TP ("~8% E2E speedup in Llama3 70B",
+# dev-discuss, 2024) is of the same size; its June 2025 rerun of the 70B layout (a later torch) measured 1.09x (bf16)
+# and 1.16x (float8), a larger share
+TABLE4 = (829.0, 876.0)  # tok/s/GPU: Llama-3.1 70B, FSDP 32 x TP 8, Float8 + compile; without and with Async TP
+RUNTIMES["fsdp2+float8+compile+asynctp"] = dict(RUNTIMES["fsdp2+float8+compile"], tp_overlap=ASYNC_TP_HIDDEN)
 # Megatron-Core through NeMo's Megatron-Bridge (2025), FP8 with Transformer Engine: the distributed optimizer overlaps
 # its gradient reduce-scatter and parameter all-gather with compute, and TE's userbuffers run the tensor-parallel
 # all-gathers and reduce-scatters pipelined with the GEMMs they feed or follow (tp_comm_overlap in its recipes)
@@ -217,7 +226,8 @@ def cases() -> list[Case]:
     out.append(Case("titan", "llama3-70b", 64, "a100-80gb", 64, 8192, 1, 1, "fsdp", "full", "FSDP 64, local batch 1, full AC: 51.7% MFU", 0.517,
                     norm="fp32-composite"))
     out.append(Case("titan", "llama3-70b", 256, "h100-500w", 512, 8192, 8, 1, "fsdp", "full",
-                    "FSDP 32 x TP 8, local batch 16, full AC, Float8 + compile: 829 tok/s/GPU", None, 829.0, "fsdp2+float8+compile"))
+                    f"FSDP 32 x TP 8, local batch 16, full AC, Float8 + compile: {TABLE4[0]:.0f} tok/s/GPU", None, TABLE4[0],
+                    "fsdp2+float8+compile"))
     # the same torchtitan page, Tables 1 and 3, on the same 500 W GPUs: Llama-3.1 8B on FSDP 8 and 128, eager bf16,
     # compiled, compiled in float8 (the clocks of ``h100-500w`` are fitted on Table 1's compiled row: FIT_ROW)
     # torchtitan's Llama computes RMSNorm in fp32 from its parts (torchtitan/models/norms.py, the "rmsnorm" its
@@ -237,6 +247,11 @@ def cases() -> list[Case]:
         out.append(Case("check", "llama3-8b", 8, "h100-500w", f, seq, 1, 1, "fsdp", "full",
                         f"torchtitan: Llama-3.1 8B FSDP {f} x CP {c}, seq {seq // 1024}K, local batch 1, full AC, Float8 + "
                         f"compile: {tps:,.0f} tok/s/GPU", None, tps, "fsdp2+float8+compile", cp=c))
+    # the same page, Table 4's other row: that 256-GPU run with Async TP (its hidden share is fitted on the two rows'
+    # ratio: ASYNC_TP_HIDDEN; this row's error is then the row without's)
+    out.append(Case("check", "llama3-70b", 256, "h100-500w", 512, 8192, 8, 1, "fsdp", "full",
+                    f"torchtitan: Llama-3.1 70B FSDP 32 x TP 8, local batch 16, full AC, Float8 + compile + Async TP: "
+                    f"{TABLE4[1]:.0f} tok/s/GPU", None, TABLE4[1], "fsdp2+float8+compile+asynctp"))
     # the same page, Table 5: Llama-3.1 405B (126 layers) on 512 of those GPUs, FSDP 8 x TP 8 x PP 8, local batch 32
     # (global 256), microbatch 1, full AC, compiled, Float8, Async TP; 1F1B and interleaved 1F1B (torchtitan's
     # default: 2 stages per rank). 126 layers do not divide into 8 or 16 stages: the middle stages take one more
@@ -339,6 +354,23 @@ def _fit_clocks(case: Case) -> float:
     return _bisect(slow, 0.3, 1.0, 14)
 
 
+def _fit_async_tp(case: Case) -> float:
+    """The share of the tensor-parallel collectives Async TP hides (``tp_overlap``) that makes ``case`` (Table 4's run
+    with Async TP) predicted faster than the same run without it by the published ratio (TABLE4): bisection, the rest
+    as the runtime has it. Fitted on the ratio, so that the row without's error (the clocks, the float8 matmuls) stays
+    out of it."""
+    model, make = _build(case)
+    inputs = make(case.batch, case.seq)
+    hw = runtime_hardware(case.hardware, case.runtime)
+
+    def step(hidden: float) -> float:
+        scaled = dataclasses.replace(hw, tp_overlap=hidden)
+        return _published_plan(case, model, inputs, Cluster(case.devices // 8, 8, scaled)).cost.step_time
+
+    without = step(0.0)
+    return _bisect(lambda hidden: without / step(hidden) < TABLE4[1] / TABLE4[0], 0.0, 1.0, 10)
+
+
 def _bisect(below, lo: float, hi: float, steps: int) -> float:
     """The point of [lo, hi] where ``below(x)`` (true left of it, false right of it) turns, to (hi - lo) / 2^steps."""
     for _ in range(steps):
@@ -384,7 +416,7 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     rows, errs, ratios, checks = [], [], [], []
     scaling: dict[tuple, tuple[float, float]] = {}  # (runtime, devices) -> (published, predicted) tok/s/GPU, torchtitan's 8B FSDP
-    fit = None
+    fit = hidden = None
     seen: dict[tuple, tuple] = {}  # (model, devices, strategy) -> (published plan, autopar plan)
     checked_auto: dict[tuple, tuple] = {}  # (model, devices) -> (autopar plan, seconds, [published plan])
     for case in cases():
@@ -402,11 +434,14 @@ def main() -> None:
             mfu = pub.cost.model_flops / (case.devices * hw.flops(torch.bfloat16) * step)
         if case.group == "check":  # outside the issue's cases: printed apart, not in the fidelity mean
             fitted = case.hardware == "h100-500w" and (case.devices, case.runtime) == FIT_ROW
+            hidden_fit = case.tps == TABLE4[1] and case.runtime.endswith("asynctp")
             checks.append([f"{case.model} @{case.devices} {case.hardware}", case.published, f"{100 * mfu:.1f}",
-                           f"{100 * pub.cost.mfu:.1f}", f"{100 * (pub.cost.mfu - mfu) / mfu:+.1f}%" + (" (fitted)" if fitted else ""),
+                           f"{100 * pub.cost.mfu:.1f}", f"{100 * (pub.cost.mfu - mfu) / mfu:+.1f}%" + (" (fitted)" if fitted else " (ratio fitted)" if hidden_fit else ""),
                            f"{pub.cost.step_time:.2f}"])
             if fitted:
                 fit = (case, _fit_clocks(case))
+            if hidden_fit:
+                hidden = _fit_async_tp(case)
             if case.model == "llama3-8b" and case.hardware == "h100-500w" and case.seq == 8192:
                 scaling[case.runtime, case.devices] = (case.tps, case.batch * case.seq / (case.devices * pub.cost.step_time))
             if (case.strategy == "megatron-3d" or case.seq > 8192) and case.runtime and case.runtime.startswith("fsdp2"):
@@ -459,10 +494,11 @@ def main() -> None:
         print("GPUs (h100-500w: HBM2e, a 500 W limit) on the same page as the 256-GPU run above: one row fits the preset's clocks,")
         print("the rest and the 256-GPU run are priced with them. Eager rows: torchtitan's RMSNorm, fp32 from its parts (six")
         print("kernels; compiled, one op as here); float8 rows: float8 matmuls priced at twice the bf16 rate, which")
-        print("torchao's kernels do not quite reach. The 405B rows: torchtitan's 3-D pipelines, Async TP priced as the")
-        print("tensor-parallel gathers and reduce-scatters hidden under their GEMMs (tp_overlap = 1), FSDP 8 as ZeRO-1 on")
+        print("torchao's kernels do not quite reach. Async TP (the 256-GPU run's second row and the 405B rows) is priced as")
+        print(f"a share of the tensor-parallel gathers and reduce-scatters hidden under their GEMMs (tp_overlap = {ASYNC_TP_HIDDEN}),")
+        print("fitted on the ratio of the 256-GPU run's two rows. The 405B rows: torchtitan's 3-D pipelines, FSDP 8 as ZeRO-1 on")
         print("the pipeline (gathered once a step, gradients reduce-scattered after the last microbatch: it fits); they")
-        print("come out faster than they ran (MFU err): Async TP here hides all it can. NVIDIA's")
+        print("come out faster than they ran (MFU err), and would without Async TP too. NVIDIA's")
         print("DGX-H100s (h100-80gb, 700 W) with Megatron-Core; the 70B TP 4 run is priced with Transformer Engine's overlap")
         print("of the tensor-parallel collectives with the GEMMs (tp_overlap = 1). The FSDP x CP rows (Table 2) ran torchtitan's")
         print("ring attention; they are priced as autopar runs context parallelism (K/V all-gathered, not overlapped, the")
@@ -478,6 +514,9 @@ def main() -> None:
         if fit is not None:
             print(f"h100-500w's clocks refitted on {fit[0].published.split(': ')[1]}: {fit[1]:.3f} of the 700 W part's "
                   f"tensor-core peaks (the preset: {H100_500W_CLOCKS})")
+        if hidden is not None:
+            print(f"Async TP's hidden share refitted on Table 4 (2D + AsyncTP {TABLE4[1]:.0f} / 2D {TABLE4[0]:.0f} tok/s/GPU): "
+                  f"{hidden:.3f} of the tensor-parallel collectives' time (the runtime: {ASYNC_TP_HIDDEN})")
         for (name, n, *seq), (auto, took, pubs) in checked_auto.items():
             tp = dict(zip(auto.mesh.names, auto.mesh.sizes)).get("tp", 1)
             against = ", ".join(f"{p.pipeline.label if p.pipeline else _shape(p)} {p.cost.step_time:.2f} s "

@@ -1165,11 +1165,11 @@ def plan_pipeline(model, args: tuple, mesh: Mesh, memory_budget: float | None, p
                 if plain is None and solved is None:  # the hinted bound was too tight: start over from the plain one
                     squeeze, plain = 1.0, attempt + 1
                     continue
-                if found:  # tightened for a faster schedule past any stage plan: what fits stands
-                    break
                 if attempt != plain and solved is not None and not last:  # overshot: halfway back
                     squeeze = (squeeze + solved) / 2
                     continue
+                if found:  # tightened for a faster schedule past any stage plan, and no attempt left: what fits stands
+                    break
                 if attempt == plain:
                     # (the stage ILP's own budget is the pp ranks' together, on the mesh without pp: its error's
                     # numbers and advice are for that problem, so what it found is said per device here)

@@ -112,10 +112,10 @@ FLOAT8_MOVES = ("all_gather", "all_to_all")  # what a float8 tensor can travel t
 TP_OVERLAPPED = ("all_gather", "reduce_scatter")
 
 
-def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad: bool, again: bool = False,
+def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad: bool, again: bool | frozenset = False,
                 hidden: float = 0.0, float8: tuple[bool, bool] = (False, False)) -> list[Priced]:
-    """The collectives of a redistribution: forward, once more when its consumer is recomputed (``again``), and
-    their transposes in backward when the tensor carries a gradient. ``hidden``: the share of the time of those on
+    """The collectives of a redistribution: forward, once more when its consumer is recomputed (``again``: all of
+    them, or a set of the kinds that run again), and their transposes in backward when the tensor carries a gradient. ``hidden``: the share of the time of those on
     model axes (tp...) that runs under an adjacent linear (``Hardware.tp_overlap``; gathers and reduce-scatters
     only, ``TP_OVERLAPPED``); the bytes are the same.
     ``float8``: (forward, backward) gathers and all-to-alls that move the value, or its gradient, already cast to
@@ -130,7 +130,7 @@ def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad
 
     for phase in ("forward", "recompute") if again and requires_grad else ("forward",):
         for st in steps:
-            if st.is_collective:
+            if st.is_collective and (phase == "forward" or again is True or st.kind in again):
                 b = step_buffer_bytes(st, mesh.sizes[st.axis], 1 if float8[0] and st.kind in FLOAT8_MOVES else isz)
                 out.append(Priced(st.kind, mesh.names[st.axis], b, phase, seconds(st.kind, b, st.axis)))
     if requires_grad:
@@ -600,11 +600,20 @@ class CostModel:
         forward with its collectives (selective keeps the matmuls' outputs, which the collectives feed or follow)."""
         return self.recompute.get(consumer, "none") == "full"
 
+    def rerun(self, consumer: str | None) -> bool | frozenset:
+        """The collectives of a redistribution into ``consumer`` that run again in backward: all of them under full
+        recomputation (``again``); under selective recomputation on a runtime whose policy keeps no all-gather's
+        output (``Hardware.selective_keeps_gathers`` False: torchtitan's), its all-gathers; else none."""
+        if self.again(consumer):
+            return True
+        selective = self.recompute.get(consumer, "none") in ("selective", "recomputed")
+        return frozenset({"all_gather"}) if selective and not self.hw.selective_keeps_gathers else False
+
     def edge_time(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None,
                   producer: str | None = None) -> float:
         if src == dst:
             return 0.0
-        return self._edge(meta.shape, meta.dtype, src, dst, requires_grad, self.again(consumer), self.hidden(consumer, producer),
+        return self._edge(meta.shape, meta.dtype, src, dst, requires_grad, self.rerun(consumer), self.hidden(consumer, producer),
                           self.float8_wire(consumer, producer))
 
     def kept_redistribution(self, meta: TensorMeta, src: Spec, dst: Spec, consumer: str | None, saved: bool) -> float:
@@ -623,11 +632,14 @@ class CostModel:
         sizes, isz = self.mesh.sizes, itemsize(dtype)
         out = math.prod(dst.local_shape(shape, sizes)) * isz
         if mode in ("selective", "recomputed"):
-            launched = any(p.phase == "forward" for p in price_steps(redistribute(src, dst, shape, sizes), dtype, self.mesh, False, False))
-            return float(out) if launched else 0.0
+            # what the policy keeps: the collectives' outputs, or on a runtime whose policy gathers again
+            # (``selective_keeps_gathers`` False) those of the redistributions that are not all-gathers alone
+            kinds = {p.kind for p in price_steps(redistribute(src, dst, shape, sizes), dtype, self.mesh, False, False)}
+            kept = kinds if self.hw.selective_keeps_gathers else kinds - {"all_gather"}
+            return float(out) if kept else 0.0
         return redistributed_growth(shape, dtype, src, dst, sizes) if saved else 0.0
 
     def edge_priced(self, meta: TensorMeta, src: Spec, dst: Spec, requires_grad: bool, consumer: str | None = None,
                     producer: str | None = None) -> list[Priced]:
         return price_steps(redistribute(src, dst, meta.shape, self.mesh.sizes), meta.dtype, self.mesh, requires_grad,
-                           self.again(consumer), self.hidden(consumer, producer), self.float8_wire(consumer, producer))
+                           self.rerun(consumer), self.hidden(consumer, producer), self.float8_wire(consumer, producer))

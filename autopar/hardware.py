@@ -24,7 +24,8 @@ besides), torch's SDPA forward + backward 0.45 (the h200 preset takes it); on wh
 bf16/fp32, the foreach optimizer step 1.05-1.06x, the peak 1.003x and 1.036x. torchtitan's published H100 runs were on 500 W parts with HBM2e: ``h100-500w`` describes them, with one
 constant fitted (the tensor-core clocks the power limit leaves) on one of their runs and checked on the others.
 The runtime fields (``overlap``, ``reduce_overlap``, ``grad_reduce_bytes``, ``attention_skips_masked``,
-``attention_unfused``, ``selective_recomputes_every``, ``float8_linears``, ``tp_overlap``, ``fused_elementwise``)
+``attention_unfused``, ``selective_recomputes_every``, ``selective_keeps_gathers``, ``float8_linears``, ``tp_overlap``,
+``fused_elementwise``)
 describe autopar's runtime by default (no overlap priced,
 gradients reduced in the parameter's dtype, SDPA's fused kernels, selective recomputation keeping every matmul's
 output, the model's dtype, tensor-parallel collectives between the linears, not under them, one kernel per op;
@@ -154,6 +155,10 @@ class Hardware:
     # reduce_dtype=float32 in torchtitan: 4); 0: the parameter's own dtype
     selective_recomputes_every: int = 0  # selective recomputation also recomputes every k-th matmul of a block
     # (torchtitan's op-level SAC saves every other mm: 2); 0: it keeps every matmul's output (autopar's)
+    selective_keeps_gathers: bool = True  # selective recomputation keeps the outputs of a block's all-gathers
+    # (autopar's policy keeps every collective's); False: it runs them again in backward and keeps none of them
+    # (torchtitan's op-level SAC, whose list of ops to save holds the reduce-scatter but not the all-gather: under
+    # tensor + sequence parallelism each block's gathered activations are gathered again, not kept)
     float8_linears: bool = False  # the repeated blocks' matmuls run in float8 with dynamic per-tensor scaling
     # (torchao's Float8Linear as torchtitan applies it: every linear but the output head), at the "float8" peak;
     # autopar's runtime does not (parallelize refuses such hardware)
@@ -270,6 +275,7 @@ class Hardware:
             "cores_per_rank": self.cores_per_rank,
             "grad_reduce_bytes": self.grad_reduce_bytes,
             "selective_recomputes_every": self.selective_recomputes_every,
+            "selective_keeps_gathers": self.selective_keeps_gathers,
             "float8_linears": self.float8_linears,
             "tp_overlap": self.tp_overlap,
             "fused_elementwise": self.fused_elementwise,
@@ -326,6 +332,7 @@ class Hardware:
             cores_per_rank=float(d.get("cores_per_rank", 0.0)),
             grad_reduce_bytes=int(d.get("grad_reduce_bytes", 0)),
             selective_recomputes_every=int(d.get("selective_recomputes_every", 0)),
+            selective_keeps_gathers=bool(d.get("selective_keeps_gathers", True)),
             float8_linears=bool(d.get("float8_linears", False)),
             tp_overlap=float(d.get("tp_overlap", 0.0)),
             fused_elementwise=bool(d.get("fused_elementwise", False)),
@@ -339,10 +346,10 @@ _GB = 1e9  # decimal, as vendors state sizes and rates. A preset's memory is the
 # stand for what plans do not price -- the CUDA context, NCCL's buffers, the caching allocator's fragmentation
 # runtime fields autopar's own runtime does not realise (its gathers wait, and the hiding of its reductions is
 # not measured; it reduces gradients in their dtype, runs linears in the model's dtype, one kernel per op, attention
-# in SDPA's fused kernels): set, they price another runtime, and parallelize refuses such hardware rather than run a
+# in SDPA's fused kernels, and its selective recomputation keeps the gathers): set, they price another runtime, and parallelize refuses such hardware rather than run a
 # plan whose every number describes something else
 FOREIGN_RUNTIME = ("overlap", "grad_reduce_bytes", "float8_linears", "tp_overlap", "fused_elementwise",
-                   "attention_unfused")
+                   "attention_unfused", "selective_keeps_gathers")
 _AUTOPAR_RUNTIME = {f.name: f.default for f in dataclasses.fields(Hardware) if f.name in FOREIGN_RUNTIME}
 
 H100_500W_CLOCKS = 0.71  # share of the 700 W H100's tensor-core peak a 500 W limit leaves ("h100-500w" below)

@@ -100,14 +100,17 @@ A100_PEAK = 312e12
 # (``Hardware.attention_unfused``), where torchtitan's SDPA runs FlashAttention-2 (the presets' 0.6) on the tiles on
 # and below the diagonal only.
 # torchtitan (its defaults, which the published runs used) reduces FSDP2's bf16 gradients in fp32, and its op-level
-# selective AC saves every other matmul's output, recomputing the rest (torchtitan/.../activation_checkpoint.py).
+# selective AC saves every other matmul's output, recomputing the rest (torchtitan/.../activation_checkpoint.py);
+# of the collectives, its list of ops to save holds the reduce-scatter but not the all-gather, so under tensor +
+# sequence parallelism a block's all-gathers run again in backward and their outputs are not kept.
 # All three step AdamW fused (apex's / Transformer Engine's FusedAdam, DeepSpeed's FusedAdam, torchtitan's default
 # ``implementation = "fused"``): nothing allocated beside the state at the step.
 ASYNC_TP_HIDDEN = 0.28  # share of the tensor-parallel collectives torch's Async TP hides (fitted on TABLE4, below)
 RUNTIMES = {"megatron-lm": dict(overlap=0.0, attention_unfused=True, optimizer_kernel="fused"),
             "deepspeed-zero3": dict(overlap=0.5, attention_unfused=True, ring_step_latency=30e-6, rails=False,
                                     optimizer_kernel="fused"),
-            "fsdp2": dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2, optimizer_kernel="fused")}
+            "fsdp2": dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2, selective_keeps_gathers=False,
+                          optimizer_kernel="fused")}
 # Megatron-LM's two data-parallel wrappers (--DDP-impl): its "local" one all-reduces the gradients after backward
 # (the runtime above), torch's DistributedDataParallel all-reduces them in buckets as backward produces them
 RUNTIMES["megatron-lm+local-ddp"] = RUNTIMES["megatron-lm"]
@@ -257,8 +260,8 @@ def cases() -> list[Case]:
     # selective AC), on the same 500 W GPUs with a torch of June 2025, compiled, in bf16 and in float8 (tensorwise),
     # each without and with Async TP (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, as first committed). The
     # runtimes are the ones above, Async TP's hidden share the one fitted on the 2024 rows: this torch hid more.
-    # The 8B rows are priced for time only: the memory model puts their op-level selective AC under TP + SP at
-    # ~109 GiB a GPU, over the 96 GB they ran in (not yet explained; the 70B's full AC fits as priced)
+    # (Priced keeping the gathers' outputs, as autopar's own selective policy does, the 8B rows came to ~109 GiB a
+    # GPU, over the 96 GB they ran in: torchtitan's policy keeps none, ``selective_keeps_gathers``; 62 GiB so)
     for model, n, batch, recompute, lbs, rows in (
             ("llama3-70b", 256, 512, "full", 16, (("bf16", 597.3, 652.4), ("float8", 809.8, 942.4))),
             ("llama3-8b", 64, 96, "selective", 12, (("bf16", 4378.0, 4809.4), ("float8", 5078.1, 5570.1)))):
@@ -268,7 +271,7 @@ def cases() -> list[Case]:
                 out.append(Case("check", model, n, "h100-500w", batch, 8192, 8, 1, "fsdp", recompute,
                                 f"torchtitan 2025: Llama-3.1 {model[7:].upper()} FSDP {n // 8} x TP 8, local batch {lbs}, "
                                 f"{'full' if recompute == 'full' else 'op-level selective'} AC, compile, {dtype}{what}: "
-                                f"{tps:,.1f} tok/s/GPU", None, tps, rt, time_only=recompute != "full"))
+                                f"{tps:,.1f} tok/s/GPU", None, tps, rt))
     # the same page, Table 5: Llama-3.1 405B (126 layers) on 512 of those GPUs, FSDP 8 x TP 8 x PP 8, local batch 32
     # (global 256), microbatch 1, full AC, compiled, Float8, Async TP; 1F1B and interleaved 1F1B (torchtitan's
     # default: 2 stages per rank). 126 layers do not divide into 8 or 16 stages: the middle stages take one more

@@ -35,12 +35,13 @@ def fake_world(n: int):
 def fsdp2(hardware: str = "h100-500w", **fields):
     """A preset priced as torchtitan's FSDP2 runtime, as benchmarks/plan_quality.py describes it (its "fsdp2"
     runtime): overlapped data-parallel communication, one ZeRO-3 bucket per block, fp32 gradient reduction, op-level
-    selective recomputation saving every other matmul; ``fields`` override or add (its compiled, float8 variants)."""
+    selective recomputation saving every other matmul and no all-gather's output; ``fields`` override or add (its
+    compiled, float8 variants)."""
     import dataclasses
 
     from autopar.hardware import get_hardware
 
-    runtime = dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2)
+    runtime = dict(overlap=1.0, grad_reduce_bytes=4, selective_recomputes_every=2, selective_keeps_gathers=False)
     return dataclasses.replace(get_hardware(hardware), **{**runtime, **fields})
 
 

@@ -538,3 +538,42 @@ def test_a_recomputed_block_makes_again_what_its_gradientless_ops_keep():
         for n in again:
             kept, made = problems[mode].costs[n][0], first.costs[n][0]
             assert kept.act == 0 and kept.regen == made.act and kept.compute > made.compute, (mode, n)
+
+
+def test_a_selective_policy_without_gathers_gathers_again_in_backward_and_keeps_no_gathered_activation():
+    """torchtitan's op-level selective AC saves reduce-scatter outputs but no all-gather's: under tensor + sequence
+    parallelism each block's gathered activations are gathered again in backward, not kept
+    (``Hardware.selective_keeps_gathers`` False). One Megatron + SP plan under selective recomputation, priced on
+    both policies: the same forward collectives, each all-gather on tp into a block's op once more as a recompute
+    (nothing else), and less kept for backward; autopar's own runtime keeps the gathers, and refuses the other."""
+    import dataclasses
+
+    import autopar
+    from autopar.handwritten import _MEGATRON
+    from autopar.hardware import Hardware, get_hardware
+    from autopar.planner import cost_model, price
+    from autopar.solver import build_problem, solve
+
+    tg = _small_gpt_graph(n_layer=2)
+    base = get_hardware("a100-80gb")
+    other = dataclasses.replace(base, selective_keeps_gathers=False)
+    assert Hardware.from_json(other.to_json()) == other and other.foreign_runtime() == {"selective_keeps_gathers": False}
+    meshes = {keeps: autopar.Mesh({"dp": 2, "tp": 4}, hardware=hw) for keeps, hw in ((True, base), (False, other))}
+    cost = cost_model(tg, meshes[True], "selective")
+    problem = build_problem(tg, meshes[True], cost)
+    pins = [autopar.Pin(glob, "R" + placement) for glob, placement in _MEGATRON["gpt"]]
+    pins += [autopar.Pin(f"{b.fqn}:add*", "S(0)S(1)") for b in tg.blocks]
+    choice = solve(tg, meshes[True], cost, problem, None, pins)
+    plans = {k: price(tg, m, problem, choice, cost_model(tg, m, "selective")) for k, m in meshes.items()}
+    cols = {k: [(c.kind, c.axis, c.bytes, c.where) for c in p.collective_list if c.phase != "recompute"] for k, p in plans.items()}
+    assert cols[True] == cols[False]
+    again = [c for c in plans[False].collective_list if c.phase == "recompute"]
+    selective = cost_model(tg, meshes[False], "selective").recompute  # the blocks' nodes -> their mode
+    gathers = [c for c in plans[False].collective_list if c.phase == "forward" and c.kind == "all_gather"
+               and c.edge and c.edge[0] in selective]
+    assert not [c for c in plans[True].collective_list if c.phase == "recompute"]
+    assert again and {c.kind for c in again} == {"all_gather"}
+    assert sorted((c.bytes, c.where) for c in again) == sorted((c.bytes, c.where) for c in gathers)
+    kept = {k: p.cost.memory_breakdown["activations"] for k, p in plans.items()}
+    assert kept[False] < kept[True]
+    assert plans[False].cost.step_time > plans[True].cost.step_time

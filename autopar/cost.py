@@ -115,9 +115,9 @@ TP_OVERLAPPED = ("all_gather", "reduce_scatter")
 def price_steps(steps: list[Step], dtype: torch.dtype, mesh: Mesh, requires_grad: bool, again: bool | frozenset = False,
                 hidden: float = 0.0, float8: tuple[bool, bool] = (False, False)) -> list[Priced]:
     """The collectives of a redistribution: forward, once more when its consumer is recomputed (``again``: all of
-    them, or a set of the kinds that run again), and their transposes in backward when the tensor carries a gradient. ``hidden``: the share of the time of those on
-    model axes (tp...) that runs under an adjacent linear (``Hardware.tp_overlap``; gathers and reduce-scatters
-    only, ``TP_OVERLAPPED``); the bytes are the same.
+    them, or a set of the kinds that run again), and their transposes in backward when the tensor carries a
+    gradient. ``hidden``: the share of the time of those on model axes (tp...) that runs under an adjacent linear
+    (``Hardware.tp_overlap``; gathers and reduce-scatters only, ``TP_OVERLAPPED``); the bytes are the same.
     ``float8``: (forward, backward) gathers and all-to-alls that move the value, or its gradient, already cast to
     float8 (one byte an element): torchao's float8 tensor parallelism casts a float8 linear's input before it is
     gathered, and the gradient of its output before that is gathered in backward; reductions stay in ``dtype``."""

@@ -346,8 +346,8 @@ _GB = 1e9  # decimal, as vendors state sizes and rates. A preset's memory is the
 # stand for what plans do not price -- the CUDA context, NCCL's buffers, the caching allocator's fragmentation
 # runtime fields autopar's own runtime does not realise (its gathers wait, and the hiding of its reductions is
 # not measured; it reduces gradients in their dtype, runs linears in the model's dtype, one kernel per op, attention
-# in SDPA's fused kernels, and its selective recomputation keeps the gathers): set, they price another runtime, and parallelize refuses such hardware rather than run a
-# plan whose every number describes something else
+# in SDPA's fused kernels, and its selective recomputation keeps the gathers): set, they price another runtime,
+# and parallelize refuses such hardware rather than run a plan whose every number describes something else
 FOREIGN_RUNTIME = ("overlap", "grad_reduce_bytes", "float8_linears", "tp_overlap", "fused_elementwise",
                    "attention_unfused", "selective_keeps_gathers")
 _AUTOPAR_RUNTIME = {f.name: f.default for f in dataclasses.fields(Hardware) if f.name in FOREIGN_RUNTIME}

@@ -475,8 +475,8 @@ def _context_parallel(prof: _Profile, c: Candidate, mesh: Mesh, rows: float) -> 
     rank, priced as the real plan prices it: each attention's keys and values redistributed from split by sequence
     to whole on cp (``CostModel.edge_priced``: all-gathers, again when the block is recomputed, reduce-scatters in
     backward) and the sends of a balanced causal attention (``CostModel.op_priced``). Returns (seconds on the
-    critical path, bytes backward keeps of the gathered keys and values -- none under full recomputation --, bytes
-    alive while one block runs). Memoised on the profile: the bound and both screens read it for many candidates."""
+    critical path, bytes backward keeps of the gathered keys and values -- none where the block gathers them again:
+    full recomputation, or a selective policy that keeps no all-gather's output --, bytes alive while one block runs). Memoised on the profile: the bound and both screens read it for many candidates."""
     key = ("cp traffic", c.dp, c.cp, c.tp, c.recompute, rows, mesh)
     if key not in prof.memo:
         prof.memo[key] = _context_parallel_priced(prof, c, mesh, rows)
@@ -499,7 +499,7 @@ def _context_parallel_priced(prof: _Profile, c: Candidate, mesh: Mesh, rows: flo
             gathered += math.prod(whole.local_shape(kv.shape, mesh.sizes)) * itemsize(kv.dtype)
         # the profile at a cp-th of the rows keeps a cp-th of these rows' keys and values; the rest is the gather's
         extra = gathered * (1 - 1 / c.cp)
-        kept += 0.0 if cost.again("attention") else extra
+        kept += 0.0 if cost.rerun("attention") else extra  # gathered again in backward (``CostModel.rerun``): not kept
         held = max(held, extra)
     return seconds, kept, held
 

@@ -645,3 +645,28 @@ def test_the_screen_drops_a_pipeline_no_cut_fits_without_cutting_it():
         else:
             assert s.step < math.inf or full[str(c)] > budget, str(c)
     assert 0 < dropped < len(cands)
+
+
+def test_the_screen_keeps_no_gathered_keys_and_values_where_selective_recomputation_gathers_them_again():
+    """Context parallelism's key/value gathers under selective recomputation: autopar's policy keeps the gathered
+    keys and values for backward; torchtitan's (``selective_keeps_gathers`` False) gathers them again there and
+    keeps none, as the real plan prices it (``CostModel.kept_redistribution``): the screen's cp traffic keeps
+    nothing and takes longer (the gathers twice)."""
+    from models.llama import Llama, LlamaConfig
+
+    from autopar import cluster as C
+
+    seq = 8192
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=4096, max_seq_len=seq, n_layer=4, n_head=8, n_kv_head=2, dim=1024, ffn_dim=4096)).to(torch.bfloat16)
+    x = torch.empty(8, seq, dtype=torch.long, device="meta")
+    cl = Cluster(1, 8, "a100-80gb")
+    proxy, L = C._proxy_model(model)
+    prof = C._profile([C.trace(proxy, C.slice_batch((x, x), r)) for r in (2, 4)], 2, cl.hw(), 0, ("selective",))
+    c = next(c for c in C.candidates(cl, 8, L, ("selective",), seq) if c.cp == 2 and c.tp == 2 and c.pp == 1)
+    priced = {}
+    for keeps in (True, False):
+        hw = dataclasses.replace(cl.hw(), selective_keeps_gathers=keeps)
+        priced[keeps] = C._context_parallel(prof, c, autopar.Mesh({"dp": c.dp, "cp": c.cp, "tp": c.tp}, hw), 8 / (c.dp * c.cp))
+    assert priced[True][1] > 0 and priced[False][1] == 0
+    assert priced[False][0] > priced[True][0]

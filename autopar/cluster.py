@@ -232,7 +232,7 @@ def _profile(tgs: list, t: int, hw: Hardware, dp_rails: int, recompute: tuple[st
     # overlapped step makes the ILP's relaxation weak (seconds instead of a fraction of one)
     mesh = Mesh({"dp": 2, "tp": t} if ep == 1 else {"ep": ep, "tp": t}, dataclasses.replace(hw, overlap=0.0, reduce_overlap=0.0))
     # dp spans nodes as the cluster's dp beside tp = t does (``dp_rails``: its ranks a node, ``Mesh.rails``)
-    mesh._spans = {"dp": dp_rails, "tp": 0} if ep == 1 else {"ep": 0, "tp": 0}
+    mesh = mesh.placed({"dp": dp_rails, "tp": 0} if ep == 1 else {"ep": 0, "tp": 0})
     units = [graph_units(tg) for tg in tgs]
     cost0 = cost_model(tgs[0], mesh, "none")
     problem = build_problem(tgs[0], mesh, cost0)
@@ -520,8 +520,7 @@ def _screen_pipeline(prof: _Profile, c: Candidate, cluster: Cluster, rows: float
     # stages' mesh is (dp, cp, tp), with expert parallelism (dp, ep, tp)
     sizes = ({"dp": c.dp, "cp": c.cp, "tp": c.tp} if c.cp > 1 else {"dp": c.dp // c.ep, "ep": c.ep, "tp": c.tp} if c.ep > 1
              else {"dp": c.dp, "tp": c.tp})
-    inner = Mesh(sizes, cluster.hw())
-    inner._spans = {n: mesh.rails(n) if n in mesh.names else 0 for n in sizes}
+    inner = Mesh(sizes, cluster.hw()).placed({n: mesh.rails(n) if n in mesh.names else 0 for n in sizes})
     if c.cp > 1:
         uc = _context_parallel_units(prof, c, inner, uc, rows, L)
     units = _units(L)

@@ -46,7 +46,7 @@ class Mesh:
                             for size, stride in zip(self._sizes, strides))
         self._rail_links: dict[int, Link] = {}
         self._device_mesh = None  # attached by from_device_mesh / to_device_mesh; never part of equality
-        self._spans: dict[str, int] | None = None  # set by without(): the axes' ``rails`` in the full mesh
+        self._spans: dict[str, int] | None = None  # set by placed(): the axes' ``rails`` in a larger mesh
 
     # --- plain data -------------------------------------------------------------------------------------------
     @property
@@ -146,8 +146,14 @@ class Mesh:
             return Mesh({"_": 1}, self.hardware)
         inner = Mesh({n: s for i, (n, s) in enumerate(self.axes) if i != a}, self.hardware)
         # an axis outside the removed one keeps its real stride, so it spans nodes exactly when it does here
-        inner._spans = {n: self.rails(n) for i, n in enumerate(self.names) if i != a}
-        return inner
+        return inner.placed({n: self.rails(n) for i, n in enumerate(self.names) if i != a})
+
+    def placed(self, rails: "dict[str, int]") -> "Mesh":
+        """The same axes as they sit in a larger mesh: ``rails`` gives each axis's ``rails`` there (0: its groups
+        fit in a node), which its ``link`` then prices (``without``; the cluster screen's proxy meshes)."""
+        other = Mesh(dict(self.axes), self.hardware)
+        other._spans = {n: int(rails[n]) for n in self.names}
+        return other
 
     def with_hardware(self, hardware: "Hardware") -> "Mesh":
         """The same axes, links and node spans on other hardware (a runtime field changed: ``mixed_precision``'s

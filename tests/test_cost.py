@@ -545,7 +545,8 @@ def test_a_selective_policy_without_gathers_gathers_again_in_backward_and_keeps_
     parallelism each block's gathered activations are gathered again in backward, not kept
     (``Hardware.selective_keeps_gathers`` False). One Megatron + SP plan under selective recomputation, priced on
     both policies: the same forward collectives, each all-gather on tp into a block's op once more as a recompute
-    (nothing else), and less kept for backward; autopar's own runtime keeps the gathers, and refuses the other."""
+    (nothing else), less kept for backward and a longer step; the field travels in Hardware's JSON and is named
+    foreign to autopar's runtime (``foreign_runtime``: parallelize refuses it), whose policy keeps the gathers."""
     import dataclasses
 
     import autopar

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.gpt import GPT, GPT3_SIZES, MEGATRON_SIZES, GPTConfig
+from models.gpt import GPT, GPT3_SIZES, MEGATRON_SIZES, MPT_SIZES, GPTConfig
 from models.llama import Llama, LlamaConfig
 from models.mixtral import Mixtral, MixtralConfig
 from models.mlp import MLP, MLPConfig
@@ -24,6 +24,7 @@ REGISTRY: dict[str, tuple[type, Callable[[], object]]] = {
     "gpt2-xl": (GPT, GPTConfig.gpt2_xl),
     **{f"gpt3-{size}": (GPT, (lambda size=size: GPTConfig.gpt3(size))) for size in GPT3_SIZES},
     **{f"megatron-{size}": (GPT, (lambda size=size: GPTConfig.megatron(size))) for size in MEGATRON_SIZES},
+    **{f"mpt-{size}": (GPT, (lambda size=size: GPTConfig.mpt(size))) for size in MPT_SIZES},
     "llama-tiny": (Llama, LlamaConfig.tiny),
     "llama3-8b": (Llama, LlamaConfig.llama3_8b),
     "llama3-70b": (Llama, LlamaConfig.llama3_70b),

@@ -59,6 +59,14 @@ class GPTConfig:
         return GPTConfig(vocab_size=51200, block_size=2048, n_layer=layers, n_head=heads, n_embd=width)
 
     @staticmethod
+    def mpt(size: str) -> "GPTConfig":
+        """MosaicML's MPT sizes as llm-foundry's pretraining configs (scripts/train/yamls/pretrain/mpt-*.yaml) set them:
+        context 2048, the GPT-NeoX vocabulary padded to 50368, no biases (MPT's default ``no_bias``), learned
+        positions, a tied head and a 4x GELU MLP -- GPT-2's layout without its biases."""
+        layers, width, heads = MPT_SIZES[size]
+        return GPTConfig(vocab_size=50368, block_size=2048, n_layer=layers, n_head=heads, n_embd=width, bias=False)
+
+    @staticmethod
     def gpt3_175b() -> "GPTConfig":
         return GPTConfig.gpt3("175b")
 
@@ -81,6 +89,9 @@ MEGATRON_SIZES = {
     "39.1b": (48, 8192, 64), "76.1b": (60, 10240, 80), "145.6b": (80, 12288, 96), "310.1b": (96, 16384, 128),
     "529.6b": (105, 20480, 128), "1t": (128, 25600, 160),
 }
+
+# MPT's sizes (llm-foundry's pretraining configs): (layers, width, heads)
+MPT_SIZES = {"7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 64), "70b": (80, 8192, 64)}
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:

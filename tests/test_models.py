@@ -19,11 +19,21 @@ def test_every_size_builds_on_meta_quickly():
     assert time.perf_counter() - t < 30
 
 
-@pytest.mark.parametrize("name,billions", [("llama3-8b", 8.03), ("llama3-70b", 70.6), ("gpt3-175b", 175.0)])
+@pytest.mark.parametrize("name,billions", [("llama3-8b", 8.03), ("llama3-70b", 70.6), ("gpt3-175b", 175.0),
+                                           ("mpt-7b", 6.66), ("mpt-70b", 64.86)])
 def test_parameter_counts(name, billions):
     model, _ = models.build(name)
     n = sum(p.numel() for p in model.parameters()) / 1e9
     assert n == pytest.approx(billions, rel=0.03)
+
+
+def test_mpt_is_gpt_without_biases_at_mosaicmls_vocabulary_and_context():
+    """llm-foundry's MPT configs: no biases anywhere (its ``no_bias``), the 50368-token vocabulary, 2048 positions."""
+    model, _ = models.build("mpt-7b")
+    names = [n for n, _ in model.named_parameters()]
+    assert names and not [n for n in names if n.endswith("bias")]
+    assert model.wte.weight.shape == (50368, 4096) and model.wpe.weight.shape == (2048, 4096)
+    assert len(model.h) == 32 and model.lm_head.weight is model.wte.weight
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "mlp-tiny"])

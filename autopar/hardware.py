@@ -1,6 +1,6 @@
 """Hardware presets: what one device computes, holds and moves, and how fast its links are.
 
-In: a preset name (``a100-80gb``, ``h100-80gb``, ``h100-500w``, ``h200``, ``cpu-gloo``) or a ``Hardware`` built by hand.
+In: a preset name (``a100-80gb``, ``a100-40gb``, ``h100-80gb``, ``h100-500w``, ``h200``, ``cpu-gloo``) or a ``Hardware`` built by hand.
 Out: a frozen ``Hardware``: peak FLOP/s per dtype, HBM bandwidth and size, devices per node, and two ``Link``s
 (inside a node, across nodes) with an alpha-beta model (latency per ring step, bandwidth per device). A ring
 collective across nodes over a group with k ranks in each node reaches k devices' share of the network (its rings
@@ -426,6 +426,10 @@ PRESETS: dict[str, Hardware] = {
 PRESETS["h100-500w"] = dataclasses.replace(
     PRESETS["h100-80gb"], name="h100-500w", hbm_bandwidth=2.4e12, memory=96 * _GB, attention_efficiency=0.35,
     peak_flops=tuple((k, v * H100_500W_CLOCKS) for k, v in PRESETS["h100-80gb"].peak_flops))
+
+# the A100's 40 GB part (HBM2 at 1.555 TB/s, the datasheet's), otherwise the 80 GB preset: same clocks, NVLink 3 and
+# one 200 Gb/s port a GPU; checked, not fitted, on MosaicML's FSDP runs of 2023 (plan_quality's check rows)
+PRESETS["a100-40gb"] = dataclasses.replace(PRESETS["a100-80gb"], name="a100-40gb", hbm_bandwidth=1.555e12, memory=40 * _GB)
 
 
 def get_hardware(hw: "str | Hardware") -> Hardware:

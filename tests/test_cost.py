@@ -66,6 +66,23 @@ def test_edge_cost_is_zero_for_equal_specs_and_cheaper_inside_a_node():
     assert intra < inter
 
 
+def test_the_40gb_a100_computes_as_the_80gb_one_and_moves_memory_at_its_hbm2s_rate():
+    from autopar.hardware import Hardware, get_hardware
+    from autopar.spec import Strategy
+    from autopar.strategies import OpInfo
+
+    small, big = get_hardware("a100-40gb"), get_hardware("a100-80gb")
+    x = TensorMeta((4096, 4096), torch.bfloat16)
+    add = OpInfo(aten.add.Tensor, (None, None), {}, (x, x), (x,))
+    mm = OpInfo(aten.mm.default, (None, None), {}, (x, x), (x,))
+    st = Strategy.parse("(R, R) -> R")
+    cost = [CostModel(Mesh({"dp": 1}, hardware=hw)) for hw in (small, big)]
+    assert cost[0].op(add, st, True).compute == pytest.approx(cost[1].op(add, st, True).compute * 2.0 / 1.555)
+    assert cost[0].op(mm, st, True).compute == pytest.approx(cost[1].op(mm, st, True).compute)
+    assert small.memory == big.memory / 2 and small.inter_node == big.inter_node and small.intra_node == big.intra_node
+    assert Hardware.from_json(small.to_json()) == small and not small.foreign_runtime()
+
+
 def test_causal_fused_attention_runs_half_its_flops_and_mfu_still_counts_them_all():
     import dataclasses
 

@@ -55,7 +55,11 @@ The page's Table 2 (the 8B on one node, FSDP x CP, 32K to 256K tokens) is checke
 ran ring attention (load-balanced, its K/V exchange overlapped) and the rows are priced as autopar runs context
 parallelism (the all-gather form, balanced by swapping half the queries between mirrored ranks). Beside them,
 two of NVIDIA's DGX-H100 (700 W, ``h100-80gb``) runs from Megatron-Bridge's performance summary (NeMo 25.11,
-FP8): Llama3 8B on FSDP 8 and Llama3 70B on TP 4 x PP 8 (interleaved, v=5), at 8192 tokens.
+FP8): Llama3 8B on FSDP 8 and Llama3 70B on TP 4 x PP 8 (interleaved, v=5), at 8192 tokens. And MosaicML's
+llm-foundry benchmark table (scripts/train/benchmarking/README.md, 2023; Composer with torch's first FSDP, eager):
+MPT 7B to 70B on FSDP alone across 1 to 16 nodes of A100-80GB, A100-40GB (``a100-40gb``) and early H100s, at 2048
+tokens -- published measurements of FSDP alone across nodes, what the 256-GPU case turns on -- with the change per
+GPU where one model and microbatch ran on more nodes.
 """
 
 from __future__ import annotations

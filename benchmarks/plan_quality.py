@@ -501,10 +501,12 @@ def main() -> None:
                 foundry.setdefault((case.model, case.hardware, mb), {})[case.devices] = (mfu, pub.cost.mfu)
             if case.model == "llama3-8b" and case.hardware == "h100-500w" and case.seq == 8192 and case.tp == 1:
                 scaling[case.runtime, case.devices] = (case.tps, case.batch * case.seq / (case.devices * pub.cost.step_time))
-            if (case.strategy == "megatron-3d" or case.seq > 8192) and case.runtime and case.runtime.startswith("fsdp2"):
-                # torchtitan's 3-D and long-sequence runs: autopar's own plan for the same cluster, batch and
-                # sequence, beside them (once)
+            titan = (case.strategy == "megatron-3d" or case.seq > 8192) and case.runtime.startswith("fsdp2")
+            if titan or case.model == "mpt-70b":
+                # torchtitan's 3-D and long-sequence runs, MosaicML's 70B FSDP runs: autopar's own plan for the same
+                # cluster, batch and sequence, beside them (once)
                 key = (case.model, case.devices) + ((f"{case.seq // 1024}K tokens",) if case.seq > 8192 else ())
+                key += (case.hardware,) if case.model == "mpt-70b" else ()
                 if key not in checked_auto:
                     t0 = time.perf_counter()
                     checked_auto[key] = (plan_cluster(model, inputs, cluster), time.perf_counter() - t0, [])

@@ -305,12 +305,13 @@ def cases() -> list[Case]:
     out.append(Case("check", "llama3-70b", 64, "h100-80gb", 128, 8192, 4, 8, "megatron-3d", "none",
                     "NVIDIA DGX-H100: Llama3 70B TP 4 PP 8 VP 5, mb 1, FP8: 1,602 tok/s/GPU", None, 1602.0, "megatron-core+fp8", 5, True,
                     zero=1, sp=True))
-    # MosaicML's llm-foundry H100 table (scripts/train/benchmarking/README.md, "H100 80GB BF16"; 700 W parts: the
-    # h100-80gb preset): MPT, FSDP alone across nodes, sequences of 2048, bf16. The 70B as it ran on 64 and 32 GPUs
-    # (full AC; microbatches of 8 and 2, 4 and 16 accumulated: a microbatch is priced, its gathers and reduce-scatter
-    # as FSDP runs them each microbatch, the optimizer step with it, about 1% of a microbatch's time), and the 13B
-    # without recomputation on 1 and 8 nodes at two sequences a GPU (what FSDP loses across nodes, measured: nothing).
-    # Its attention is Triton's flash attention of 2023, priced at the preset's FlashAttention-2 efficiency
+    # MosaicML's llm-foundry tables (scripts/train/benchmarking/README.md: "H100 80GB BF16", 700 W parts; "A100 80GB"
+    # and "A100 40GB with 1600 Gbps node-node interconnect", 200 Gb/s a GPU as the A100 presets have): MPT, FSDP alone
+    # across nodes, sequences of 2048, bf16. The 70B on 32 to 128 GPUs (full AC; where microbatches were accumulated,
+    # 4 or 16 on the 80 GB parts, one microbatch is priced: FSDP gathers and reduce-scatters each, and the optimizer
+    # step priced with it is about 1% of a microbatch's time), the 13B without recomputation on 1 and 8 H100 nodes at
+    # two sequences a GPU, and the 7B on 4 and 16 A100-40GB nodes at 18 (what FSDP loses across nodes, measured).
+    # Their attention is Triton's flash attention of 2023, priced at the presets' FlashAttention-2 efficiency
     for hardware, model, n, mb, recompute, mfu in (
             ("h100-80gb", "mpt-70b", 64, 8, "full", 42.57), ("h100-80gb", "mpt-70b", 32, 2, "full", 36.15),
             ("h100-80gb", "mpt-13b", 8, 2, "none", 39.79), ("h100-80gb", "mpt-13b", 64, 2, "none", 39.86),

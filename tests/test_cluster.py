@@ -25,6 +25,24 @@ def _ids(batch: int, seq: int = 256):
     return (torch.empty(batch, seq, dtype=torch.long, device="meta"),) * 2
 
 
+def _llama(layers: int, seq: int):
+    """A small GQA Llama (8 heads, 2 of keys and values, width 1024) for the long-sequence / context-parallel tests."""
+    from models.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        cfg = LlamaConfig(vocab_size=4096, max_seq_len=seq, n_layer=layers, n_head=8, n_kv_head=2, dim=1024, ffn_dim=4096)
+        return Llama(cfg).to(torch.bfloat16)
+
+
+def _screen_profile(model, inputs, cl: Cluster, tp: int, rails: int, recompute: tuple[str, ...]):
+    """The cluster screen's one-block profile of ``model`` (traced at 2 and 4 rows) and its number of blocks."""
+    from autopar import cluster as C
+
+    proxy, L = C._proxy_model(model)
+    tgs = [C.trace(proxy, C.slice_batch(inputs, r)) for r in (2, 4)]
+    return C._profile(tgs, tp, cl.hw(), rails, recompute), L
+
+
 def test_cluster_checks_its_arguments():
     with pytest.raises(autopar.AutoparError, match="nodes=0"):
         Cluster(0, 8)
@@ -163,11 +181,9 @@ def test_a_sequence_too_long_for_every_other_layout_is_split_by_context_parallel
     shard the optimizer state, a cp axis can: ZeRO over cp). The screen's step is the real plan's; without cp
     candidates the search finds nothing."""
     from autopar import cluster
-    from models.llama import Llama, LlamaConfig
 
     seq = 32768
-    with torch.device("meta"):
-        model = Llama(LlamaConfig(vocab_size=4096, max_seq_len=seq, n_layer=8, n_head=8, n_kv_head=2, dim=1024, ffn_dim=4096)).to(torch.bfloat16)
+    model = _llama(8, seq)
     x = torch.empty(1, seq, dtype=torch.long, device="meta")
     cl, budget = Cluster(1, 8, "h100-80gb"), 2**30
     plan = plan_cluster(model, (x, x), cl, budget)
@@ -582,18 +598,12 @@ def test_the_bound_counts_context_parallel_traffic_and_stays_below_the_screen():
     """The branch and bound's bound for a cp candidate adds each block's key/value gathers and query swaps (both
     screens put them on the critical path): above the bound of the same rows per rank split by dp alone, and still
     at most the screened step, with a pipeline or without."""
-    from models.llama import Llama, LlamaConfig
-
     from autopar import cluster as C
 
     seq = 8192
-    with torch.device("meta"):
-        model = Llama(LlamaConfig(vocab_size=4096, max_seq_len=seq, n_layer=8, n_head=8, n_kv_head=2, dim=1024, ffn_dim=4096)).to(torch.bfloat16)
-    x = torch.empty(8, seq, dtype=torch.long, device="meta")
+    model, x = _llama(8, seq), torch.empty(8, seq, dtype=torch.long, device="meta")
     cl = Cluster(2, 8, "a100-80gb")
-    proxy, L = C._proxy_model(model)
-    tgs = [C.trace(proxy, C.slice_batch((x, x), r)) for r in (2, 4)]
-    prof = C._profile(tgs, 2, cl.hw(), cl.mesh(cl.devices // 2, 1, 2).rails("dp"), ("selective",))
+    prof, L = _screen_profile(model, (x, x), cl, 2, cl.mesh(cl.devices // 2, 1, 2).rails("dp"), ("selective",))
     cands = [c for c in C.candidates(cl, 8, L, ("selective",), seq, cp_in_stages=True) if c.cp > 1 and c.tp == 2 and c.zero <= 1]
     assert {c.pp > 1 for c in cands} == {True, False}
     for c in cands:
@@ -630,8 +640,7 @@ def test_the_screen_drops_a_pipeline_no_cut_fits_without_cutting_it():
 
     model, x = _gpt(layers=8, width=512), _ids(64)
     cl = Cluster(4, 8, "a100-80gb")
-    proxy, L = C._proxy_model(model)
-    prof = C._profile([C.trace(proxy, C.slice_batch(x, r)) for r in (2, 4)], 1, cl.hw(), cl.mesh(cl.devices, 1, 1).rails("dp"), ("none",))
+    prof, L = _screen_profile(model, x, cl, 1, cl.mesh(cl.devices, 1, 1).rails("dp"), ("none",))
     cands = [c for c in candidates(cl, 64, L, ("none",)) if c.pp > 1 and c.tp == 1 and c.ep == 1]
     rows = lambda c: 64 / (c.dp * c.cp * c.microbatches)  # noqa: E731
     full = {str(c): C._screen_pipeline(prof, c, cl, rows(c), L, math.inf).memory for c in cands}
@@ -652,17 +661,12 @@ def test_the_screen_keeps_no_gathered_keys_and_values_where_selective_recomputat
     keys and values for backward; torchtitan's (``selective_keeps_gathers`` False) gathers them again there and
     keeps none, as the real plan prices it (``CostModel.kept_redistribution``): the screen's cp traffic keeps
     nothing and takes longer (the gathers twice)."""
-    from models.llama import Llama, LlamaConfig
-
     from autopar import cluster as C
 
     seq = 8192
-    with torch.device("meta"):
-        model = Llama(LlamaConfig(vocab_size=4096, max_seq_len=seq, n_layer=4, n_head=8, n_kv_head=2, dim=1024, ffn_dim=4096)).to(torch.bfloat16)
-    x = torch.empty(8, seq, dtype=torch.long, device="meta")
+    model, x = _llama(4, seq), torch.empty(8, seq, dtype=torch.long, device="meta")
     cl = Cluster(1, 8, "a100-80gb")
-    proxy, L = C._proxy_model(model)
-    prof = C._profile([C.trace(proxy, C.slice_batch((x, x), r)) for r in (2, 4)], 2, cl.hw(), 0, ("selective",))
+    prof, L = _screen_profile(model, (x, x), cl, 2, 0, ("selective",))
     c = next(c for c in C.candidates(cl, 8, L, ("selective",), seq) if c.cp == 2 and c.tp == 2 and c.pp == 1)
     priced = {}
     for keeps in (True, False):
